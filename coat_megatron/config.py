@@ -1,0 +1,109 @@
+"""CoatConfig: every COAT knob in one frozen dataclass, validated when it is made.
+
+The recipe is plain data (as torchao's Float8LinearConfig and Megatron's TransformerConfig): the
+layer spec, the fused ops and the optimizer read it, nothing threads flags through call chains.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
+
+SWITCH_VALUES = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
+K_RESOLUTION = 16  # the expansion exponent k is a multiple of 1/16
+K_LIMITS = (1 / K_RESOLUTION, 64.0)
+OPTIMIZER_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def parse_switch(value: bool | str, name: str) -> bool:
+    """A bool, or one of the strings true/false, on/off, yes/no, 1/0 (any case); anything else raises.
+
+    Strict on purpose: COAT's released configs say ``expand`` where its code accepts only
+    ``true``/``expansion``, so its published runs silently trained without expansion.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in SWITCH_VALUES:
+        return SWITCH_VALUES[value.strip().lower()]
+    raise ValueError(f"{name}={value!r} is not a switch value: use one of {', '.join(SWITCH_VALUES)}")
+
+
+@dataclass(frozen=True)
+class CoatConfig:
+    """The COAT recipe.
+
+    Attributes:
+        activations: FP8 activation flow in the COAT layer spec (1xG FP8 for what non-linear ops
+            read or save, per-tensor FP8 GEMM inputs). False gives BF16 layers.
+        optimizer: FP8 AdamW states. False keeps Megatron's own optimizer.
+        group_size: G of the 1xG activation groups (16, 32, 64 or 128).
+        forward_format: FP8 format of forward activations ("e4m3" or "e5m2").
+        backward_format: FP8 format of activation gradients.
+        weight_format: FP8 format of the per-tensor weight copies.
+        m_format, v_format: FP8 formats of Adam's first and second moments.
+        m_expansion, v_expansion: dynamic range expansion of m and v.
+        k_min, k_max: limits of the expansion exponent k (multiples of 1/16).
+        optimizer_group_size: consecutive elements of a parameter sharing one optimizer-state scale.
+    """
+
+    activations: bool = True
+    optimizer: bool = True
+    group_size: int = 16
+    forward_format: str = "e4m3"
+    backward_format: str = "e5m2"
+    weight_format: str = "e4m3"
+    m_format: str = "e4m3"
+    v_format: str = "e4m3"
+    m_expansion: bool = True
+    v_expansion: bool = True
+    k_min: float = 1 / 16
+    k_max: float = 16.0
+    optimizer_group_size: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("activations", "optimizer", "m_expansion", "v_expansion"):
+            object.__setattr__(self, name, parse_switch(getattr(self, name), name))
+        for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
+            value = getattr(self, name)
+            if value not in FP8_FORMATS:
+                raise ValueError(f"{name}={value!r} is not an FP8 format: use 'e4m3' or 'e5m2'")
+        _check_choice("group_size", self.group_size, GROUP_SIZES, "the hidden and FFN sizes must be multiples of it")
+        _check_choice("optimizer_group_size", self.optimizer_group_size, OPTIMIZER_GROUP_SIZES, "128 is COAT's")
+        for name in ("k_min", "k_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a number")
+            if value * K_RESOLUTION != round(value * K_RESOLUTION):
+                raise ValueError(f"{name}={value} is not a multiple of 1/{K_RESOLUTION}; round it, e.g. to {round(value * K_RESOLUTION) / K_RESOLUTION}")
+            object.__setattr__(self, name, float(value))
+        lo, hi = K_LIMITS
+        if not lo <= self.k_min <= 1.0 <= self.k_max <= hi:
+            raise ValueError(
+                f"expansion limits k_min={self.k_min}, k_max={self.k_max} must satisfy "
+                f"{lo} <= k_min <= 1 <= k_max <= {hi} (k = 1 is plain absmax scaling; defaults 1/16 and 16)"
+            )
+
+    @property
+    def any_enabled(self) -> bool:
+        return self.activations or self.optimizer
+
+    @classmethod
+    def from_args(cls, args) -> "CoatConfig":
+        """Build from parsed ``--coat-*`` arguments (an argparse namespace); absent ones keep their defaults."""
+        values = {}
+        for f in fields(cls):
+            attr = f"coat_{f.name}"
+            if getattr(args, attr, None) is not None:
+                values[f.name] = getattr(args, attr)
+        if getattr(args, "coat_expansion", None) is not None:
+            both = parse_switch(args.coat_expansion, "--coat-expansion")
+            values.setdefault("m_expansion", both)
+            values.setdefault("v_expansion", both)
+        return cls(**values)
+
+
+def _check_choice(name: str, value, choices, why: str) -> None:
+    if isinstance(value, bool) or value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported: use one of {', '.join(map(str, choices))} ({why})")

@@ -1,0 +1,25 @@
+"""coat_kernels: Triton kernels for COAT-style FP8 training, each with its pure-torch reference.
+
+Every public function here picks Triton for CUDA tensors and the torch reference otherwise
+(``backend=`` forces one; see ``coat_kernels.backend``). Nothing in this package imports Megatron.
+"""
+
+from .backend import use_triton
+from .formats import FP8_FORMATS, GROUP_SIZES, Fp8Format, fp8_format
+from .per_group import dequantize_per_group, quantize_per_group
+from .per_tensor import dequantize_per_tensor, quantize_per_tensor, tensor_amax
+from .scaling import NonFiniteInputError
+
+__all__ = [
+    "FP8_FORMATS",
+    "GROUP_SIZES",
+    "Fp8Format",
+    "NonFiniteInputError",
+    "dequantize_per_group",
+    "dequantize_per_tensor",
+    "fp8_format",
+    "quantize_per_group",
+    "quantize_per_tensor",
+    "tensor_amax",
+    "use_triton",
+]

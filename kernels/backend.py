@@ -1,0 +1,47 @@
+"""The one place that decides whether a kernel call runs Triton or its torch reference.
+
+``backend="auto"`` (the default of every public dispatcher) runs Triton for CUDA tensors and the
+torch reference otherwise. ``"triton"`` forces Triton: on a CPU tensor that needs the Triton
+interpreter (``TRITON_INTERPRET=1`` set before the kernels are imported), which is how the CPU
+tests run the real kernels. ``"reference"`` forces the torch reference on any device. The
+environment variable ``COAT_KERNELS_BACKEND`` (auto, triton, reference) overrides the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
+    """True when the call on ``x`` should launch the Triton kernel."""
+    if backend == "auto":
+        backend = os.environ.get("COAT_KERNELS_BACKEND", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if backend == "reference":
+        return False
+    if x.is_cuda:
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if (major, minor) < (8, 9):
+            raise RuntimeError(
+                f"FP8 kernels need a GPU with compute capability >= 8.9 (Ada or Hopper); "
+                f"{torch.cuda.get_device_name(x.device)} is sm_{major}{minor}. Run on an H100/H200, "
+                f"or pass backend='reference' to use the (slow) torch reference"
+            )
+        return True
+    if backend == "auto":
+        return False
+    if not interpreter_enabled():
+        raise RuntimeError(
+            "backend='triton' on a CPU tensor needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before importing coat_kernels, or use backend='reference'"
+        )
+    return True

@@ -1,0 +1,172 @@
+"""1xG per-group FP8 quantization along the last dimension, and its inverse.
+
+This is the granularity of every tensor that feeds or is saved by a non-linear op (norm inputs,
+SwiGLU inputs): each run of G consecutive elements of a row gets its own FP32 scale.
+
+Shapes: ``x`` is (N,), (M, N) or (B, S, N) with N a multiple of G; ``q`` has x's shape (FP8
+codes); ``scales`` has shape x.shape[:-1] + (N // G,), FP32. Group j of a row covers elements
+[j*G, (j+1)*G) of that row and dequantizes as ``q * scales[..., j]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .formats import as_rows, check_group_size, fp8_format
+from .scaling import (
+    abs_or_inf,
+    abs_or_inf_reference,
+    quantize_with_inverse,
+    quantize_with_inverse_reference,
+    raise_if_nonfinite,
+    scale_from_amax,
+    scale_from_amax_reference,
+)
+
+
+@triton.jit
+def _quantize_per_group_kernel(
+    x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x,
+    FMAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    GROUPS: tl.constexpr = BLOCK_N // GROUP
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows[:, None] < n_rows
+    mask = row_ok & (cols[None, :] < n_cols)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, GROUP))
+    scale = scale_from_amax(tl.max(abs_or_inf(x), axis=2), FMAX)
+    inv = tl.div_rn(1.0, scale)
+    y = quantize_with_inverse(x, inv[:, :, None], FMAX)
+    q = tl.reshape(y, (BLOCK_M, BLOCK_N)).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    n_groups = n_cols // GROUP
+    tl.store(s_ptr + rows64[:, None] * n_groups + groups[None, :], scale, mask=row_ok & (groups[None, :] < n_groups))
+
+
+@triton.jit
+def _dequantize_per_group_kernel(
+    q_ptr, s_ptr, out_ptr, n_rows, n_cols,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    GROUPS: tl.constexpr = BLOCK_N // GROUP
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows[:, None] < n_rows
+    mask = row_ok & (cols[None, :] < n_cols)
+    rows64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + rows64[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    n_groups = n_cols // GROUP
+    s = tl.load(s_ptr + rows64[:, None] * n_groups + groups[None, :], mask=row_ok & (groups[None, :] < n_groups), other=1.0)
+    x = tl.reshape(q.to(tl.float32), (BLOCK_M, GROUPS, GROUP)) * s[:, :, None]
+    x = tl.reshape(x, (BLOCK_M, BLOCK_N)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], x, mask=mask)
+
+
+def _blocks(n_cols: int, group_size: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): tiles of about 8192 elements, a row segment of up to 256."""
+    block_n = max(group_size, min(256, triton.next_power_of_2(n_cols)))
+    block_m = max(1, 8192 // block_n)
+    return block_m, block_n, 8 if block_m * block_n >= 8192 else 4
+
+
+def _check(x: torch.Tensor, group_size: int) -> None:
+    check_group_size(group_size)
+    if x.shape[-1] % group_size:
+        raise ValueError(
+            f"last dimension {x.shape[-1]} is not a multiple of the FP8 group size {group_size}; "
+            f"use a group size that divides it (16, 32, 64 or 128) or pad the tensor"
+        )
+
+
+def quantize_per_group_reference(x: torch.Tensor, group_size: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    f = fp8_format(fmt)
+    _check(x, group_size)
+    rows = as_rows(x).float()
+    groups = rows.view(rows.shape[0], -1, group_size)
+    if groups.numel():
+        amax = abs_or_inf_reference(groups).amax(dim=-1)
+    else:
+        amax = groups.new_zeros(groups.shape[:2])
+    scale = scale_from_amax_reference(amax, f.max)
+    y = quantize_with_inverse_reference(groups, (1.0 / scale)[..., None], f.max)
+    q = y.to(f.dtype).view(x.shape)
+    return q, scale.view(*x.shape[:-1], x.shape[-1] // group_size)
+
+
+def dequantize_per_group_reference(q: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    groups = q.float().view(-1, q.shape[-1] // group_size, group_size)
+    x = groups * scales.reshape(groups.shape[0], -1, 1)
+    return x.to(dtype).view(q.shape)
+
+
+def quantize_per_group(
+    x: torch.Tensor, group_size: int = 16, fmt: str = "e4m3", *, check_finite: bool = True, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to FP8 with one scale per 1 x ``group_size`` group of its last dimension.
+
+    Args:
+        x: BF16/FP16/FP32, 1-D to 3-D, last dim a multiple of ``group_size`` and contiguous.
+        group_size: G, one of 16, 32, 64, 128.
+        fmt: "e4m3" or "e5m2".
+        check_finite: raise ``NonFiniteInputError`` if x holds inf or NaN (one device sync).
+            With False, such groups come back with an infinite scale and zero codes instead.
+    Returns:
+        ``q``: FP8 codes, x's shape, 1xG granularity. ``scales``: FP32, x.shape[:-1] + (N // G,).
+    """
+    f = fp8_format(fmt)
+    _check(x, group_size)
+    if use_triton(x, backend):
+        rows = as_rows(x)
+        q = torch.empty(x.shape, dtype=f.dtype, device=x.device)
+        scales = torch.empty(*x.shape[:-1], x.shape[-1] // group_size, dtype=torch.float32, device=x.device)
+        if rows.numel():
+            block_m, block_n, warps = _blocks(rows.shape[1], group_size)
+            grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(rows.shape[1], block_n))
+            _quantize_per_group_kernel[grid](
+                rows, q, scales, rows.shape[0], rows.shape[1], rows.stride(0),
+                FMAX=f.max, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            )
+    else:
+        q, scales = quantize_per_group_reference(x, group_size, fmt)
+    if check_finite:
+        raise_if_nonfinite(scales, "quantize_per_group")
+    return q, scales
+
+
+def dequantize_per_group(
+    q: torch.Tensor, scales: torch.Tensor, group_size: int = 16, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Inverse of ``quantize_per_group``: ``q * scales`` per group, returned in ``dtype``.
+
+    Args:
+        q: FP8 codes (e4m3 or e5m2), contiguous, 1-D to 3-D.
+        scales: FP32, q.shape[:-1] + (N // group_size,).
+    """
+    if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
+    _check(q, group_size)
+    expected = (*q.shape[:-1], q.shape[-1] // group_size)
+    if tuple(scales.shape) != expected or scales.dtype != torch.float32:
+        raise ValueError(f"scales must be float32 of shape {expected}, got {scales.dtype} {tuple(scales.shape)}")
+    if not (q.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("q and scales must be contiguous; pass q.contiguous() and scales.contiguous()")
+    if not use_triton(q, backend):
+        return dequantize_per_group_reference(q, scales, group_size, dtype)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    n_cols = q.shape[-1]
+    n_rows = q.numel() // max(n_cols, 1)
+    if q.numel():
+        block_m, block_n, warps = _blocks(n_cols, group_size)
+        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        _dequantize_per_group_kernel[grid](
+            q, scales, out, n_rows, n_cols, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+    return out

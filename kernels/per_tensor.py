@@ -1,0 +1,211 @@
+"""Per-tensor FP8 quantization with a just-in-time scale, optionally writing the transposed copy.
+
+This is the granularity of every GEMM input. ``torch._scaled_mm`` wants A row-major and B
+column-major, so of a linear layer's three GEMMs
+
+    fprop  Y  = X  @ W^T     (A = X,   B = W^T: W row-major is W^T column-major)
+    dgrad  dX = dY @ W       (A = dY,  B = W:   needs W^T row-major, the transposed copy of W)
+    wgrad  dW = dY^T @ X     (A = dY^T row-major, B = X column-major: transposed copies of dY and X)
+
+the activation X and the output gradient dY are each needed both as they are and transposed. The
+transposed copy is written by the same pass that quantizes, from the same registers: never by a
+second pass over the FP8 data.
+
+The scale comes from the tensor's current amax by group scaling: a first pass writes one amax per
+tile (or the producer of x writes them, fused into its own pass, and hands them over as ``amax``);
+the small amax tensor is reduced to one value (where tensor parallelism all-reduces it, MAX, so
+that every rank shares one scale), and the quantizing pass derives the scale from it in-kernel.
+
+Shapes: ``x`` is (N,), (M, N) or (B, S, N), read as R = x.numel() // N rows of N; ``q`` has x's
+shape; ``q_t`` is the (N, R) row-major transpose of that (R, N) matrix; ``scale`` is a 0-d FP32
+tensor, and ``x ~= q * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .formats import as_rows, fp8_format
+from .scaling import (
+    abs_or_inf,
+    abs_or_inf_reference,
+    quantize_with_inverse,
+    quantize_with_inverse_reference,
+    raise_if_nonfinite,
+    scale_from_amax,
+    scale_from_amax_reference,
+)
+
+
+@triton.jit
+def _tile_amax_kernel(x_ptr, amax_ptr, n_rows, n_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    tile_amax = tl.max(tl.max(abs_or_inf(x.to(tl.float32)), axis=1), axis=0)
+    tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_amax)
+
+
+@triton.jit
+def _quantize_per_tensor_kernel(
+    x_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
+    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    scale = scale_from_amax(tl.load(amax_ptr), FMAX)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+    inv = tl.div_rn(1.0, scale)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    q = quantize_with_inverse(x.to(tl.float32), inv, FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
+    if TRANSPOSE:
+        cols64 = cols.to(tl.int64)
+        tl.store(qt_ptr + cols64[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
+def _dequantize_per_tensor_kernel(q_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0)
+    x = q.to(tl.float32) * tl.load(scale_ptr)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_AMAX_BLOCKS = (64, 256, 8)  # (BLOCK_M, BLOCK_N, num_warps) of the tile-amax pass
+
+
+def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the quantizing pass."""
+    if transpose:
+        return 128, min(128, max(16, triton.next_power_of_2(n_cols))), 8
+    block_n = min(256, max(16, triton.next_power_of_2(n_cols)))
+    return max(1, 8192 // block_n), block_n, 8
+
+
+def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """max |x| as a 0-d FP32 tensor (+inf if x holds inf or NaN), by group scaling.
+
+    A pass writes one amax per tile of x; the small tile-amax tensor is then reduced. Use it where
+    the amax must be shared before quantizing (all-reduce MAX over the tensor-parallel group),
+    then hand it to ``quantize_per_tensor(..., amax=...)``.
+    """
+    rows = as_rows(x)
+    if rows.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    if not use_triton(x, backend):
+        return abs_or_inf_reference(rows.float()).amax()
+    block_m, block_n, warps = _AMAX_BLOCKS
+    grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(rows.shape[1], block_n))
+    tiles = torch.empty(grid, dtype=torch.float32, device=x.device)
+    _tile_amax_kernel[grid](
+        rows, tiles, rows.shape[0], rows.shape[1], rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
+    )
+    return tiles.amax()
+
+
+def _reduce_amax(amax: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if amax.dtype != torch.float32 or amax.device != x.device or amax.numel() == 0:
+        raise ValueError(
+            f"amax must be a non-empty float32 tensor on {x.device} (from tensor_amax or the producer "
+            f"of x), got {amax.dtype} of shape {tuple(amax.shape)} on {amax.device}"
+        )
+    return amax.reshape(()) if amax.numel() == 1 else amax.amax()
+
+
+def quantize_per_tensor_reference(
+    x: torch.Tensor, fmt: str, *, transpose: bool = False, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    f = fp8_format(fmt)
+    rows = as_rows(x).float()
+    amax = tensor_amax(x, backend="reference") if amax is None else _reduce_amax(amax, x)
+    scale = scale_from_amax_reference(amax, f.max)
+    rows_q = quantize_with_inverse_reference(rows, 1.0 / scale, f.max).to(f.dtype)
+    q = rows_q.view(x.shape)
+    if not transpose:
+        return q, scale
+    return q, scale, rows_q.t().contiguous()
+
+
+def dequantize_per_tensor_reference(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.float() * scale.float()).to(dtype)
+
+
+def quantize_per_tensor(
+    x: torch.Tensor,
+    fmt: str = "e4m3",
+    *,
+    transpose: bool = False,
+    amax: torch.Tensor | None = None,
+    check_finite: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, ...]:
+    """Quantize ``x`` to FP8 with one just-in-time scale for the whole tensor.
+
+    Args:
+        x: BF16/FP16/FP32, 1-D to 3-D (any last dim), last dim contiguous.
+        fmt: "e4m3" (activations, weights) or "e5m2" (gradients).
+        transpose: also return ``q_t``, the (N, R) row-major FP8 transpose, from the same pass.
+        amax: FP32 amax of x already known (0-d, or one per tile/row/group from x's producer,
+            reduced here). Without it a group-scaling pass computes it.
+        check_finite: raise ``NonFiniteInputError`` if x holds inf or NaN (one device sync).
+            With False, the returned scale is +inf for such input, and the codes are zero.
+    Returns:
+        ``(q, scale)`` or ``(q, scale, q_t)``: FP8 codes of x's shape, a 0-d FP32 scale, and the
+        per-tensor FP8 transpose.
+    """
+    f = fp8_format(fmt)
+    rows = as_rows(x)
+    if not use_triton(x, backend):
+        out = quantize_per_tensor_reference(x, fmt, transpose=transpose, amax=amax)
+    else:
+        amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
+        n_rows, n_cols = rows.shape
+        q = torch.empty(x.shape, dtype=f.dtype, device=x.device)
+        q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=x.device) if transpose else q
+        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        if rows.numel():
+            block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
+            grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+            _quantize_per_tensor_kernel[grid](
+                rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0),
+                FMAX=f.max, TRANSPOSE=transpose, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            )
+        else:
+            scale.fill_(1.0)
+        out = (q, scale, q_t) if transpose else (q, scale)
+    if check_finite:
+        raise_if_nonfinite(out[1], "quantize_per_tensor")
+    return out
+
+
+def dequantize_per_tensor(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto"
+) -> torch.Tensor:
+    """Inverse of ``quantize_per_tensor``: ``q * scale`` in ``dtype``, q's shape.
+
+    Args:
+        q: FP8 codes (e4m3 or e5m2), contiguous, any shape (also a ``q_t``).
+        scale: FP32 tensor of one element.
+    """
+    if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
+    if scale.numel() != 1 or scale.dtype != torch.float32:
+        raise ValueError(f"scale must be a float32 tensor of one element, got {scale.dtype} of shape {tuple(scale.shape)}")
+    if not q.is_contiguous():
+        raise ValueError("q must be contiguous; pass q.contiguous()")
+    if not use_triton(q, backend):
+        return dequantize_per_tensor_reference(q, scale, dtype)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if q.numel():
+        block = 4096
+        _dequantize_per_tensor_kernel[(triton.cdiv(q.numel(), block),)](q, scale, out, q.numel(), BLOCK=block, num_warps=8)
+    return out

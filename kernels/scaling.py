@@ -1,0 +1,71 @@
+"""How a scale is derived from an amax: the one rule every quantizer follows, in Triton and torch.
+
+``scale = amax / fmt_max`` (IEEE division), raised to the smallest normal FP32 so that a tiny
+amax never yields a subnormal scale, and 1 for an all-zero group or tensor. A non-finite input
+makes the amax +inf (NaN is mapped to +inf first), hence an infinite scale and all-zero codes:
+the scale is the explicit flag of non-finite input, and dequantization gives NaN, never a finite
+number.
+
+Quantization multiplies by ``1 / scale`` (IEEE division once per group, then one rounded multiply
+per element) and dequantization multiplies by ``scale``: the scale returned is the one used.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import FP32_MIN_NORMAL
+
+_MIN_NORMAL = tl.constexpr(FP32_MIN_NORMAL)
+
+
+@triton.jit
+def abs_or_inf(x):
+    """|x| with NaN mapped to +inf, so a max over it is +inf for any non-finite input."""
+    return tl.where(x != x, float("inf"), tl.abs(x))
+
+
+@triton.jit
+def scale_from_amax(amax, FMAX: tl.constexpr):
+    scale = tl.maximum(tl.div_rn(amax, FMAX), _MIN_NORMAL)
+    return tl.where(amax == 0.0, 1.0, scale)
+
+
+@triton.jit
+def quantize_with_inverse(x, inv_scale, FMAX: tl.constexpr):
+    """x * (1/scale), clamped to the format's range; NaN (only in a non-finite group) becomes 0."""
+    y = x * inv_scale
+    y = tl.where(y != y, 0.0, y)
+    return tl.minimum(tl.maximum(y, -FMAX), FMAX)
+
+
+def abs_or_inf_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(x), torch.inf, x.abs())
+
+
+def scale_from_amax_reference(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    scale = torch.clamp_min(amax.float() / fmax, FP32_MIN_NORMAL)
+    return torch.where(amax == 0, torch.ones_like(scale), scale)
+
+
+def quantize_with_inverse_reference(x: torch.Tensor, inv_scale: torch.Tensor, fmax: float) -> torch.Tensor:
+    y = x * inv_scale
+    y = torch.where(torch.isnan(y), torch.zeros_like(y), y)
+    return y.clamp(-fmax, fmax)
+
+
+class NonFiniteInputError(ValueError):
+    """A tensor handed to an FP8 quantizer held inf or NaN."""
+
+
+def raise_if_nonfinite(scales: torch.Tensor, op: str) -> None:
+    """Raise if any scale is non-finite, i.e. its group or tensor held inf/NaN (syncs the device)."""
+    if scales.numel() and not bool(torch.isfinite(scales).all()):
+        bad = int((~torch.isfinite(scales)).sum())
+        raise NonFiniteInputError(
+            f"{op}: input holds inf or NaN ({bad} of {scales.numel()} scale groups affected); FP8 cannot "
+            f"represent it. Find where the non-finite values come from (loss scale, learning rate), or "
+            f"pass check_finite=False to get infinite scales as a flag instead"
+        )

@@ -1,0 +1,25 @@
+"""Test set-up: on a machine without CUDA, Triton kernels run under the interpreter.
+
+TRITON_INTERPRET must be set before any kernel module is imported (triton.jit reads it when it
+decorates), so this runs first. The interpreter's float casts are then replaced with exact ones.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from triton_interpreter import install
+
+    install()
+
+
+def pytest_collection_modifyitems(config, items):
+    fp8_gpu = HAS_CUDA and torch.cuda.get_device_capability() >= (8, 9)
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with FP8 (compute capability >= 8.9)")
+    for item in items:
+        if "gpu" in item.keywords and not fp8_gpu:
+            item.add_marker(skip)

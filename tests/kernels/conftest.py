@@ -1,0 +1,47 @@
+"""Where the kernels under test run: the Triton interpreter on CPU, or a CUDA GPU (marked gpu).
+
+Either way the result is compared with the torch reference computed on the CPU from the same
+input, FP8 codes as bytes.
+"""
+
+import os
+
+import pytest
+import torch
+
+TARGETS = [
+    pytest.param("interpreter", id="interpreter"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=TARGETS)
+def device(request):
+    if request.param == "interpreter":
+        if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "0":
+            pytest.skip("interpreter runs only on machines without CUDA")
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def as_bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.detach().cpu().view(torch.uint8)
+
+
+def random_activations(shape, dtype=torch.bfloat16, seed=None, outliers=True):
+    """Normal values with a few per-row outliers, like real activations (fresh seed by default)."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ()).item()))
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))
+    if outliers and x.numel() >= 64:
+        flat = x.view(-1)
+        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 997),), generator=g)
+        flat[idx] *= 40.0
+    return x.to(dtype)
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test, printed so that a failure can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    print(f"seed={s}")
+    return s

@@ -1,0 +1,119 @@
+import pytest
+import torch
+from conftest import as_bytes, random_activations
+
+from coat_kernels import NonFiniteInputError, dequantize_per_tensor, fp8_format, quantize_per_tensor, tensor_amax
+from coat_kernels.per_tensor import dequantize_per_tensor_reference, quantize_per_tensor_reference
+
+SHAPES = [(50,), (7, 96), (3, 5, 160), (33, 5120), (5, 11008), (2, 3, 13824), (129, 257)]
+
+
+def quantize_on(device, x, fmt, **kw):
+    return tuple(t.cpu() for t in quantize_per_tensor(x.to(device), fmt, backend="triton", **kw))
+
+
+def check_matches_reference(device, x, fmt, transpose):
+    out = quantize_on(device, x, fmt, transpose=transpose)
+    ref = quantize_per_tensor_reference(x, fmt, transpose=transpose)
+    q, scale = out[:2]
+    assert q.shape == x.shape and q.dtype == fp8_format(fmt).dtype
+    assert scale.shape == () and scale.dtype == torch.float32
+    assert torch.equal(scale, ref[1])
+    assert torch.equal(as_bytes(q), as_bytes(ref[0])), f"{(as_bytes(q) != as_bytes(ref[0])).sum()} codes differ"
+    if transpose:
+        q_t = out[2]
+        assert q_t.shape == (x.shape[-1], x.numel() // x.shape[-1]) and q_t.is_contiguous()
+        assert torch.equal(as_bytes(q_t), as_bytes(q).reshape(-1, x.shape[-1]).t())
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transpose"])
+def test_matches_reference_on_awkward_shapes(device, shape, fmt, transpose, seed):
+    check_matches_reference(device, random_activations(shape, seed=seed), fmt, transpose)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_input_dtypes(device, dtype, seed):
+    check_matches_reference(device, random_activations((19, 200), dtype, seed=seed), "e4m3", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4099, 14336), (2, 2047, 5120)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_large_shapes_on_gpu(shape, fmt, seed):
+    check_matches_reference(torch.device("cuda"), random_activations(shape, seed=seed), fmt, True)
+
+
+def test_amax_by_group_scaling_and_from_the_producer(device, seed):
+    x = random_activations((37, 600), seed=seed)
+    amax = tensor_amax(x.to(device), backend="triton").cpu()
+    assert amax.shape == () and amax == x.float().abs().amax()
+    # a producer hands over one amax per row (any shape): same result as the internal pass
+    per_row = x.float().abs().amax(dim=1)
+    given = quantize_on(device, x, "e4m3", transpose=True, amax=per_row)
+    own = quantize_on(device, x, "e4m3", transpose=True)
+    assert torch.equal(given[1], own[1]) and torch.equal(as_bytes(given[0]), as_bytes(own[0]))
+    assert torch.equal(as_bytes(given[2]), as_bytes(own[2]))
+    # a shared (e.g. all-reduced) amax larger than the local one is what the scale follows
+    shared = quantize_on(device, x, "e4m3", amax=amax * 4)
+    assert shared[1] == (amax * 4) / 448
+
+
+@pytest.mark.parametrize("fmt,bound", [("e4m3", 2.0**-4), ("e5m2", 2.0**-3)])
+def test_round_trip_error_within_one_step_of_the_format(device, fmt, bound, seed):
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed))
+    q, scale = quantize_on(device, x, fmt)
+    y = dequantize_per_tensor(q.to(device), scale.to(device), torch.float32, backend="triton").cpu()
+    assert torch.equal(y, dequantize_per_tensor_reference(q, scale, torch.float32))
+    min_normal = 2.0**-6 if fmt == "e4m3" else 2.0**-14
+    normal = x.abs() / scale >= min_normal
+    assert ((y - x).abs()[normal] <= bound * x.abs()[normal]).all()
+
+
+def test_zero_constant_outlier_and_subnormal_tensors(device):
+    zero = quantize_on(device, torch.zeros(5, 48), "e4m3", transpose=True)
+    assert zero[1] == 1.0 and (as_bytes(zero[0]) == 0).all() and (as_bytes(zero[2]) == 0).all()
+    const = check_matches_reference(device, torch.full((3, 40), -7.5), "e4m3", True)
+    assert const[1] == torch.tensor(7.5) / 448
+    assert torch.allclose(dequantize_per_tensor_reference(const[0], const[1], torch.float32), torch.full((3, 40), -7.5))
+    x = torch.randn(16, 64) * 1e-2
+    x[3, 7] = 2.0e5
+    q, scale = check_matches_reference(device, x, "e5m2", False)
+    assert dequantize_per_tensor_reference(q, scale, torch.float32)[3, 7] == pytest.approx(2.0e5, rel=2.0**-3)
+    tiny = torch.linspace(1, 64, 64).reshape(4, 16) * 1e-45
+    q, scale = check_matches_reference(device, tiny, "e4m3", True)[:2]
+    assert torch.isfinite(scale) and scale > 0
+    assert (dequantize_per_tensor_reference(q, scale, torch.float32) - tiny).abs().max() < 1e-38
+
+
+def test_non_finite_input_is_an_error_or_an_infinite_scale(device):
+    x = torch.randn(4, 32)
+    x[2, 3] = float("nan")
+    with pytest.raises(NonFiniteInputError, match="inf or NaN"):
+        quantize_per_tensor(x.to(device), "e4m3", backend="triton")
+    q, scale = quantize_on(device, x, "e4m3", check_finite=False)
+    assert torch.isinf(scale) and (q.float() == 0).all()
+    assert torch.isnan(dequantize_per_tensor_reference(q, scale, torch.float32)).all()
+    x[2, 3] = -float("inf")
+    assert torch.isinf(tensor_amax(x.to(device), backend="triton"))
+
+
+def test_strided_rows_and_rejected_layouts(device):
+    base = torch.randn(10, 70, dtype=torch.bfloat16)
+    view = base[1:8, 3:67]
+    out = quantize_on(device, view, "e4m3", transpose=True)
+    ref = quantize_per_tensor_reference(view.contiguous(), "e4m3", transpose=True)
+    assert all(torch.equal(as_bytes(a) if a.dtype != torch.float32 else a, as_bytes(b) if b.dtype != torch.float32 else b) for a, b in zip(out, ref))
+    with pytest.raises(ValueError, match=r"contiguous\(\)"):
+        quantize_per_tensor(torch.randn(16, 8, device=device).t(), "e4m3", backend="triton")
+    with pytest.raises(ValueError, match="amax must be a non-empty float32"):
+        quantize_per_tensor(torch.randn(4, 4, device=device), "e4m3", amax=torch.ones(1, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="use 'e4m3'"):
+        quantize_per_tensor(torch.randn(4, 4), "fp8")
+
+
+def test_empty_input(device):
+    q, scale, q_t = quantize_on(device, torch.empty(0, 24), "e4m3", transpose=True)
+    assert q.shape == (0, 24) and q_t.shape == (24, 0) and scale == 1.0

@@ -1,0 +1,70 @@
+import argparse
+import dataclasses
+
+import pytest
+
+from coat_megatron import CoatConfig
+from coat_megatron.config import parse_switch
+from coat_megatron.optional import nvidia_apex_available, require_transformer_engine, transformer_engine_available
+
+
+def test_defaults_are_coats_recipe():
+    c = CoatConfig()
+    assert (c.group_size, c.forward_format, c.backward_format, c.weight_format) == (16, "e4m3", "e5m2", "e4m3")
+    assert (c.m_format, c.v_format, c.m_expansion, c.v_expansion) == ("e4m3", "e4m3", True, True)
+    assert (c.k_min, c.k_max, c.optimizer_group_size) == (1 / 16, 16.0, 128)
+    assert c.activations and c.optimizer and c.any_enabled
+
+
+def test_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CoatConfig().group_size = 32
+
+
+@pytest.mark.parametrize("text,value", [("true", True), ("On", True), ("1", True), ("no", False), ("FALSE", False)])
+def test_switches_parse_strictly(text, value):
+    assert parse_switch(text, "x") is value
+    assert CoatConfig(m_expansion=text).m_expansion is value
+
+
+@pytest.mark.parametrize("bad", ["expand", "expansion", "", "2", None, 1])
+def test_unknown_switch_values_raise(bad):
+    # COAT's configs say "expand": it must not silently turn expansion off (or on)
+    with pytest.raises(ValueError, match="is not a switch value"):
+        CoatConfig(v_expansion=bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"group_size": 24}, "group_size=24 is not supported: use one of 16, 32, 64, 128"),
+        ({"group_size": True}, "group_size=True is not supported"),
+        ({"optimizer_group_size": 100}, "use one of 32, 64, 128, 256"),
+        ({"forward_format": "fp8"}, "forward_format='fp8' is not an FP8 format: use 'e4m3' or 'e5m2'"),
+        ({"v_format": "e4m3fn"}, "v_format='e4m3fn' is not an FP8 format"),
+        ({"k_max": 0.5}, "must satisfy"),
+        ({"k_min": 0.0}, "must satisfy"),
+        ({"k_max": 100.0}, "must satisfy"),
+        ({"k_min": 0.1}, "not a multiple of 1/16; round it, e.g. to 0.125"),
+        ({"k_max": float("inf")}, "must be a number"),
+    ],
+)
+def test_invalid_values_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        CoatConfig(**kwargs)
+
+
+def test_from_args_maps_coat_arguments():
+    args = argparse.Namespace(coat_group_size=32, coat_v_format="e5m2", coat_expansion="false", coat_k_max=8.0, lr=1e-4)
+    c = CoatConfig.from_args(args)
+    assert (c.group_size, c.v_format, c.m_expansion, c.v_expansion, c.k_max) == (32, "e5m2", False, False, 8.0)
+    assert CoatConfig.from_args(argparse.Namespace()) == CoatConfig()
+    with pytest.raises(ValueError, match="--coat-expansion='expand'"):
+        CoatConfig.from_args(argparse.Namespace(coat_expansion="expand"))
+
+
+def test_optional_packages_are_detected_not_required():
+    assert isinstance(nvidia_apex_available(), bool)
+    if not transformer_engine_available():
+        with pytest.raises(ImportError, match=r"pip install coat-megatron\[te\]"):
+            require_transformer_engine("mode te-fp8")
