@@ -39,8 +39,10 @@ def test_every_group_size_and_input_dtype(device, group_size, dtype, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4099, 14336), (2, 2047, 5120)], ids=str)
-def test_large_shapes_on_gpu(shape, seed):
-    check_matches_reference(torch.device("cuda"), random_activations(shape, seed=seed), 16, "e4m3")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_large_shapes_on_gpu(shape, dtype, fmt, seed):
+    check_matches_reference(torch.device("cuda"), random_activations(shape, dtype, seed=seed), 16, fmt)
 
 
 @pytest.mark.parametrize("fmt,bound", [("e4m3", 2.0**-4), ("e5m2", 2.0**-3)])
