@@ -46,6 +46,8 @@ class CoatConfig:
         m_expansion, v_expansion: dynamic range expansion of m and v.
         k_min, k_max: limits of the expansion exponent k (multiples of 1/16).
         optimizer_group_size: consecutive elements of a parameter sharing one optimizer-state scale.
+        fprop_fast_accumulation: Hopper's fast FP8 accumulation in the forward GEMMs (TE's
+            current-scaling recipe does this); dgrad and wgrad always accumulate in full FP32.
     """
 
     activations: bool = True
@@ -61,9 +63,10 @@ class CoatConfig:
     k_min: float = 1 / 16
     k_max: float = 16.0
     optimizer_group_size: int = 128
+    fprop_fast_accumulation: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("activations", "optimizer", "m_expansion", "v_expansion"):
+        for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation"):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
             value = getattr(self, name)

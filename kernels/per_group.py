@@ -28,26 +28,58 @@ from .scaling import (
 
 
 @triton.jit
+def quantize_groups(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr):
+    """Quantize the FP32 tile x (BLOCK_M x BLOCK_N, masked elements 0) in 1 x GROUP groups.
+
+    Returns the clamped FP32 values to cast to FP8 (BLOCK_M x BLOCK_N) and the group scales
+    (BLOCK_M x BLOCK_N // GROUP). Shared by every kernel that writes a 1xG FP8 tensor."""
+    x = tl.reshape(x, (BLOCK_M, BLOCK_N // GROUP, GROUP))
+    scale = scale_from_amax(tl.max(abs_or_inf(x), axis=2), FMAX)
+    y = quantize_with_inverse(x, tl.div_rn(1.0, scale)[:, :, None], FMAX)
+    return tl.reshape(y, (BLOCK_M, BLOCK_N)), scale
+
+
+@triton.jit
+def store_groups(q_ptr, s_ptr, y, scale, rows, col_start, n_rows, n_cols, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Store the output of ``quantize_groups`` for the tile of ``rows`` x [col_start, col_start +
+    BLOCK_N) of an n_rows x n_cols tensor (col_start a multiple of GROUP)."""
+    GROUPS: tl.constexpr = BLOCK_N // GROUP
+    cols = col_start + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    row_ok = rows[:, None] < n_rows
+    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < n_cols))
+    groups = col_start // GROUP + tl.arange(0, GROUPS)
+    n_groups = n_cols // GROUP
+    tl.store(s_ptr + rows64[:, None] * n_groups + groups[None, :], scale, mask=row_ok & (groups[None, :] < n_groups))
+
+
+@triton.jit
+def load_groups(q_ptr, s_ptr, rows, col_start, n_rows, col_limit, row_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Dequantize to FP32 the tile ``rows`` x [col_start, col_start + BLOCK_N) of a 1xG FP8 tensor
+    whose rows hold ``row_len`` codes (``row_len // GROUP`` scales); columns from ``col_limit`` on
+    read as 0. col_start is a multiple of GROUP."""
+    GROUPS: tl.constexpr = BLOCK_N // GROUP
+    cols = col_start + tl.arange(0, BLOCK_N)
+    groups = col_start // GROUP + tl.arange(0, GROUPS)
+    rows64 = rows.to(tl.int64)
+    row_ok = rows[:, None] < n_rows
+    q = tl.load(q_ptr + rows64[:, None] * row_len + cols[None, :], mask=row_ok & (cols[None, :] < col_limit), other=0.0)
+    s = tl.load(s_ptr + rows64[:, None] * (row_len // GROUP) + groups[None, :], mask=row_ok & (groups[None, :] < col_limit // GROUP), other=1.0)
+    x = tl.reshape(q.to(tl.float32), (BLOCK_M, GROUPS, GROUP)) * s[:, :, None]
+    return tl.reshape(x, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _quantize_per_group_kernel(
     x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x,
     FMAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    GROUPS: tl.constexpr = BLOCK_N // GROUP
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows[:, None] < n_rows
-    mask = row_ok & (cols[None, :] < n_cols)
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = tl.reshape(x.to(tl.float32), (BLOCK_M, GROUPS, GROUP))
-    scale = scale_from_amax(tl.max(abs_or_inf(x), axis=2), FMAX)
-    inv = tl.div_rn(1.0, scale)
-    y = quantize_with_inverse(x, inv[:, :, None], FMAX)
-    q = tl.reshape(y, (BLOCK_M, BLOCK_N)).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    n_groups = n_cols // GROUP
-    tl.store(s_ptr + rows64[:, None] * n_groups + groups[None, :], scale, mask=row_ok & (groups[None, :] < n_groups))
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    y, scale = quantize_groups(x.to(tl.float32), BLOCK_M, BLOCK_N, GROUP, FMAX)
+    store_groups(q_ptr, s_ptr, y, scale, rows, tl.program_id(1) * BLOCK_N, n_rows, n_cols, BLOCK_N, GROUP)
 
 
 @triton.jit
@@ -55,19 +87,12 @@ def _dequantize_per_group_kernel(
     q_ptr, s_ptr, out_ptr, n_rows, n_cols,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    GROUPS: tl.constexpr = BLOCK_N // GROUP
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows[:, None] < n_rows
-    mask = row_ok & (cols[None, :] < n_cols)
-    rows64 = rows.to(tl.int64)
-    q = tl.load(q_ptr + rows64[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    n_groups = n_cols // GROUP
-    s = tl.load(s_ptr + rows64[:, None] * n_groups + groups[None, :], mask=row_ok & (groups[None, :] < n_groups), other=1.0)
-    x = tl.reshape(q.to(tl.float32), (BLOCK_M, GROUPS, GROUP)) * s[:, :, None]
-    x = tl.reshape(x, (BLOCK_M, BLOCK_N)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows64[:, None] * n_cols + cols[None, :], x, mask=mask)
+    col_start = tl.program_id(1) * BLOCK_N
+    x = load_groups(q_ptr, s_ptr, rows, col_start, n_rows, n_cols, n_cols, BLOCK_M, BLOCK_N, GROUP)
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n_cols + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _blocks(n_cols: int, group_size: int) -> tuple[int, int, int]:

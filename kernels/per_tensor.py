@@ -51,24 +51,36 @@ def _tile_amax_kernel(x_ptr, amax_ptr, n_rows, n_cols, stride_x, BLOCK_M: tl.con
 
 
 @triton.jit
+def store_per_tensor_tile(
+    y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols,
+    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, STORE_Q: tl.constexpr = True,
+):
+    """Quantize the FP32 tile y (rows x cols of an n_rows x n_cols tensor) with the scale of the
+    reduced amax at amax_ptr; store its codes (STORE_Q), its transposed codes (TRANSPOSE) and,
+    from the first program, the scale. Shared by every kernel that writes a per-tensor FP8 output."""
+    scale = scale_from_amax(tl.load(amax_ptr), FMAX)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+    q = quantize_with_inverse(y, tl.div_rn(1.0, scale), FMAX).to(qt_ptr.dtype.element_ty)
+    rows64 = rows.to(tl.int64)
+    if STORE_Q:
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
+    if TRANSPOSE:
+        mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
+
+
+@triton.jit
 def _quantize_per_tensor_kernel(
     x_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
     FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    scale = scale_from_amax(tl.load(amax_ptr), FMAX)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(scale_ptr, scale)
-    inv = tl.div_rn(1.0, scale)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    q = quantize_with_inverse(x.to(tl.float32), inv, FMAX).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
-    if TRANSPOSE:
-        mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    store_per_tensor_tile(x.to(tl.float32), amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE)
 
 
 @triton.jit
@@ -89,6 +101,30 @@ def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
         return 64, min(128, max(16, triton.next_power_of_2(n_cols))), 4
     block_n = min(256, max(16, triton.next_power_of_2(n_cols)))
     return max(1, 8192 // block_n), block_n, 8
+
+
+def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, device):
+    """Allocate (q, q_t, scale) for a per-tensor FP8 output; q_t is q itself when not transposing
+    (a placeholder pointer the kernel never writes), and scale is 1 until a kernel writes it."""
+    q = torch.empty(shape, dtype=f.dtype, device=device)
+    q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
+    scale = torch.ones((), dtype=torch.float32, device=device)
+    return q, q_t, scale
+
+
+def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
+    """Whether the quantizing pass itself writes the transposed copy.
+
+    Triton 3.6 miscompiles the in-pass transpose of a tile loaded as FP32 (wrong codes in q or
+    q_t, measured on an H200, 2026-11-22; BF16/FP16 tiles are right), so FP32 input gets its
+    transposed copy from the FP8 codes in a second, 1-byte pass (``finish_transpose``).
+    """
+    return transpose and dtype != torch.float32
+
+
+def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pass: bool) -> None:
+    if transpose and not in_pass:
+        q_t.view(torch.uint8).copy_(q.view(torch.uint8).view(q_t.shape[1], q_t.shape[0]).t())
 
 
 def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -169,24 +205,16 @@ def quantize_per_tensor(
     else:
         amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
         n_rows, n_cols = rows.shape
-        q = torch.empty(x.shape, dtype=f.dtype, device=x.device)
-        q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=x.device) if transpose else q
-        scale = torch.empty((), dtype=torch.float32, device=x.device)
+        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
         if rows.numel():
             block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
             grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-            # Triton 3.6 miscompiles the in-pass transpose of a tile loaded as FP32 (wrong codes in
-            # q or q_t, measured on an H200, 2026-11-22; BF16/FP16 tiles are right). FP32 input
-            # therefore gets its transposed copy from the FP8 codes in a second, 1-byte pass.
-            in_pass = transpose and x.dtype != torch.float32
+            in_pass = transpose_in_pass(transpose, x.dtype)
             _quantize_per_tensor_kernel[grid](
                 rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0),
                 FMAX=f.max, TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )
-            if transpose and not in_pass:
-                q_t.view(torch.uint8).copy_(q.view(torch.uint8).view(n_rows, n_cols).t())
-        else:
-            scale.fill_(1.0)
+            finish_transpose(q, q_t, transpose, in_pass)
         out = (q, scale, q_t) if transpose else (q, scale)
     if check_finite:
         raise_if_nonfinite(out[1], "quantize_per_tensor")

@@ -1,0 +1,103 @@
+"""fp8_linear: a linear layer whose three GEMMs run in FP8 with per-tensor scales.
+
+    fprop  Y  = X @ W^T      A = X (E4M3, row-major)      B = W as stored (E4M3; W row-major is W^T column-major)
+    dgrad  dX = dY @ W       A = dY (E5M2, row-major)     B = W^T (E4M3, the transposed copy of W)
+    wgrad  dW = dY^T @ X     A = dY^T (E5M2, transposed)  B = X^T (E4M3, the transposed copy of X)
+
+X arrives as an ``Fp8Tensor`` from a COAT producer (the norm, SwiGLU) with its transposed copy, or
+as a plain BF16 tensor that is quantized here. Saved for backward: X^T (1 byte per element) and
+its scale; or nothing new when the producer can recompute X^T (SwiGLU) or when the caller says
+that the BF16 input is saved anyway (``save_original_input``: X^T is requantized from it in
+backward with the forward's amax, hence bit-identical). The output is BF16, or 1xG FP8 for fc1
+(what SwiGLU reads and saves). Weight copies come from an ``Fp8WeightCache`` (once per step).
+On a CPU the GEMMs dequantize and multiply in FP32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax
+from coat_kernels.gemm import fp8_gemm
+
+from ..config import CoatConfig
+from .tensor import Fp8Tensor, take_amax
+from .weights import Fp8WeightCache
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, cache, config, fp8_output, save_original_input):
+        fmt = config.forward_format
+        x_t = x_t_fn = x_orig = x_amax = None
+        if isinstance(x, Fp8Tensor) and x.group_size is None:
+            x_q, x_scale, x_t, x_t_fn = x.data_fp8, x.scale, x.transposed, x.transposed_fn
+        else:
+            if isinstance(x, Fp8Tensor):  # a 1xG tensor is no GEMM input: dequantize it (rare)
+                x = x.dequantize()
+            if save_original_input:
+                x_amax = tensor_amax(x)
+                x_q, x_scale = quantize_per_tensor(x, fmt, amax=x_amax, check_finite=False)
+                x_orig = x
+            else:
+                x_q, x_scale, x_t = quantize_per_tensor(x, fmt, transpose=True, check_finite=False)
+        w_q, w_t, w_scale = cache.get(weight)
+        y = fp8_gemm(
+            _rows(x_q), x_scale, w_q.t(), w_scale, out_dtype=x.dtype, bias=bias,
+            use_fast_accum=config.fprop_fast_accumulation,
+        ).view(*x.shape[:-1], weight.shape[0])
+        ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
+        ctx.x_t_fn = x_t_fn
+        ctx.w = (w_t, w_scale)
+        ctx.meta = (config, bias is not None, x.shape, x.dtype)
+        if fp8_output:
+            y_q, y_scales = quantize_per_group(y, config.group_size, fmt, check_finite=False)
+            return Fp8Tensor(y_q, y_scales, group_size=config.group_size, dtype=y.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_t, x_orig, x_amax, x_scale, weight = ctx.saved_tensors
+        config, has_bias, x_shape, x_dtype = ctx.meta
+        w_t, w_scale = ctx.w
+        dy2 = _rows(dy.contiguous())
+        dy_q, dy_scale, dy_t = quantize_per_tensor(
+            dy2, config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
+        )
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)
+        if ctx.needs_input_grad[1]:
+            if x_t is None and x_orig is not None:
+                x_t = quantize_per_tensor(x_orig, config.forward_format, transpose=True, amax=x_amax, check_finite=False)[2]
+            elif x_t is None:
+                x_t = ctx.x_t_fn()
+            dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=torch.float32).to(weight.dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(dim=0).to(weight.dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: CoatConfig | None = None,
+    weight_cache: Fp8WeightCache | None = None, fp8_output: bool = False, save_original_input: bool = False,
+) -> torch.Tensor:
+    """y = x @ weight^T + bias with FP8 GEMMs (fprop, dgrad, wgrad).
+
+    Args:
+        x: (..., in): an ``Fp8Tensor`` (per-tensor, from a COAT producer) or a plain BF16 tensor.
+        weight: (out, in), BF16 or FP32; bias: (out,) or None.
+        config: formats (forward_format for X and Y, backward_format for dY, weight_format for W)
+            and the 1xG group size of an FP8 output.
+        weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent).
+        fp8_output: return y as a 1xG FP8 ``Fp8Tensor`` (fc1 feeding SwiGLU) instead of BF16.
+        save_original_input: x (plain) is kept alive anyway (e.g. attention saves its output):
+            save it instead of an FP8 transposed copy.
+    """
+    config = config or CoatConfig()
+    cache = weight_cache or Fp8WeightCache(config.weight_format)
+    return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input)

@@ -1,0 +1,52 @@
+"""swiglu_fp8: fc1's 1xG FP8 output in, fc2's per-tensor FP8 input out.
+
+Saves only its FP8 1xG input (and the output amax, a scalar); the backward recomputes SiLU from
+it. The output's transposed copy, which fc2's wgrad needs, is not kept either: it is recomputed
+in backward from the same saved input, bit-identical to what the forward would have written.
+So the SwiGLU input (1 byte + scales per element) is all the FFN's intermediate activations
+cost, instead of BF16's 2 bytes for the input plus 2 for the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coat_kernels import quantize_per_group
+from coat_kernels.swiglu import swiglu_backward, swiglu_to_fp8
+
+from .tensor import Fp8Tensor, attach_amax
+
+
+class _SwigluFp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, group_size, out_fmt, saved_fmt):
+        if isinstance(h, Fp8Tensor) and h.group_size is not None:
+            if h.group_size != group_size:
+                raise ValueError(f"SwiGLU input has 1x{h.group_size} groups, expected 1x{group_size}")
+            h_q, h_scales = h.data_fp8, h.scale
+        else:
+            h_q, h_scales = quantize_per_group(h.dequantize() if isinstance(h, Fp8Tensor) else h, group_size, saved_fmt, check_finite=False)
+        r = swiglu_to_fp8(h_q, h_scales, group_size, out_fmt)
+        ctx.save_for_backward(h_q, h_scales)
+        ctx.meta = (group_size, h.dtype)
+
+        def transposed():
+            return swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, transpose=True, amax=r.amax, store_q=False).q_t
+
+        return Fp8Tensor(r.q, r.scale, transposed_fn=transposed, dtype=h.dtype)
+
+    @staticmethod
+    def backward(ctx, da):
+        h_q, h_scales = ctx.saved_tensors
+        group_size, dtype = ctx.meta
+        dh, tile_amax = swiglu_backward(da.contiguous(), h_q, h_scales, group_size, dh_dtype=dtype)
+        return attach_amax(dh, tile_amax), None, None, None
+
+
+def swiglu_fp8(h: torch.Tensor, *, group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3") -> Fp8Tensor:
+    """silu(gate) * up of h = [gate | up] (..., 2F), Megatron's order, as a per-tensor FP8 ``Fp8Tensor``.
+
+    h is normally fc1's 1xG ``Fp8Tensor`` output; a plain tensor is quantized to 1xG first. F must be
+    a multiple of ``group_size``.
+    """
+    return _SwigluFp8.apply(h, group_size, out_fmt, saved_fmt)

@@ -1,0 +1,70 @@
+"""Per-tensor-scaled FP8 GEMM: cuBLASLt through ``torch._scaled_mm`` on the GPU, FP32 on the CPU.
+
+    out = (a * a_scale) @ (b * b_scale) (+ bias)
+
+``a`` is (M, K) row-major and ``b`` is (K, N) column-major (``b.t()`` contiguous): the layouts
+cuBLASLt's FP8 GEMM takes, and the ones the quantizers write (an operand and its transposed
+copy). K and N must be multiples of 16 on the GPU; a K that is not (the token count of a wgrad
+GEMM) is zero-padded here, which leaves the product unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import use_triton
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_gemm_reference(a, a_scale, b, b_scale, *, out_dtype=torch.bfloat16, bias=None):
+    out = (a.float() * a_scale.float()) @ (b.float() * b_scale.float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def _pad_k(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pad = -a.shape[1] % 16
+    if not pad:
+        return a, b
+    a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
+    b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
+    return a, b
+
+
+def fp8_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, *,
+    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None, use_fast_accum: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """(a * a_scale) @ (b * b_scale) + bias with FP32 accumulation.
+
+    Args:
+        a: (M, K) FP8, row-major. b: (K, N) FP8, column-major. E5M2 x E5M2 is not allowed.
+        a_scale, b_scale: FP32 tensors of one element (per-tensor scales).
+        bias: optional (N,) vector, added in the epilogue.
+        use_fast_accum: Hopper's faster, less precise accumulation (TE uses it for fprop only).
+    Returns:
+        (M, N) in ``out_dtype``.
+    """
+    if a.dtype not in _FP8 or b.dtype not in _FP8:
+        raise TypeError(f"fp8_gemm takes FP8 operands, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"fp8_gemm shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if not a.is_cuda or not use_triton(a, backend):
+        return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
+    if not (a.is_contiguous() and b.t().is_contiguous()):
+        raise ValueError("fp8_gemm needs a row-major and b column-major (b.t() contiguous)")
+    if b.shape[1] % 16:
+        raise ValueError(f"the output width {b.shape[1]} of an FP8 GEMM must be a multiple of 16; pad the layer")
+    a, b = _pad_k(a, b)
+    if bias is not None and bias.dtype != out_dtype:
+        bias = bias.to(out_dtype)
+    return torch._scaled_mm(
+        a, b, scale_a=a_scale.reshape(()), scale_b=b_scale.reshape(()), bias=bias, out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )

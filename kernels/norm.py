@@ -1,0 +1,327 @@
+"""RMSNorm / LayerNorm that read the BF16 residual stream and write FP8, and their backward.
+
+Forward, two passes over x (a per-tensor scale needs the whole tensor's amax before any code is
+written):
+
+    stats pass     per row: mean (LayerNorm), rstd, the amax of the normalised output y, and the
+                   1xG FP8 copy of x (all the backward needs of x), from one read of x
+    quantize pass  y = (x - mean) * rstd * w (+ b), computed again from the exact x, quantized
+                   per tensor with the scale of the reduced row amaxes, with its transposed copy
+                   (the next GEMM's wgrad operand), from a second read of x
+
+The forward is exact (computed from x, not from its FP8 copy); the backward reads x from the 1xG
+FP8 copy with the forward's exact mean and rstd:
+
+    x^ = (x - mean) * rstd,  g = dy * w
+    RMSNorm:   dx = rstd * (g - x^ * mean(g * x^))
+    LayerNorm: dx = rstd * (g - mean(g) - x^ * mean(g * x^))
+    dw = sum over rows of dy * x^,   db = sum over rows of dy
+
+Shapes: x is (..., H) with H a multiple of G, read as R rows; the per-tensor output q has x's
+shape and q_t is (H, R); the saved copy x_q has x's shape with scales (..., H // G); mean and
+rstd are FP32 of R elements. ``weight`` is the effective FP32 multiplier (callers fold a
+zero-centred gamma's +1 into it).
+
+Kernels run with FP contraction off so that y is the same in both passes and in the torch
+reference, bit for bit, given the same mean and rstd.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .formats import as_rows, check_group_size, fp8_format
+from .per_group import dequantize_per_group_reference, quantize_groups, quantize_per_group_reference, store_groups
+from .per_tensor import (
+    _quantize_blocks,
+    finish_transpose,
+    per_tensor_outputs,
+    quantize_per_tensor_reference,
+    store_per_tensor_tile,
+    transpose_in_pass,
+)
+from .scaling import abs_or_inf, abs_or_inf_reference
+
+KINDS = ("rmsnorm", "layernorm")
+
+
+class NormFp8(NamedTuple):
+    """What ``norm_to_fp8`` returns: the per-tensor FP8 output for the next GEMM (q, scale, q_t)
+    and what the backward needs (x_q, x_scales: the 1xG FP8 copy of x; mean, rstd)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    q_t: torch.Tensor | None
+    x_q: torch.Tensor
+    x_scales: torch.Tensor
+    mean: torch.Tensor | None
+    rstd: torch.Tensor
+
+
+@triton.jit
+def _normalize(x, mean, rstd, w, b, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if IS_LAYERNORM:
+        x = x - mean
+    y = x * rstd * w
+    if HAS_BIAS:
+        y = y + b
+    return y
+
+
+@triton.jit
+def _norm_stats_kernel(
+    x_ptr, w_ptr, b_ptr, xq_ptr, xs_ptr, mean_ptr, rstd_ptr, amax_ptr, n_cols, stride_x, eps,
+    FMAX_SAVED: tl.constexpr, GROUP: tl.constexpr, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = 0.0
+    centred = x
+    if IS_LAYERNORM:
+        mean = tl.div_rn(tl.sum(x, axis=0), n_cols.to(tl.float32))
+        centred = tl.where(mask, x - mean, 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(centred * centred, axis=0), n_cols.to(tl.float32)) + eps))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    b = 0.0
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+    y = _normalize(x, mean, rstd, w, b, IS_LAYERNORM, HAS_BIAS)
+    tl.store(amax_ptr + row, tl.max(tl.where(mask, abs_or_inf(y), 0.0), axis=0))
+    tl.store(rstd_ptr + row, rstd)
+    if IS_LAYERNORM:
+        tl.store(mean_ptr + row, mean)
+    rows = row + tl.arange(0, 1)
+    xg, scale = quantize_groups(tl.reshape(x, (1, BLOCK_N)), 1, BLOCK_N, GROUP, FMAX_SAVED)
+    store_groups(xq_ptr, xs_ptr, xg, scale, rows, 0, row + 1, n_cols, BLOCK_N, GROUP)
+
+
+@triton.jit
+def _norm_quantize_kernel(
+    x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
+    FMAX: tl.constexpr, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    x = tl.load(
+        x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0
+    ).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    mean = 0.0
+    if IS_LAYERNORM:
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    b = 0.0
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    y = _normalize(x, mean, rstd[:, None], w[None, :], b, IS_LAYERNORM, HAS_BIAS)
+    store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE)
+
+
+@triton.jit
+def _norm_backward_kernel(
+    dy_ptr, xq_ptr, xs_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, n_cols, rows_per_program,
+    GROUP: tl.constexpr, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    groups = tl.arange(0, BLOCK_N // GROUP)
+    n_groups = n_cols // GROUP
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    first = (tl.program_id(0) * rows_per_program).to(tl.int64)
+    for i in range(0, rows_per_program):
+        row64 = first + i
+        row = tl.minimum(row64, n_rows - 1)  # past the end: read the last row again, store nothing
+        q = tl.load(xq_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(xs_ptr + row * n_groups + groups, mask=groups < n_groups, other=1.0)
+        x = tl.reshape(tl.reshape(q, (BLOCK_N // GROUP, GROUP)) * s[:, None], (BLOCK_N,))
+        dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        if IS_LAYERNORM:
+            x = tl.where(mask, x - tl.load(mean_ptr + row), 0.0)
+        xhat = x * rstd
+        g = dy * w
+        c1 = tl.div_rn(tl.sum(g * xhat, axis=0), n_cols.to(tl.float32))
+        if IS_LAYERNORM:
+            c2 = tl.div_rn(tl.sum(g, axis=0), n_cols.to(tl.float32))
+            dx = (g - xhat * c1 - c2) * rstd
+        else:
+            dx = (g - xhat * c1) * rstd
+        live = row64 < n_rows
+        tl.store(dx_ptr + row64 * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask & live)
+        dw += tl.where(live, dy * xhat, 0.0)
+        if HAS_BIAS:
+            db += tl.where(live, dy, 0.0)
+    tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(db_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, db, mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, group_size: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown norm {kind!r}: use 'rmsnorm' or 'layernorm'")
+    if kind == "rmsnorm" and bias is not None:
+        raise ValueError("RMSNorm has no bias; pass bias=None")
+    check_group_size(group_size)
+    n = x.shape[-1]
+    if n % group_size:
+        raise ValueError(
+            f"hidden size {n} is not a multiple of the FP8 group size {group_size}; use --coat-group-size "
+            f"with a divisor of {n} (16, 32, 64 or 128) or pad the model"
+        )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and (t.shape != (n,) or t.dtype != torch.float32 or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32 vector of {n} elements, got {t.dtype} {tuple(t.shape)}")
+
+
+def _stats_reference(rows: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    if kind == "layernorm":
+        mean = rows.mean(dim=-1)
+        centred = rows - mean[:, None]
+    else:
+        mean, centred = None, rows
+    return mean, 1.0 / torch.sqrt((centred * centred).mean(dim=-1) + eps)
+
+
+def _normalize_reference(rows, mean, rstd, weight, bias):
+    if mean is not None:
+        rows = rows - mean[:, None]
+    y = rows * rstd[:, None] * weight
+    return y + bias if bias is not None else y
+
+
+def norm_to_fp8_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float, kind: str = "rmsnorm",
+    group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
+    stats: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+) -> NormFp8:
+    """Torch reference of ``norm_to_fp8``. ``stats`` (mean, rstd) replaces the computed ones, so a
+    test can check a kernel's codes bit for bit given the kernel's own statistics."""
+    _check(x, weight, bias, kind, group_size)
+    rows = as_rows(x).float()
+    mean, rstd = stats if stats is not None else _stats_reference(rows, kind, eps)
+    y = _normalize_reference(rows, mean, rstd, weight, bias)
+    amax = abs_or_inf_reference(y).amax() if y.numel() else torch.zeros((), dtype=torch.float32)
+    out = quantize_per_tensor_reference(y, out_fmt, transpose=transpose, amax=amax)
+    x_q, x_scales = quantize_per_group_reference(x, group_size, saved_fmt)
+    return NormFp8(out[0].view(x.shape), out[1], out[2] if transpose else None, x_q, x_scales, mean, rstd)
+
+
+def norm_to_fp8(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float, kind: str = "rmsnorm",
+    group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True, backend: str = "auto",
+) -> NormFp8:
+    """Normalise x (RMSNorm or LayerNorm) into per-tensor FP8, keeping a 1xG FP8 copy of x.
+
+    Args:
+        x: the BF16 (or FP16/FP32) residual stream, (..., H), H a multiple of ``group_size``.
+        weight, bias: FP32 vectors of H (the effective multiplier and shift; bias LayerNorm only).
+        out_fmt: format of the per-tensor output (E4M3 for a GEMM input).
+        saved_fmt: format of the 1xG copy of x saved for backward.
+        transpose: also write q_t (H, R), the wgrad operand of the next GEMM.
+    Returns:
+        ``NormFp8(q, scale, q_t, x_q, x_scales, mean, rstd)``; mean is None for RMSNorm.
+    """
+    _check(x, weight, bias, kind, group_size)
+    if not use_triton(x, backend):
+        return norm_to_fp8_reference(
+            x, weight, bias, eps=eps, kind=kind, group_size=group_size, out_fmt=out_fmt, saved_fmt=saved_fmt, transpose=transpose
+        )
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    f_out, f_saved = fp8_format(out_fmt), fp8_format(saved_fmt)
+    is_ln = kind == "layernorm"
+    dev = x.device
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=dev)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if is_ln else None
+    row_amax = torch.zeros(max(n_rows, 1), dtype=torch.float32, device=dev)
+    x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
+    x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
+    q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev)
+    if n_rows:
+        block_n = max(group_size, triton.next_power_of_2(n_cols))
+        _norm_stats_kernel[(n_rows,)](
+            rows, weight, bias if bias is not None else weight, x_q, x_scales, mean if is_ln else rstd, rstd, row_amax,
+            n_cols, rows.stride(0), eps, FMAX_SAVED=f_saved.max, GROUP=group_size, IS_LAYERNORM=is_ln,
+            HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=min(16, max(4, block_n // 512)), enable_fp_fusion=False,
+        )
+        amax = row_amax.amax()
+        block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
+        in_pass = transpose_in_pass(transpose, x.dtype)
+        _norm_quantize_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+            rows, weight, bias if bias is not None else weight, mean if is_ln else rstd, rstd, amax, q, q_t, scale,
+            n_rows, n_cols, rows.stride(0), FMAX=f_out.max, IS_LAYERNORM=is_ln, HAS_BIAS=bias is not None,
+            TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+        )
+        finish_transpose(q, q_t, transpose, in_pass)
+    return NormFp8(q, scale, q_t if transpose else None, x_q, x_scales, mean, rstd)
+
+
+def norm_backward_reference(
+    dy: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None,
+    rstd: torch.Tensor, *, group_size: int, has_bias: bool, dx_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    n = dy.shape[-1]
+    x = dequantize_per_group_reference(x_q, x_scales, group_size, torch.float32).view(-1, n)
+    dy2 = dy.reshape(-1, n).float()
+    if mean is not None:
+        x = x - mean[:, None]
+    xhat = x * rstd[:, None]
+    g = dy2 * weight
+    c1 = (g * xhat).sum(dim=-1, keepdim=True) / n
+    dx = g - xhat * c1
+    if mean is not None:
+        dx = dx - g.sum(dim=-1, keepdim=True) / n
+    dx = (dx * rstd[:, None]).to(dx_dtype).view(dy.shape)
+    dw = (dy2 * xhat).sum(dim=0)
+    return dx, dw, dy2.sum(dim=0) if has_bias else None
+
+
+def norm_backward(
+    dy: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None,
+    rstd: torch.Tensor, *, group_size: int, has_bias: bool = False, dx_dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Backward of ``norm_to_fp8`` from the saved 1xG FP8 copy of x.
+
+    Args:
+        dy: gradient of the normalised output, x's shape (BF16 or FP32), contiguous.
+        x_q, x_scales, mean, rstd: what ``norm_to_fp8`` returned for the backward.
+        weight: the FP32 multiplier the forward used.
+    Returns:
+        ``(dx, dw, db)``: dx in ``dx_dtype`` and x's shape; dw, db FP32 vectors (db None without bias).
+    """
+    if not dy.is_contiguous():
+        raise ValueError("dy must be contiguous; pass dy.contiguous()")
+    if not use_triton(dy, backend):
+        return norm_backward_reference(dy, x_q, x_scales, weight, mean, rstd, group_size=group_size, has_bias=has_bias, dx_dtype=dx_dtype)
+    n_cols = dy.shape[-1]
+    n_rows = dy.numel() // max(n_cols, 1)
+    dx = torch.empty(dy.shape, dtype=dx_dtype, device=dy.device)
+    if n_rows == 0:
+        zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
+        return dx, zeros, zeros.clone() if has_bias else None
+    programs = min(n_rows, 4 * torch.cuda.get_device_properties(dy.device).multi_processor_count if dy.is_cuda else 8)
+    rows_per_program = triton.cdiv(n_rows, programs)
+    programs = triton.cdiv(n_rows, rows_per_program)
+    dw = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
+    db = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device) if has_bias else dw
+    block_n = max(group_size, triton.next_power_of_2(n_cols))
+    _norm_backward_kernel[(programs,)](
+        dy, x_q, x_scales, weight, mean if mean is not None else rstd, rstd, dx, dw, db, n_rows, n_cols, rows_per_program,
+        GROUP=group_size, IS_LAYERNORM=mean is not None, HAS_BIAS=has_bias, BLOCK_N=block_n,
+        num_warps=min(16, max(4, block_n // 512)),
+    )
+    return dx, dw.sum(dim=0), db.sum(dim=0) if has_bias else None

@@ -1,0 +1,209 @@
+"""SwiGLU from a 1xG FP8 input to a per-tensor FP8 output, and its backward.
+
+The input h is fc1's output, (..., 2F) in Megatron's [gate | up] order, held as 1xG FP8 codes
+with FP32 scales (F a multiple of G, so no group straddles the two halves). The output
+
+    a = silu(gate) * up = gate * sigmoid(gate) * up
+
+feeds fc2, so it is quantized per tensor: an amax pass computes a per tile, then the quantizing
+pass computes a again (from the same codes, so bit-identically) and writes its codes. The
+backward recomputes sigmoid from the saved codes (nothing else is saved):
+
+    d_up   = da * silu(gate)
+    d_gate = da * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
+
+and writes dh (..., 2F) in [d_gate | d_up] order with one amax per tile of the values as
+written, the "group scaling" amax that fc1's backward needs to quantize dh to E5M2 in one pass.
+
+Because the output is a deterministic function of the saved input, fc2 does not need to keep
+its FP8 input for wgrad: ``swiglu_to_fp8(..., amax=a_amax, store_q=False, transpose=True)``
+writes exactly the transposed codes the forward would have written.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .formats import check_group_size, fp8_format
+from .per_group import dequantize_per_group_reference, load_groups
+from .per_tensor import per_tensor_outputs, quantize_per_tensor_reference, store_per_tensor_tile
+from .scaling import abs_or_inf, abs_or_inf_reference
+
+_BLOCKS = (64, 128, 4)  # BLOCK_M, BLOCK_N (of F), num_warps
+
+
+class SwigluFp8(NamedTuple):
+    """``q`` (..., F) per-tensor FP8 (None when not stored), its 0-d FP32 ``scale``, the
+    transposed codes ``q_t`` (F, R) or None, and the 0-d FP32 ``amax`` the scale came from."""
+
+    q: torch.Tensor | None
+    scale: torch.Tensor
+    q_t: torch.Tensor | None
+    amax: torch.Tensor
+
+
+@triton.jit
+def _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    gate = load_groups(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, 2 * n_ffn, BLOCK_M, BLOCK_N, GROUP)
+    up = load_groups(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows, col_start, n_rows, n_ffn, 2 * n_ffn, BLOCK_M, BLOCK_N, GROUP)
+    return gate, up
+
+
+@triton.jit
+def _swiglu_forward_kernel(
+    hq_ptr, hs_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_ffn,
+    FMAX: tl.constexpr, GROUP: tl.constexpr, AMAX_PASS: tl.constexpr, STORE_Q: tl.constexpr, TRANSPOSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_start = tl.program_id(1) * BLOCK_N
+    gate, up = _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M, BLOCK_N, GROUP)
+    a = gate * tl.sigmoid(gate) * up
+    if AMAX_PASS:
+        tile = tl.max(tl.max(abs_or_inf(a), axis=1), axis=0)
+        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
+    else:
+        cols = col_start + tl.arange(0, BLOCK_N)
+        store_per_tensor_tile(a, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_ffn, FMAX, TRANSPOSE, STORE_Q)
+
+
+@triton.jit
+def _swiglu_backward_kernel(
+    da_ptr, hq_ptr, hs_ptr, dh_ptr, amax_ptr, n_rows, n_ffn,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_start = tl.program_id(1) * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
+    gate, up = _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M, BLOCK_N, GROUP)
+    rows64 = rows.to(tl.int64)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_ffn)
+    da = tl.load(da_ptr + rows64[:, None] * n_ffn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_up = (da * (gate * sig)).to(dh_ptr.dtype.element_ty)
+    d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
+    dh = dh_ptr + rows64[:, None] * (2 * n_ffn) + cols[None, :]
+    tl.store(dh, d_gate, mask=mask)
+    tl.store(dh + n_ffn, d_up, mask=mask)
+    tile = tl.maximum(tl.max(tl.max(abs_or_inf(d_gate.to(tl.float32)), axis=1), axis=0), tl.max(tl.max(abs_or_inf(d_up.to(tl.float32)), axis=1), axis=0))
+    tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
+
+
+def _check(h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int) -> int:
+    check_group_size(group_size)
+    if h_q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not h_q.is_contiguous():
+        raise ValueError(f"h_q must be contiguous FP8 codes, got {h_q.dtype}")
+    two_f = h_q.shape[-1]
+    if two_f % (2 * group_size):
+        raise ValueError(
+            f"SwiGLU input width {two_f} must be 2 x a multiple of the FP8 group size {group_size} (the FFN "
+            f"size per tensor-parallel rank must be a multiple of {group_size}); use --coat-group-size with a "
+            f"divisor of {two_f // 2}"
+        )
+    expected = (*h_q.shape[:-1], two_f // group_size)
+    if tuple(h_scales.shape) != expected or h_scales.dtype != torch.float32 or not h_scales.is_contiguous():
+        raise ValueError(f"h_scales must be contiguous float32 of shape {expected}, got {h_scales.dtype} {tuple(h_scales.shape)}")
+    return two_f // 2
+
+
+def _gate_up_reference(h_q, h_scales, group_size):
+    h = dequantize_per_group_reference(h_q, h_scales, group_size, torch.float32)
+    h = h.view(-1, h.shape[-1])
+    return h.chunk(2, dim=-1)
+
+
+def swiglu_to_fp8_reference(
+    h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int, fmt: str = "e4m3", *, transpose: bool = False,
+    amax: torch.Tensor | None = None, store_q: bool = True,
+) -> SwigluFp8:
+    n_ffn = _check(h_q, h_scales, group_size)
+    gate, up = _gate_up_reference(h_q, h_scales, group_size)
+    a = gate * torch.sigmoid(gate) * up
+    if amax is None:
+        amax = abs_or_inf_reference(a).amax() if a.numel() else torch.zeros((), dtype=torch.float32)
+    out = quantize_per_tensor_reference(a, fmt, transpose=transpose, amax=amax)
+    q = out[0].view(*h_q.shape[:-1], n_ffn) if store_q else None
+    return SwigluFp8(q, out[1], out[2] if transpose else None, amax.reshape(()))
+
+
+def swiglu_to_fp8(
+    h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int = 16, fmt: str = "e4m3", *, transpose: bool = False,
+    amax: torch.Tensor | None = None, store_q: bool = True, backend: str = "auto",
+) -> SwigluFp8:
+    """SwiGLU of a 1xG FP8 [gate | up] input, quantized per tensor for the next GEMM.
+
+    Args:
+        h_q, h_scales: (..., 2F) FP8 codes and (..., 2F // G) FP32 scales; F a multiple of G.
+        fmt: format of the output (E4M3 for fc2's input).
+        transpose: also write q_t (F, R) for fc2's wgrad.
+        amax: the output's amax when already known (a recompute in backward); skips the amax pass.
+        store_q: write q (False: only q_t, for the recompute of fc2's wgrad operand).
+    """
+    n_ffn = _check(h_q, h_scales, group_size)
+    if not use_triton(h_q, backend):
+        return swiglu_to_fp8_reference(h_q, h_scales, group_size, fmt, transpose=transpose, amax=amax, store_q=store_q)
+    f = fp8_format(fmt)
+    n_rows = h_q.numel() // h_q.shape[-1]
+    q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
+    block_m, block_n, warps = _BLOCKS
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
+    if amax is None:
+        tiles = torch.zeros(grid, dtype=torch.float32, device=h_q.device)
+        if n_rows:
+            _swiglu_forward_kernel[grid](
+                h_q, h_scales, tiles, q, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, AMAX_PASS=True,
+                STORE_Q=False, TRANSPOSE=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            )
+        amax = tiles.amax() if tiles.numel() else torch.zeros((), dtype=torch.float32, device=h_q.device)
+    if n_rows:
+        _swiglu_forward_kernel[grid](
+            h_q, h_scales, amax, q, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, AMAX_PASS=False,
+            STORE_Q=store_q, TRANSPOSE=transpose, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+    return SwigluFp8(q if store_q else None, scale, q_t if transpose else None, amax.reshape(()))
+
+
+def swiglu_backward_reference(
+    da: torch.Tensor, h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int, dh_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(h_q, h_scales, group_size)
+    gate, up = _gate_up_reference(h_q, h_scales, group_size)
+    da = da.reshape(gate.shape).float()
+    sig = torch.sigmoid(gate)
+    dh = torch.cat([da * up * sig * (1.0 + gate * (1.0 - sig)), da * (gate * sig)], dim=-1).to(dh_dtype)
+    amax = abs_or_inf_reference(dh.float()).amax() if dh.numel() else torch.zeros((), dtype=torch.float32)
+    return dh.view(h_q.shape), amax
+
+
+def swiglu_backward(
+    da: torch.Tensor, h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int = 16, *,
+    dh_dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of ``swiglu_to_fp8`` from its saved 1xG FP8 input.
+
+    Args:
+        da: gradient of the SwiGLU output, (..., F), contiguous.
+    Returns:
+        ``(dh, amax)``: dh (..., 2F) in ``dh_dtype`` ([d_gate | d_up]) and amax, the FP32 tile
+        maxima of |dh| as written (hand them to ``quantize_per_tensor(dh, ..., amax=amax)``).
+    """
+    n_ffn = _check(h_q, h_scales, group_size)
+    if da.shape[-1] != n_ffn or da.numel() * 2 != h_q.numel() or not da.is_contiguous():
+        raise ValueError(f"da must be contiguous with {n_ffn} columns per row of h, got shape {tuple(da.shape)}")
+    if not use_triton(da, backend):
+        return swiglu_backward_reference(da, h_q, h_scales, group_size, dh_dtype)
+    n_rows = h_q.numel() // h_q.shape[-1]
+    dh = torch.empty(h_q.shape, dtype=dh_dtype, device=da.device)
+    block_m, block_n, warps = _BLOCKS
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
+    tiles = torch.zeros(grid, dtype=torch.float32, device=da.device)
+    if n_rows:
+        _swiglu_backward_kernel[grid](
+            da, h_q, h_scales, dh, tiles, n_rows, n_ffn, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
+        )
+    return dh, tiles

@@ -1,0 +1,93 @@
+import pytest
+import torch
+from conftest import as_bytes, random_activations
+
+from coat_kernels.norm import norm_backward, norm_backward_reference, norm_to_fp8, norm_to_fp8_reference
+
+SHAPES = [(7, 96), (3, 5, 160), (9, 5120), (2, 640)]
+
+
+def weights(n, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = 1.0 + 0.3 * torch.randn(n, generator=g)
+    b = 0.1 * torch.randn(n, generator=g) if kind == "layernorm" else None
+    return w, b
+
+
+def run_forward(device, x, w, b, kind, group_size=16, out_fmt="e4m3"):
+    r = norm_to_fp8(
+        x.to(device), w.to(device), None if b is None else b.to(device), eps=1e-5, kind=kind, group_size=group_size,
+        out_fmt=out_fmt, backend="triton",
+    )
+    return type(r)(*(t.cpu() if t is not None else None for t in r))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_forward_matches_reference(device, shape, kind, seed):
+    x = random_activations(shape, seed=seed)
+    w, b = weights(shape[-1], kind, seed)
+    r = run_forward(device, x, w, b, kind)
+    free = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
+    # the statistics are reductions in another order: equal to FP32 rounding
+    assert torch.allclose(r.rstd, free.rstd, rtol=1e-5, atol=0)
+    if kind == "layernorm":
+        assert torch.allclose(r.mean, free.mean, rtol=1e-5, atol=1e-6)
+    # given the kernel's statistics, every code and scale is the reference's, bit for bit
+    ref = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind, stats=(r.mean, r.rstd))
+    assert torch.equal(r.scale, ref.scale)
+    for got, want in ((r.q, ref.q), (r.q_t, ref.q_t), (r.x_q, ref.x_q)):
+        assert got.shape == want.shape and torch.equal(as_bytes(got), as_bytes(want))
+    assert torch.equal(r.x_scales, ref.x_scales)
+    assert r.q_t.shape == (shape[-1], x.numel() // shape[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4099, 4096), (2, 1023, 5120)], ids=str)
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_large_shapes_on_gpu(shape, kind, seed):
+    test_forward_matches_reference(torch.device("cuda"), shape, kind, seed)
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_zero_and_constant_rows(device, kind):
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    x[1] = 0.0
+    x[3] = 2.5
+    w, b = weights(64, kind, 0)
+    r = run_forward(device, x, w, b, kind)
+    ref = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind, stats=(r.mean, r.rstd))
+    assert torch.equal(as_bytes(r.q), as_bytes(ref.q)) and torch.isfinite(r.rstd).all()
+    assert (r.x_scales[1] == 1.0).all() and (as_bytes(r.x_q[1]) == 0).all()
+    if kind == "layernorm":  # a constant row centres to zero: its output is the bias alone
+        assert r.mean[3] == 2.5
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("shape", [(7, 96), (33, 640)], ids=str)
+def test_backward_matches_reference(device, kind, shape, seed):
+    x = random_activations(shape, seed=seed)
+    w, b = weights(shape[-1], kind, seed)
+    r = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
+    dy = random_activations(shape, seed=seed + 1, outliers=False)
+    args = (r.x_q, r.x_scales, w, r.mean, r.rstd)
+    got = norm_backward(dy.to(device), *(a.to(device) if a is not None else None for a in args), group_size=16, has_bias=b is not None, backend="triton")
+    want = norm_backward_reference(dy, *args, group_size=16, has_bias=b is not None, dx_dtype=torch.bfloat16)
+    assert got[0].dtype == torch.bfloat16 and got[0].shape == x.shape
+    # FP32 sums in another order, then dx rounded to BF16: within 2 BF16 ulps
+    assert torch.allclose(got[0].cpu().float(), want[0].float(), rtol=2**-7, atol=1e-5)
+    assert torch.allclose(got[1].cpu(), want[1], rtol=1e-4, atol=1e-4)
+    if b is not None:
+        assert torch.allclose(got[2].cpu(), want[2], rtol=1e-4, atol=1e-4)
+
+
+def test_bad_arguments_name_the_fix():
+    x = torch.randn(4, 40)
+    with pytest.raises(ValueError, match="hidden size 40 is not a multiple of the FP8 group size 16; use --coat-group-size"):
+        norm_to_fp8(x, torch.ones(40), eps=1e-5)
+    with pytest.raises(ValueError, match="RMSNorm has no bias"):
+        norm_to_fp8(torch.randn(4, 32), torch.ones(32), torch.zeros(32), eps=1e-5)
+    with pytest.raises(ValueError, match="contiguous float32 vector of 32"):
+        norm_to_fp8(torch.randn(4, 32), torch.ones(32, dtype=torch.bfloat16), eps=1e-5)
+    with pytest.raises(ValueError, match="use 'rmsnorm' or 'layernorm'"):
+        norm_to_fp8(torch.randn(4, 32), torch.ones(32), eps=1e-5, kind="batchnorm")
