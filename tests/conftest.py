@@ -23,3 +23,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not fp8_gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test, printed so that a failure can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    print(f"seed={s}")
+    return s

@@ -24,21 +24,6 @@ def device(request):
     return torch.device("cuda")
 
 
-def as_bytes(q: torch.Tensor) -> torch.Tensor:
-    return q.detach().cpu().view(torch.uint8)
-
-
-def random_activations(shape, dtype=torch.bfloat16, seed=None, outliers=True):
-    """Normal values with a few per-row outliers, like real activations (fresh seed by default)."""
-    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ()).item()))
-    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))
-    if outliers and x.numel() >= 64:
-        flat = x.view(-1)
-        idx = torch.randint(0, flat.numel(), (max(1, flat.numel() // 997),), generator=g)
-        flat[idx] *= 40.0
-    return x.to(dtype)
-
-
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
     """Poison what torch.empty hands out (FP8: the NaN code 0x7F, FP32/BF16: NaN), so that an
@@ -54,11 +39,3 @@ def poisoned_outputs(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-
-
-@pytest.fixture
-def seed():
-    """A fresh seed per test, printed so that a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-    print(f"seed={s}")
-    return s

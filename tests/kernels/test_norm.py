@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import as_bytes, random_activations
+from kernel_inputs import as_bytes, random_activations
 
 from coat_kernels.norm import norm_backward, norm_backward_reference, norm_to_fp8, norm_to_fp8_reference
 

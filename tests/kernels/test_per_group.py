@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import as_bytes, random_activations
+from kernel_inputs import as_bytes, random_activations
 
 from coat_kernels import NonFiniteInputError, dequantize_per_group, fp8_format, quantize_per_group
 from coat_kernels.per_group import dequantize_per_group_reference, quantize_per_group_reference

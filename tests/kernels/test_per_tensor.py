@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import as_bytes, random_activations
+from kernel_inputs import as_bytes, random_activations
 
 from coat_kernels import NonFiniteInputError, dequantize_per_tensor, fp8_format, quantize_per_tensor, tensor_amax
 from coat_kernels.per_tensor import dequantize_per_tensor_reference, quantize_per_tensor_reference

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import as_bytes, random_activations
+from kernel_inputs import as_bytes, random_activations
 
 from coat_kernels import dequantize_per_group, quantize_per_group
 from coat_kernels.swiglu import swiglu_backward, swiglu_backward_reference, swiglu_to_fp8, swiglu_to_fp8_reference

@@ -1,0 +1,91 @@
+"""What each FP8 op saves for backward, counted with saved_tensors_hooks (DESIGN 3.3).
+
+Per token, with hidden H, FFN F and 1xG groups:
+    norm       the 1xG FP8 copy of its input + scales + rstd   H (1 + 4/G) + 4
+    fc1 / qkv  the FP8 transposed copy of its input            H            (+ a 4-byte scale)
+    SwiGLU     its 1xG FP8 input + scales                      2F (1 + 4/G)
+    fc2        nothing: its input's transposed copy is recomputed from SwiGLU's saved input
+    proj       nothing new when the BF16 input is saved anyway (attention saves its output)
+Parameters are excluded (they are not activations); the FP8 weight copies are per-weight caches.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+
+from coat_megatron.fp8 import fp8_linear, rmsnorm_to_fp8, swiglu_fp8
+
+T, H, FFN, G = 32, 256, 688, 16
+
+
+def saved_by(fn, params):
+    """Run fn; return its output and the distinct storages it saved for backward (not params)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    unique = {}
+    for t in saved:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in param_ptrs:
+            unique[ptr] = t
+    return out, list(unique.values())
+
+
+def nbytes(tensors):
+    return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def make():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
+    wn = torch.ones(H, requires_grad=True)
+    w1 = (torch.randn(2 * FFN, H, generator=g) / 16).to(torch.bfloat16).requires_grad_()
+    w2 = (torch.randn(H, FFN, generator=g) / 26).to(torch.bfloat16).requires_grad_()
+    return x, wn, w1, w2
+
+
+def test_each_op_saves_its_contract():
+    x, wn, w1, w2 = make()
+    params = [wn, w1, w2]
+    n, s = saved_by(lambda: rmsnorm_to_fp8(x, wn), params)
+    assert sorted(map(str, (t.dtype for t in s))) == sorted(map(str, [torch.float8_e4m3fn, torch.float32, torch.float32]))
+    assert nbytes(s) == T * H + T * H // G * 4 + T * 4
+    h, s = saved_by(lambda: fp8_linear(n, w1, fp8_output=True), params)
+    fp8 = [t for t in s if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 1 and fp8[0].shape == (H, T)  # the wgrad layout: X^T row-major
+    assert nbytes(s) == T * H + 4
+    a, s = saved_by(lambda: swiglu_fp8(h), params)
+    assert nbytes(s) == 2 * T * FFN + 2 * T * FFN // G * 4
+    _, s = saved_by(lambda: fp8_linear(a, w2), params)
+    assert nbytes(s) == 4  # only the input's scale
+    attn_out = torch.randn(T, H).to(torch.bfloat16).requires_grad_()
+    _, s = saved_by(lambda: fp8_linear(attn_out, w1, save_original_input=True), params + [attn_out])
+    assert nbytes(s) == 8  # amax and scale: the input itself is the caller's
+
+
+def test_mlp_block_saves_about_a_third_of_bf16():
+    x, wn, w1, w2 = make()
+    params = [wn, w1, w2]
+
+    def coat():
+        return fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(x, wn), w1, fp8_output=True)), w2)
+
+    def bf16():
+        gate, up = (F.rms_norm(x, (H,), wn.to(torch.bfloat16), 1e-5) @ w1.t()).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w2.t()
+
+    _, coat_saved = saved_by(coat, params)
+    _, bf16_saved = saved_by(bf16, params + [x])
+    coat_bytes = nbytes(coat_saved)
+    assert coat_bytes == T * (H * (1 + 4 / G) + 4 + H + 2 * FFN * (1 + 4 / G)) + 8
+    assert all(t.dtype != torch.bfloat16 for t in coat_saved)
+    # BF16 saves the norm input (which is x itself here, so excluded), the norm output, fc1's
+    # output, silu(gate) and fc2's input: 2H + 4F + 2F + 2F bytes per token (+ rstd)
+    assert nbytes(bf16_saved) >= T * (2 * H + 8 * FFN)
+    assert coat_bytes <= 0.55 * (nbytes(bf16_saved) + 2 * T * H)

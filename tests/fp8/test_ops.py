@@ -1,0 +1,184 @@
+"""Each FP8 op, forward and backward, against an FP32 autograd reference on exact inputs.
+
+Bounds are worst cases built from the FP8 rounding bound in conftest (|d| <= eps |x| + sigma):
+a product of two perturbed operands moves by at most da @ |b| + |a| @ db + da @ db; a BF16 output
+adds half its step, 2^-8 of the value; FP32 statistics (rstd, mean) add ~1e-5 relative.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fp8_bounds import BF16, activations, product_error, quant_error, quant_error_groups
+
+from coat_megatron.fp8 import Fp8Tensor, fp8_linear, layernorm_to_fp8, rmsnorm_to_fp8, swiglu_fp8
+
+SLACK = 1e-5  # FP32 arithmetic in another order than the reference
+
+
+def leaf(t, dtype=None, device="cpu"):
+    return t.detach().clone().to(device=device, dtype=dtype or t.dtype).requires_grad_()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Where the COAT ops run (the FP32 reference always runs on the CPU)."""
+    return request.param
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("shape", [(13, 5120), (2, 7, 320)], ids=str)
+def test_norm(device, kind, shape, seed):
+    h = shape[-1]
+    x = activations(shape, seed)
+    x.view(-1, h)[0] = 0.0  # an all-zero row
+    x.view(-1, h)[1] = 3.0  # a constant row
+    g = torch.Generator().manual_seed(seed)
+    w = 1.0 + 0.2 * torch.randn(h, generator=g)
+    b = 0.1 * torch.randn(h, generator=g) if kind == "layernorm" else None
+
+    xr, wr, br = leaf(x, torch.float32), leaf(w), leaf(b) if b is not None else None
+    yr = F.rms_norm(xr, (h,), wr, 1e-5) if kind == "rmsnorm" else F.layer_norm(xr, (h,), wr, br, 1e-5)
+    xc, wc, bc = leaf(x, device=device), leaf(w, device=device), leaf(b, device=device) if b is not None else None
+    y = rmsnorm_to_fp8(xc, wc, 1e-5) if kind == "rmsnorm" else layernorm_to_fp8(xc, wc, bc, 1e-5)
+
+    assert isinstance(y, Fp8Tensor) and y.granularity == "tensor" and y.shape == x.shape and y.dtype == torch.bfloat16
+    assert y.transposed is not None and y.transposed.shape == (h, x.numel() // h)
+    err = (y.dequantize(torch.float32).cpu() - yr).abs()
+    assert (err <= quant_error(yr.detach(), "e4m3") + SLACK * yr.abs()).all(), err.max()
+
+    dy = activations(shape, seed + 1)
+    yr.backward(dy.float())
+    y.backward(dy.to(device))
+    # backward reads x from its 1x16 E4M3 copy: |x~ - x| <= delta; mean and rstd are exact
+    x2 = x.float().view(-1, h)
+    delta = quant_error_groups(x2, "e4m3", 16)
+    mean = x2.mean(-1, keepdim=True) if kind == "layernorm" else torch.zeros_like(x2[:, :1])
+    rstd = 1.0 / torch.sqrt(((x2 - mean) ** 2).mean(-1, keepdim=True) + 1e-5)
+    xhat = (x2 - mean) * rstd
+    gw = dy.float().view(-1, h) * w
+    c1 = (gw * xhat).mean(-1, keepdim=True)
+    dc1 = rstd * (gw.abs() * delta).mean(-1, keepdim=True)
+    dx_bound = rstd * (rstd * delta * (c1.abs() + dc1) + xhat.abs() * dc1)
+    dx_ref = xr.grad.view(-1, h)
+    err = (xc.grad.float().cpu().view(-1, h) - dx_ref).abs()
+    assert (err <= dx_bound + BF16 * dx_ref.abs() + SLACK * rstd * gw.abs().amax()).all(), (err - dx_bound).max()
+    dw_bound = (dy.float().view(-1, h).abs() * rstd * delta).sum(0)
+    assert ((wc.grad.cpu() - wr.grad).abs() <= dw_bound + SLACK * wr.grad.abs().amax()).all()
+    if b is not None:
+        assert torch.allclose(bc.grad.cpu(), br.grad, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("n_in,n_out", [(5120, 256), (320, 1376)])
+@pytest.mark.parametrize("save_original_input", [False, True])
+def test_linear(device, n_in, n_out, save_original_input, seed):
+    x = activations((24, n_in), seed)
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n_out, n_in, generator=g) / n_in**0.5).to(torch.bfloat16)
+    b = (0.1 * torch.randn(n_out, generator=g)).to(torch.bfloat16)
+    xr, wr, br = leaf(x, torch.float32), leaf(w, torch.float32), leaf(b, torch.float32)
+    yr = xr @ wr.t() + br
+    xc, wc, bc = leaf(x, device=device), leaf(w, device=device), leaf(b, device=device)
+    y = fp8_linear(xc, wc, bc, save_original_input=save_original_input)
+    assert y.dtype == torch.bfloat16 and y.shape == (24, n_out) and not isinstance(y, Fp8Tensor)
+    y = y.cpu()
+
+    xf, wf = x.float(), w.float()
+    bound = product_error(xf, quant_error(xf, "e4m3"), wf.t(), quant_error(wf, "e4m3").t())
+    err = (y.float() - yr).abs()
+    assert (err <= bound + BF16 * yr.abs() + SLACK).all(), (err - bound).max()
+
+    dy = activations((24, n_out), seed + 1)
+    yr.backward(dy.float())
+    y.backward(dy)
+    dyf = dy.float()
+    xc.grad, wc.grad, bc.grad = xc.grad.cpu(), wc.grad.cpu(), bc.grad.cpu()
+    dx_bound = product_error(dyf, quant_error(dyf, "e5m2"), wf, quant_error(wf, "e4m3"))
+    assert ((xc.grad.float() - xr.grad).abs() <= dx_bound + BF16 * xr.grad.abs() + SLACK).all()
+    dw_bound = product_error(dyf.t(), quant_error(dyf, "e5m2").t(), xf, quant_error(xf, "e4m3"))
+    assert ((wc.grad.float() - wr.grad).abs() <= dw_bound + BF16 * wr.grad.abs() + SLACK).all()
+    assert torch.allclose(bc.grad.float(), br.grad, rtol=2**-7, atol=1e-3)
+
+
+def test_linear_saving_the_original_input_gives_identical_gradients(seed):
+    x, w = activations((16, 320), seed), activations((64, 320), seed + 1)
+    dy = activations((16, 64), seed + 2)
+    grads = []
+    for save_original_input in (False, True):
+        xc, wc = leaf(x), leaf(w)
+        fp8_linear(xc, wc, save_original_input=save_original_input).backward(dy)
+        grads.append((xc.grad, wc.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+def test_linear_fp8_output_is_1x16(seed):
+    x, w = activations((24, 320), seed), activations((256, 320), seed + 1) / 18
+    xr, wr = x.float(), w.float()
+    yr = xr @ wr.t()
+    y = fp8_linear(leaf(x), leaf(w), fp8_output=True)
+    assert isinstance(y, Fp8Tensor) and y.granularity == "1x16" and y.scale.shape == (24, 16)
+    gemm = product_error(xr, quant_error(xr, "e4m3"), wr.t(), quant_error(wr, "e4m3").t()) + BF16 * yr.abs()
+    bound = gemm + quant_error_groups(yr.abs() + gemm, "e4m3", 16) + SLACK
+    assert ((y.dequantize(torch.float32) - yr).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("n_ffn", [13824, 96])
+def test_swiglu(device, n_ffn, seed):
+    h = activations((6, 2 * n_ffn), seed)
+    h[0, :n_ffn] = 0.0  # a zero gate half-row
+    hr = leaf(h, torch.float32)
+    gate, up = hr.chunk(2, dim=-1)
+    ar = F.silu(gate) * up
+    hc = leaf(h, device=device)
+    a = swiglu_fp8(hc)
+    assert isinstance(a, Fp8Tensor) and a.granularity == "tensor" and a.shape == (6, n_ffn)
+    assert a.transposed is None and a.transposed_codes().shape == (n_ffn, 6)  # recomputed, not stored
+
+    d = quant_error_groups(h.float(), "e4m3", 16)
+    dg, du = d.chunk(2, dim=-1)
+    g, u = h.float().chunk(2, dim=-1)
+    # silu is 1.1-Lipschitz; |silu''| <= 0.5
+    pre = 1.1 * dg * (u.abs() + du) + F.silu(g).abs() * du
+    scale = (ar.detach().abs() + pre).amax() / 448
+    bound = pre + 2**-4 * (ar.detach().abs() + pre) + 2**-10 * scale
+    assert ((a.dequantize(torch.float32).cpu() - ar).abs() <= bound + SLACK).all()
+
+    da = activations((6, n_ffn), seed + 1)
+    ar.backward(da.float())
+    a.backward(da.to(device))
+    daf = da.float().abs()
+    dh_bound = torch.cat([daf * (1.1 * du + 0.5 * (u.abs() + du) * dg), daf * 1.1 * dg], dim=-1)
+    err = (hc.grad.float().cpu() - hr.grad).abs()
+    assert (err <= dh_bound + BF16 * hr.grad.abs() + SLACK).all(), (err - dh_bound).max()
+
+
+def test_whole_mlp_chain_at_llama_13b_width(device, seed):
+    """norm -> fc1 -> SwiGLU -> fc2 at hidden 5120, FFN 13824, against FP32 autograd.
+
+    Bounds: five E4M3 roundings in the forward path (norm output, W1, fc1 output, SwiGLU output,
+    W2), each of RMS relative size ~2^-4/sqrt(3) = 0.036 when independent: sqrt(5) x 0.036 = 0.08,
+    and 0.16 with a 2x margin. The gradients add two E5M2 roundings (dY of fc2, dh of fc1), RMS
+    ~0.072 each: sqrt(5 x 0.036^2 + 2 x 0.072^2) = 0.13, and 0.26 with the margin.
+    """
+    hidden, ffn, tokens = 5120, 13824, 8
+    g = torch.Generator().manual_seed(seed)
+    x = activations((tokens, hidden), seed)
+    wn = 1.0 + 0.1 * torch.randn(hidden, generator=g)
+    w1 = (torch.randn(2 * ffn, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(hidden, ffn, generator=g) / ffn**0.5).to(torch.bfloat16)
+    dy = activations((tokens, hidden), seed + 1)
+
+    ref = [leaf(t, torch.float32) for t in (x, wn, w1, w2)]
+    gate, up = (F.rms_norm(ref[0], (hidden,), ref[1], 1e-5) @ ref[2].t()).chunk(2, dim=-1)
+    yr = (F.silu(gate) * up) @ ref[3].t()
+    yr.backward(dy.float())
+
+    ours = [leaf(t, device=device) for t in (x, wn, w1, w2)]
+    y = fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], fp8_output=True)), ours[3])
+    y.backward(dy.to(device))
+
+    def rel(a, b):
+        return ((a.float().cpu() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(y, yr) <= 0.16
+    for mine, theirs in zip(ours, ref):
+        assert rel(mine.grad, theirs.grad) <= 0.26, (rel(mine.grad, theirs.grad))
