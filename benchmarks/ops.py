@@ -147,12 +147,24 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs):
     return rows
 
 
+def profile(block, x, dy) -> str:
+    for _ in range(3):
+        block(x).backward(dy)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            block(x).backward(dy)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=11008)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--profile", action="store_true", help="also print the COAT block's kernels by CUDA time")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ops.py measures the GPU: run it on a CUDA machine")
@@ -190,6 +202,8 @@ def main():
         lines.append(f"| {r['mode']} | {r['ms']:.2f} | {vs_te} | {r['activation_MiB']:.0f} | {r['activation_MiB'] / bf16['activation_MiB']:.2f} | {saved} |")
     lines += ["", f"COAT kernels at this shape (device copy {copy_gbs:.0f} GB/s; bytes = inputs read once + outputs written once):", "", "| kernel | ms | of copy |", "|---|---|---|"]
     lines += [f"| {k['kernel']} | {k['ms']:.3f} | {k['of_copy']:.2f} |" for k in kernels]
+    if args.profile:
+        lines += ["", "COAT block fwd+bwd, kernels by CUDA time (torch.profiler, 5 iterations):", "", "```", profile(CoatBlock(hdim, ffn, CoatConfig()).cuda(), x, dy), "```"]
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)

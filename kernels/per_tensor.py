@@ -53,19 +53,18 @@ def _tile_amax_kernel(x_ptr, amax_ptr, n_rows, n_cols, stride_x, BLOCK_M: tl.con
 @triton.jit
 def store_per_tensor_tile(
     y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols,
-    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, STORE_Q: tl.constexpr = True,
+    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """Quantize the FP32 tile y (rows x cols of an n_rows x n_cols tensor) with the scale of the
-    reduced amax at amax_ptr; store its codes (STORE_Q), its transposed codes (TRANSPOSE) and,
-    from the first program, the scale. Shared by every kernel that writes a per-tensor FP8 output."""
+    reduced amax at amax_ptr; store its codes, its transposed codes (TRANSPOSE) and, from the
+    first program, the scale. Shared by every kernel that writes a per-tensor FP8 output."""
     scale = scale_from_amax(tl.load(amax_ptr), FMAX)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
-    q = quantize_with_inverse(y, tl.div_rn(1.0, scale), FMAX).to(qt_ptr.dtype.element_ty)
+    q = quantize_with_inverse(y, tl.div_rn(1.0, scale), FMAX).to(q_ptr.dtype.element_ty)
     rows64 = rows.to(tl.int64)
-    if STORE_Q:
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-        tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
@@ -115,16 +114,33 @@ def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, devi
 def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
     """Whether the quantizing pass itself writes the transposed copy.
 
-    Triton 3.6 miscompiles the in-pass transpose of a tile loaded as FP32 (wrong codes in q or
-    q_t, measured on an H200, 2026-11-22; BF16/FP16 tiles are right), so FP32 input gets its
-    transposed copy from the FP8 codes in a second, 1-byte pass (``finish_transpose``).
+    Triton 3.6 on Hopper miscompiles ``tl.trans`` of an FP8 tile in some register layouts: a tile
+    loaded as FP32 (measured on an H200, 2026-11-22: wrong codes in q or q_t), and tiles built
+    through 3-D reshapes, as the SwiGLU kernel's. Tiles loaded as BF16/FP16 are right (the GPU
+    tests check every shape class). The others get their transposed copy from the FP8 codes in a
+    second, 1-byte pass (``finish_transpose``).
     """
     return transpose and dtype != torch.float32
 
 
+@triton.jit
+def _transpose_codes_kernel(q_ptr, qt_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + rows64[:, None] * n_cols + cols[None, :], mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+    mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
+    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
+
+
 def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pass: bool) -> None:
-    if transpose and not in_pass:
-        q_t.view(torch.uint8).copy_(q.view(torch.uint8).view(q_t.shape[1], q_t.shape[0]).t())
+    """Write q_t (N, R) from the codes q (R rows of N) when the quantizing pass did not."""
+    if not transpose or in_pass or q.numel() == 0:
+        return
+    n_cols, n_rows = q_t.shape
+    codes, codes_t = q.view(torch.uint8), q_t.view(torch.uint8)
+    grid = (triton.cdiv(n_rows, 64), triton.cdiv(n_cols, 64))
+    _transpose_codes_kernel[grid](codes, codes_t, n_rows, n_cols, BLOCK_M=64, BLOCK_N=64, num_warps=4)
 
 
 def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

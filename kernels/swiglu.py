@@ -31,7 +31,7 @@ import triton.language as tl
 from .backend import use_triton
 from .formats import check_group_size, fp8_format
 from .per_group import dequantize_per_group_reference, load_groups
-from .per_tensor import per_tensor_outputs, quantize_per_tensor_reference, store_per_tensor_tile
+from .per_tensor import finish_transpose, per_tensor_outputs, quantize_per_tensor_reference, store_per_tensor_tile
 from .scaling import abs_or_inf, abs_or_inf_reference
 
 _BLOCKS = (64, 128, 4)  # BLOCK_M, BLOCK_N (of F), num_warps
@@ -57,8 +57,7 @@ def _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M: tl.constex
 @triton.jit
 def _swiglu_forward_kernel(
     hq_ptr, hs_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_ffn,
-    FMAX: tl.constexpr, GROUP: tl.constexpr, AMAX_PASS: tl.constexpr, STORE_Q: tl.constexpr, TRANSPOSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FMAX: tl.constexpr, GROUP: tl.constexpr, AMAX_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_start = tl.program_id(1) * BLOCK_N
@@ -69,7 +68,7 @@ def _swiglu_forward_kernel(
         tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
     else:
         cols = col_start + tl.arange(0, BLOCK_N)
-        store_per_tensor_tile(a, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_ffn, FMAX, TRANSPOSE, STORE_Q)
+        store_per_tensor_tile(a, amax_ptr, q_ptr, q_ptr, scale_ptr, rows, cols, n_rows, n_ffn, FMAX, False)
 
 
 @triton.jit
@@ -149,6 +148,8 @@ def swiglu_to_fp8(
         return swiglu_to_fp8_reference(h_q, h_scales, group_size, fmt, transpose=transpose, amax=amax, store_q=store_q)
     f = fp8_format(fmt)
     n_rows = h_q.numel() // h_q.shape[-1]
+    # the transposed copy comes from a pass over the codes (see per_tensor.transpose_in_pass):
+    # q is then written even when not returned
     q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
     block_m, block_n, warps = _BLOCKS
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
@@ -157,14 +158,15 @@ def swiglu_to_fp8(
         if n_rows:
             _swiglu_forward_kernel[grid](
                 h_q, h_scales, tiles, q, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, AMAX_PASS=True,
-                STORE_Q=False, TRANSPOSE=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )
         amax = tiles.amax() if tiles.numel() else torch.zeros((), dtype=torch.float32, device=h_q.device)
     if n_rows:
         _swiglu_forward_kernel[grid](
             h_q, h_scales, amax, q, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, AMAX_PASS=False,
-            STORE_Q=store_q, TRANSPOSE=transpose, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
+        finish_transpose(q, q_t, transpose, in_pass=False)
     return SwigluFp8(q if store_q else None, scale, q_t if transpose else None, amax.reshape(()))
 
 
