@@ -76,7 +76,7 @@ class _Fp8Linear(torch.autograd.Function):
                 x_t = quantize_per_tensor(x_orig, config.forward_format, transpose=True, amax=x_amax, check_finite=False)[2]
             elif x_t is None:
                 x_t = ctx.x_t_fn()
-            dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=torch.float32).to(weight.dtype)
+            dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(dim=0).to(weight.dtype)
         return dx, dw, db, None, None, None, None
