@@ -24,7 +24,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from coat_kernels import quantize_per_group, quantize_per_tensor
 from coat_kernels.norm import norm_backward, norm_to_fp8
-from coat_kernels.swiglu import swiglu_backward, swiglu_to_fp8
+from coat_kernels import swiglu as swiglu_module
+from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
 from coat_megatron.config import CoatConfig
 from coat_megatron.fp8 import Fp8WeightCache, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
 from coat_megatron.optional import transformer_engine_available
@@ -56,7 +57,7 @@ class CoatBlock(Bf16Block):
 
     def forward(self, x):
         n = rmsnorm_to_fp8(x, self.norm, 1e-5, group_size=self.config.group_size)
-        h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, fp8_output=True)
+        h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, fp8_output="swiglu")
         return fp8_linear(swiglu_fp8(h, group_size=self.config.group_size), self.fc2, config=self.config, weight_cache=self.c2)
 
 
@@ -122,7 +123,7 @@ def te_modes(hidden, ffn):
     ], None
 
 
-def kernel_rows(tokens, hidden, ffn, copy_gbs):
+def kernel_rows(tokens, hidden, ffn, copy_gbs, sweep):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(hidden, device="cuda")
     h = torch.randn(tokens, 2 * ffn, device="cuda", dtype=torch.bfloat16)
@@ -134,8 +135,10 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs):
     cases = [
         ("norm_to_fp8 (stats + quantize passes, x read twice)", lambda: norm_to_fp8(x, w, eps=1e-5), n_x * (2 + 1 + 0.25 + 1 + 1)),
         ("norm_backward", lambda: norm_backward(x, r.x_q, r.x_scales, w, None, r.rstd, group_size=16), n_x * (2 + 1.25 + 2)),
-        ("quantize_per_group G=16 (fc1 output)", lambda: quantize_per_group(h, 16, "e4m3", check_finite=False), n_h * 3.25),
-        ("swiglu_to_fp8 (amax + quantize passes)", lambda: swiglu_to_fp8(h_q, h_s, 16), n_h * 1.25 + n_a),
+        ("quantize_per_group G=16 (plain)", lambda: quantize_per_group(h, 16, "e4m3", check_finite=False), n_h * 3.25),
+        ("quantize_swiglu_input (fc1 output 1x16 + SwiGLU amax)", lambda: quantize_swiglu_input(h, 16), n_h * 3.25),
+        ("swiglu_to_fp8, amax from fc1's pass", lambda: swiglu_to_fp8(h_q, h_s, 16, amax=tiles), n_h * 1.25 + n_a),
+        ("swiglu_to_fp8 with its own amax pass", lambda: swiglu_to_fp8(h_q, h_s, 16), n_h * 1.25 + n_a),
         ("swiglu transposed recompute (backward)", lambda: swiglu_to_fp8(h_q, h_s, 16, transpose=True, amax=tiles.amax(), store_q=False), n_h * 1.25 + n_a),
         ("swiglu_backward", lambda: swiglu_backward(da, h_q, h_s), n_a * 2 + n_h * 1.25 + n_h * 2),
         ("quantize_per_tensor E5M2 + transpose (dh, amax from SwiGLU)", lambda: quantize_per_tensor(dh, "e5m2", transpose=True, amax=tiles, check_finite=False), n_h * 4),
@@ -144,6 +147,14 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs):
     for name, fn, nbytes in cases:
         ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
         rows.append({"kernel": name, "ms": ms, "of_copy": nbytes / ms / 1e6 / copy_gbs})
+    if sweep:
+        default = swiglu_module._BLOCKS
+        for cfg in [(32, 128, 4), (16, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4), (8, 256, 4), (64, 64, 4)]:
+            swiglu_module._BLOCKS = cfg
+            for name, fn, nbytes in cases[3:8]:
+                ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+                rows.append({"kernel": f"{name} {cfg}", "ms": ms, "of_copy": nbytes / ms / 1e6 / copy_gbs})
+        swiglu_module._BLOCKS = default
     return rows
 
 
@@ -165,6 +176,7 @@ def main():
     p.add_argument("--ffn", type=int, default=11008)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--profile", action="store_true", help="also print the COAT block's kernels by CUDA time")
+    p.add_argument("--sweep", action="store_true", help="also time the SwiGLU kernels at other tile shapes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ops.py measures the GPU: run it on a CUDA machine")
@@ -179,12 +191,12 @@ def main():
     for name, make, ctx in te_rows:
         results.append(measure(name, make(), x, dy, ctx))
     results.append(measure("COAT", CoatBlock(hdim, ffn, CoatConfig()).cuda(), x, dy))
-    results.append(measure("COAT, fast fprop accumulation", CoatBlock(hdim, ffn, CoatConfig(fprop_fast_accumulation=True)).cuda(), x, dy))
+    results.append(measure("COAT, promoted fprop accumulation", CoatBlock(hdim, ffn, CoatConfig(fprop_fast_accumulation=False)).cuda(), x, dy))
 
     src = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() / triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") / 1e6
-    kernels = kernel_rows(t, hdim, ffn, copy_gbs)
+    kernels = kernel_rows(t, hdim, ffn, copy_gbs, args.sweep)
 
     bf16 = results[0]
     te_cur = next((r for r in results if r["mode"] == "TE LayerNormMLP FP8 current"), None)

@@ -46,8 +46,9 @@ class CoatConfig:
         m_expansion, v_expansion: dynamic range expansion of m and v.
         k_min, k_max: limits of the expansion exponent k (multiples of 1/16).
         optimizer_group_size: consecutive elements of a parameter sharing one optimizer-state scale.
-        fprop_fast_accumulation: Hopper's fast FP8 accumulation in the forward GEMMs (TE's
-            current-scaling recipe does this); dgrad and wgrad always accumulate in full FP32.
+        fprop_fast_accumulation: Hopper's fast FP8 accumulation (no periodic promotion to full
+            FP32) in the forward GEMMs, as TE's current-scaling recipe does; dgrad and wgrad
+            always promote. Measured 4% of an MLP block's fwd+bwd time on an H200.
     """
 
     activations: bool = True
@@ -63,7 +64,7 @@ class CoatConfig:
     k_min: float = 1 / 16
     k_max: float = 16.0
     optimizer_group_size: int = 128
-    fprop_fast_accumulation: bool = False
+    fprop_fast_accumulation: bool = True
 
     def __post_init__(self) -> None:
         for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation"):

@@ -30,11 +30,12 @@ import triton.language as tl
 
 from .backend import use_triton
 from .formats import check_group_size, fp8_format
-from .per_group import dequantize_per_group_reference, load_groups
-from .per_tensor import finish_transpose, per_tensor_outputs, quantize_per_tensor_reference, store_per_tensor_tile
-from .scaling import abs_or_inf, abs_or_inf_reference
+from .per_group import dequantize_per_group_reference, quantize_per_group_reference
+from .formats import as_rows
+from .per_tensor import finish_transpose, per_tensor_outputs, quantize_per_tensor_reference
+from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, scale_from_amax
 
-_BLOCKS = (64, 128, 4)  # BLOCK_M, BLOCK_N (of F), num_warps
+_BLOCKS = (32, 128, 4)  # BLOCK_M, BLOCK_N (columns of each half), num_warps
 
 
 class SwigluFp8(NamedTuple):
@@ -48,49 +49,102 @@ class SwigluFp8(NamedTuple):
 
 
 @triton.jit
-def _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    gate = load_groups(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, 2 * n_ffn, BLOCK_M, BLOCK_N, GROUP)
-    up = load_groups(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows, col_start, n_rows, n_ffn, 2 * n_ffn, BLOCK_M, BLOCK_N, GROUP)
-    return gate, up
+def _tile(rows, group_start, n_rows, n_groups, GROUPS: tl.constexpr, GROUP: tl.constexpr):
+    """A (rows x GROUPS x GROUP) tile of one half of h, as 3-D indices: no reshape of a loaded
+    tile is needed to apply one scale per group (reshapes cost layout conversions on the GPU)."""
+    groups = group_start + tl.arange(0, GROUPS)
+    cols = groups[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+    mask2 = (rows[:, None] < n_rows) & (groups[None, :] < n_groups)
+    return groups, cols, mask2
+
+
+@triton.jit
+def _load_half(q_ptr, s_ptr, rows64, groups, cols, mask2, row_len, GROUP: tl.constexpr):
+    q = tl.load(q_ptr + rows64[:, None, None] * row_len + cols, mask=mask2[:, :, None], other=0.0)
+    s = tl.load(s_ptr + rows64[:, None] * (row_len // GROUP) + groups[None, :], mask=mask2, other=1.0)
+    return q.to(tl.float32) * s[:, :, None]
+
+
+@triton.jit
+def _quantize_half(x, q_ptr, s_ptr, rows64, groups, cols, mask2, row_len, FMAX: tl.constexpr, GROUP: tl.constexpr):
+    """1xG-quantize the FP32 tile x, store codes and scales, return the dequantized values."""
+    scale = scale_from_amax(tl.max(abs_or_inf(x), axis=2), FMAX)
+    q = quantize_with_inverse(x, tl.div_rn(1.0, scale)[:, :, None], FMAX).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + rows64[:, None, None] * row_len + cols, q, mask=mask2[:, :, None])
+    tl.store(s_ptr + rows64[:, None] * (row_len // GROUP) + groups[None, :], scale, mask=mask2)
+    return q.to(tl.float32) * scale[:, :, None]
+
+
+@triton.jit
+def _tile_max(x):
+    return tl.max(tl.max(tl.max(abs_or_inf(x), axis=2), axis=1), axis=0)
+
+
+@triton.jit
+def _quantize_swiglu_input_kernel(
+    h_ptr, hq_ptr, hs_ptr, amax_ptr, n_rows, n_ffn, stride_h,
+    FMAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    groups, cols, mask2 = _tile(rows, tl.program_id(1) * GROUPS, n_rows, n_ffn // GROUP, GROUPS, GROUP)
+    rows64 = rows.to(tl.int64)
+    src = h_ptr + rows64[:, None, None] * stride_h + cols
+    gate = tl.load(src, mask=mask2[:, :, None], other=0.0).to(tl.float32)
+    up = tl.load(src + n_ffn, mask=mask2[:, :, None], other=0.0).to(tl.float32)
+    gate = _quantize_half(gate, hq_ptr, hs_ptr, rows64, groups, cols, mask2, 2 * n_ffn, FMAX, GROUP)
+    up = _quantize_half(up, hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, FMAX, GROUP)
+    tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(amax_ptr + tile, _tile_max(gate * tl.sigmoid(gate) * up))
 
 
 @triton.jit
 def _swiglu_forward_kernel(
-    hq_ptr, hs_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_ffn,
-    FMAX: tl.constexpr, GROUP: tl.constexpr, AMAX_PASS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    hq_ptr, hs_ptr, amax_ptr, q_ptr, scale_ptr, n_rows, n_ffn,
+    FMAX: tl.constexpr, GROUP: tl.constexpr, AMAX_PASS: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_start = tl.program_id(1) * BLOCK_N
-    gate, up = _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M, BLOCK_N, GROUP)
+    groups, cols, mask2 = _tile(rows, tl.program_id(1) * GROUPS, n_rows, n_ffn // GROUP, GROUPS, GROUP)
+    rows64 = rows.to(tl.int64)
+    gate = _load_half(hq_ptr, hs_ptr, rows64, groups, cols, mask2, 2 * n_ffn, GROUP)
+    up = _load_half(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, GROUP)
     a = gate * tl.sigmoid(gate) * up
     if AMAX_PASS:
-        tile = tl.max(tl.max(abs_or_inf(a), axis=1), axis=0)
-        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
+        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _tile_max(a))
     else:
-        cols = col_start + tl.arange(0, BLOCK_N)
-        store_per_tensor_tile(a, amax_ptr, q_ptr, q_ptr, scale_ptr, rows, cols, n_rows, n_ffn, FMAX, False)
+        scale = scale_from_amax(tl.load(amax_ptr), FMAX)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            tl.store(scale_ptr, scale)
+        q = quantize_with_inverse(a, tl.div_rn(1.0, scale), FMAX).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows64[:, None, None] * n_ffn + cols, q, mask=mask2[:, :, None])
 
 
 @triton.jit
 def _swiglu_backward_kernel(
     da_ptr, hq_ptr, hs_ptr, dh_ptr, amax_ptr, n_rows, n_ffn,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_start = tl.program_id(1) * BLOCK_N
-    cols = col_start + tl.arange(0, BLOCK_N)
-    gate, up = _gate_up(hq_ptr, hs_ptr, rows, col_start, n_rows, n_ffn, BLOCK_M, BLOCK_N, GROUP)
+    groups, cols, mask2 = _tile(rows, tl.program_id(1) * GROUPS, n_rows, n_ffn // GROUP, GROUPS, GROUP)
     rows64 = rows.to(tl.int64)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_ffn)
-    da = tl.load(da_ptr + rows64[:, None] * n_ffn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = _load_half(hq_ptr, hs_ptr, rows64, groups, cols, mask2, 2 * n_ffn, GROUP)
+    up = _load_half(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, GROUP)
+    mask = mask2[:, :, None]
+    da = tl.load(da_ptr + rows64[:, None, None] * n_ffn + cols, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     d_up = (da * (gate * sig)).to(dh_ptr.dtype.element_ty)
     d_gate = (da * up * sig * (1.0 + gate * (1.0 - sig))).to(dh_ptr.dtype.element_ty)
-    dh = dh_ptr + rows64[:, None] * (2 * n_ffn) + cols[None, :]
+    dh = dh_ptr + rows64[:, None, None] * (2 * n_ffn) + cols
     tl.store(dh, d_gate, mask=mask)
     tl.store(dh + n_ffn, d_up, mask=mask)
-    tile = tl.maximum(tl.max(tl.max(abs_or_inf(d_gate.to(tl.float32)), axis=1), axis=0), tl.max(tl.max(abs_or_inf(d_up.to(tl.float32)), axis=1), axis=0))
+    tile = tl.maximum(_tile_max(d_gate.to(tl.float32)), _tile_max(d_up.to(tl.float32)))
     tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
+
+
+def _launch(n_rows: int, n_ffn: int, group_size: int) -> tuple[tuple[int, int], dict]:
+    block_m, block_n, warps = _BLOCKS
+    block_n = max(block_n, group_size)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
+    return grid, {"GROUP": group_size, "BLOCK_M": block_m, "GROUPS": block_n // group_size, "num_warps": warps}
 
 
 def _check(h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int) -> int:
@@ -151,23 +205,53 @@ def swiglu_to_fp8(
     # the transposed copy comes from a pass over the codes (see per_tensor.transpose_in_pass):
     # q is then written even when not returned
     q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
-    block_m, block_n, warps = _BLOCKS
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
+    grid, launch = _launch(n_rows, n_ffn, group_size)
     if amax is None:
         tiles = torch.zeros(grid, dtype=torch.float32, device=h_q.device)
         if n_rows:
-            _swiglu_forward_kernel[grid](
-                h_q, h_scales, tiles, q, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, AMAX_PASS=True,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            )
+            _swiglu_forward_kernel[grid](h_q, h_scales, tiles, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=True, **launch)
         amax = tiles.amax() if tiles.numel() else torch.zeros((), dtype=torch.float32, device=h_q.device)
+    elif amax.numel() > 1:
+        amax = amax.amax()
     if n_rows:
-        _swiglu_forward_kernel[grid](
-            h_q, h_scales, amax, q, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, AMAX_PASS=False,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )
+        _swiglu_forward_kernel[grid](h_q, h_scales, amax, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=False, **launch)
         finish_transpose(q, q_t, transpose, in_pass=False)
     return SwigluFp8(q if store_q else None, scale, q_t if transpose else None, amax.reshape(()))
+
+
+def quantize_swiglu_input_reference(h: torch.Tensor, group_size: int, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:
+    h_q, h_scales = quantize_per_group_reference(h, group_size, fmt)
+    _check(h_q, h_scales, group_size)
+    gate, up = _gate_up_reference(h_q, h_scales, group_size)
+    a = gate * torch.sigmoid(gate) * up
+    amax = abs_or_inf_reference(a).amax() if a.numel() else torch.zeros((), dtype=torch.float32)
+    return h_q, h_scales, amax
+
+
+def quantize_swiglu_input(
+    h: torch.Tensor, group_size: int = 16, fmt: str = "e4m3", *, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1xG-quantize a SwiGLU input h = [gate | up] (fc1's output) and, in the same pass, compute
+    the amax of the SwiGLU output from the quantized values (group scaling on the producer side):
+    ``swiglu_to_fp8(h_q, h_scales, amax=amax)`` then needs a single pass.
+
+    Returns ``(h_q, h_scales, amax)``: codes (..., 2F), FP32 scales (..., 2F // G) and FP32 amax
+    tiles (reduce with ``.amax()``), equal to those of ``quantize_per_group`` + ``swiglu_to_fp8``.
+    """
+    if h.shape[-1] % (2 * group_size):
+        raise ValueError(f"SwiGLU input width {h.shape[-1]} must be 2 x a multiple of the FP8 group size {group_size}")
+    if not use_triton(h, backend):
+        return quantize_swiglu_input_reference(h, group_size, fmt)
+    f = fp8_format(fmt)
+    rows = as_rows(h, "h")
+    n_rows, n_ffn = rows.shape[0], rows.shape[1] // 2
+    h_q = torch.empty(h.shape, dtype=f.dtype, device=h.device)
+    h_scales = torch.empty(*h.shape[:-1], h.shape[-1] // group_size, dtype=torch.float32, device=h.device)
+    grid, launch = _launch(n_rows, n_ffn, group_size)
+    tiles = torch.zeros(grid, dtype=torch.float32, device=h.device)
+    if n_rows:
+        _quantize_swiglu_input_kernel[grid](rows, h_q, h_scales, tiles, n_rows, n_ffn, rows.stride(0), FMAX=f.max, **launch)
+    return h_q, h_scales, tiles
 
 
 def swiglu_backward_reference(
@@ -201,11 +285,8 @@ def swiglu_backward(
         return swiglu_backward_reference(da, h_q, h_scales, group_size, dh_dtype)
     n_rows = h_q.numel() // h_q.shape[-1]
     dh = torch.empty(h_q.shape, dtype=dh_dtype, device=da.device)
-    block_m, block_n, warps = _BLOCKS
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
+    grid, launch = _launch(n_rows, n_ffn, group_size)
     tiles = torch.zeros(grid, dtype=torch.float32, device=da.device)
     if n_rows:
-        _swiglu_backward_kernel[grid](
-            da, h_q, h_scales, dh, tiles, n_rows, n_ffn, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
-        )
+        _swiglu_backward_kernel[grid](da, h_q, h_scales, dh, tiles, n_rows, n_ffn, **launch)
     return dh, tiles

@@ -19,6 +19,7 @@ import torch
 
 from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax
 from coat_kernels.gemm import fp8_gemm
+from coat_kernels.swiglu import quantize_swiglu_input
 
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
@@ -32,6 +33,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, config, fp8_output, save_original_input):
+        # fp8_output: None (BF16 out), "1xG", or "swiglu" (1xG, plus the amax of SwiGLU's output)
         fmt = config.forward_format
         x_t = x_t_fn = x_orig = x_amax = None
         if isinstance(x, Fp8Tensor) and x.group_size is None:
@@ -54,7 +56,10 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.x_t_fn = x_t_fn
         ctx.w = (w_t, w_scale)
         ctx.meta = (config, bias is not None, x.shape, x.dtype)
-        if fp8_output:
+        if fp8_output == "swiglu":
+            y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, fmt)
+            return Fp8Tensor(y_q, y_scales, group_size=config.group_size, consumer_amax=a_amax, dtype=y.dtype)
+        if fp8_output == "1xG":
             y_q, y_scales = quantize_per_group(y, config.group_size, fmt, check_finite=False)
             return Fp8Tensor(y_q, y_scales, group_size=config.group_size, dtype=y.dtype)
         return y
@@ -84,7 +89,7 @@ class _Fp8Linear(torch.autograd.Function):
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: CoatConfig | None = None,
-    weight_cache: Fp8WeightCache | None = None, fp8_output: bool = False, save_original_input: bool = False,
+    weight_cache: Fp8WeightCache | None = None, fp8_output: str | None = None, save_original_input: bool = False,
 ) -> torch.Tensor:
     """y = x @ weight^T + bias with FP8 GEMMs (fprop, dgrad, wgrad).
 
@@ -94,10 +99,13 @@ def fp8_linear(
         config: formats (forward_format for X and Y, backward_format for dY, weight_format for W)
             and the 1xG group size of an FP8 output.
         weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent).
-        fp8_output: return y as a 1xG FP8 ``Fp8Tensor`` (fc1 feeding SwiGLU) instead of BF16.
+        fp8_output: None for a BF16 y; "1xG" for a 1xG FP8 ``Fp8Tensor``; "swiglu" for fc1 feeding
+            SwiGLU: 1xG FP8 that also carries SwiGLU's output amax, found in the same pass.
         save_original_input: x (plain) is kept alive anyway (e.g. attention saves its output):
             save it instead of an FP8 transposed copy.
     """
+    if fp8_output not in (None, "1xG", "swiglu"):
+        raise ValueError(f"fp8_output={fp8_output!r}: use None (BF16), '1xG' or 'swiglu'")
     config = config or CoatConfig()
     cache = weight_cache or Fp8WeightCache(config.weight_format)
     return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input)

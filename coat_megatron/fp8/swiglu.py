@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from coat_kernels import quantize_per_group
-from coat_kernels.swiglu import swiglu_backward, swiglu_to_fp8
+from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
 
 from .tensor import Fp8Tensor, attach_amax
 
@@ -23,10 +22,11 @@ class _SwigluFp8(torch.autograd.Function):
         if isinstance(h, Fp8Tensor) and h.group_size is not None:
             if h.group_size != group_size:
                 raise ValueError(f"SwiGLU input has 1x{h.group_size} groups, expected 1x{group_size}")
-            h_q, h_scales = h.data_fp8, h.scale
+            h_q, h_scales, amax = h.data_fp8, h.scale, h.consumer_amax
         else:
-            h_q, h_scales = quantize_per_group(h.dequantize() if isinstance(h, Fp8Tensor) else h, group_size, saved_fmt, check_finite=False)
-        r = swiglu_to_fp8(h_q, h_scales, group_size, out_fmt)
+            plain = h.dequantize() if isinstance(h, Fp8Tensor) else h
+            h_q, h_scales, amax = quantize_swiglu_input(plain, group_size, saved_fmt)
+        r = swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, amax=amax)
         ctx.save_for_backward(h_q, h_scales)
         ctx.meta = (group_size, h.dtype)
 

@@ -8,7 +8,10 @@ device), and holds instead
   ``shape[:-1] + (N // G,)`` (1xG granularity, ``group_size`` = G);
 * for per-tensor GEMM inputs, the transposed codes ``(N, R)`` that the wgrad GEMM of the consuming
   linear needs, either written by the producer (``transposed``) or recomputable bit-exactly from
-  what the producer saved anyway (``transposed_fn``, e.g. the SwiGLU output from its saved input).
+  what the producer saved anyway (``transposed_fn``, e.g. the SwiGLU output from its saved input);
+* optionally ``consumer_amax``: the amax of what the consuming op will compute from this tensor,
+  found by the producer in its own pass (group scaling: fc1 finds SwiGLU's output amax), so the
+  consumer quantizes its per-tensor output in one pass.
 
 Gradients that flow back to an Fp8Tensor are plain BF16 tensors. An op not in the table below
 dequantizes its Fp8Tensor arguments, runs in high precision, and warns once per op: the result is
@@ -39,9 +42,12 @@ class Fp8Tensor(torch.Tensor):
     group_size: int | None
     transposed: torch.Tensor | None
     transposed_fn: Callable[[], torch.Tensor] | None
+    consumer_amax: torch.Tensor | None
 
     @staticmethod
-    def __new__(cls, data, scale, *, group_size=None, transposed=None, transposed_fn=None, dtype=torch.bfloat16):
+    def __new__(
+        cls, data, scale, *, group_size=None, transposed=None, transposed_fn=None, consumer_amax=None, dtype=torch.bfloat16
+    ):
         if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(f"Fp8Tensor data must be FP8 codes, got {data.dtype}")
         self = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype, device=data.device, requires_grad=False)
@@ -50,6 +56,7 @@ class Fp8Tensor(torch.Tensor):
         self.group_size = group_size
         self.transposed = transposed
         self.transposed_fn = transposed_fn
+        self.consumer_amax = consumer_amax
         return self
 
     @property
@@ -70,11 +77,10 @@ class Fp8Tensor(torch.Tensor):
             return self.transposed_fn()
         raise ValueError("this Fp8Tensor carries no transposed copy")
 
-    def _rewrap(self, data, scale=None, transposed="keep"):
+    def _rewrap(self, data, scale=None):
         return Fp8Tensor(
-            data, self.scale if scale is None else scale, group_size=self.group_size,
-            transposed=self.transposed if transposed == "keep" else transposed,
-            transposed_fn=self.transposed_fn if transposed == "keep" else None, dtype=self.dtype,
+            data, self.scale if scale is None else scale, group_size=self.group_size, transposed=self.transposed,
+            transposed_fn=self.transposed_fn, consumer_amax=self.consumer_amax, dtype=self.dtype,
         )
 
     def __repr__(self):

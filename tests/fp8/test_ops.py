@@ -114,7 +114,7 @@ def test_linear_fp8_output_is_1x16(seed):
     x, w = activations((24, 320), seed), activations((256, 320), seed + 1) / 18
     xr, wr = x.float(), w.float()
     yr = xr @ wr.t()
-    y = fp8_linear(leaf(x), leaf(w), fp8_output=True)
+    y = fp8_linear(leaf(x), leaf(w), fp8_output="1xG")
     assert isinstance(y, Fp8Tensor) and y.granularity == "1x16" and y.scale.shape == (24, 16)
     gemm = product_error(xr, quant_error(xr, "e4m3"), wr.t(), quant_error(wr, "e4m3").t()) + BF16 * yr.abs()
     bound = gemm + quant_error_groups(yr.abs() + gemm, "e4m3", 16) + SLACK
@@ -173,7 +173,7 @@ def test_whole_mlp_chain_at_llama_13b_width(device, seed):
     yr.backward(dy.float())
 
     ours = [leaf(t, device=device) for t in (x, wn, w1, w2)]
-    y = fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], fp8_output=True)), ours[3])
+    y = fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], fp8_output="swiglu")), ours[3])
     y.backward(dy.to(device))
 
     def rel(a, b):

@@ -3,7 +3,14 @@ import torch
 from kernel_inputs import as_bytes, random_activations
 
 from coat_kernels import dequantize_per_group, quantize_per_group
-from coat_kernels.swiglu import swiglu_backward, swiglu_backward_reference, swiglu_to_fp8, swiglu_to_fp8_reference
+from coat_kernels.swiglu import (
+    quantize_swiglu_input,
+    quantize_swiglu_input_reference,
+    swiglu_backward,
+    swiglu_backward_reference,
+    swiglu_to_fp8,
+    swiglu_to_fp8_reference,
+)
 
 SHAPES = [(7, 2 * 64), (3, 5, 2 * 160), (5, 2 * 1376)]
 
@@ -76,3 +83,18 @@ def test_gate_up_order_is_megatrons():
     r = swiglu_to_fp8(h_q, h_s, 16)
     a = dequantize_per_group(r.q, r.scale.reshape(1, 1).expand(2, 1).contiguous(), 16, torch.float32)
     assert torch.allclose(a, torch.full((2, 16), 3.0 * 2.0 * torch.sigmoid(torch.tensor(2.0)).item()), rtol=2**-4)
+
+
+@pytest.mark.parametrize("shape", [(7, 2 * 64), (3, 5, 2 * 160), (33, 2 * 1376)], ids=str)
+def test_fused_input_quantization_gives_the_swiglu_amax(device, shape, seed):
+    h = random_activations(shape, seed=seed)
+    h_q, h_s, tiles = quantize_swiglu_input(h.to(device), 16, backend="triton")
+    q_ref, s_ref = quantize_per_group(h, 16, "e4m3")
+    assert torch.equal(as_bytes(h_q), as_bytes(q_ref)) and torch.equal(h_s.cpu(), s_ref)
+    # the amax the producer computed is the one SwiGLU's own amax pass finds in the codes
+    own = swiglu_to_fp8(h_q, h_s, 16, backend="triton")
+    assert torch.equal(tiles.amax(), own.amax)
+    given = swiglu_to_fp8(h_q, h_s, 16, amax=tiles, backend="triton")
+    assert torch.equal(as_bytes(given.q), as_bytes(own.q)) and torch.equal(given.scale, own.scale)
+    ref = quantize_swiglu_input_reference(h, 16)
+    assert torch.allclose(tiles.amax().cpu(), ref[2], rtol=1e-6)
