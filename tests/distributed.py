@@ -1,7 +1,7 @@
 """Run a test function in N processes on gloo, with real Megatron-Core on the CPU.
 
-``run_distributed(fn, world_size, ...)`` spawns ``world_size`` fresh processes (torch.multiprocessing,
-``spawn``), joins them into one gloo process group, optionally initialises Megatron's model
+``run_distributed(fn, world_size, ...)`` starts ``world_size`` fresh processes (torch.multiprocessing,
+``forkserver``: see below), joins them into one gloo process group, optionally initialises Megatron's model
 parallel state, calls ``fn(*args)`` in each inside ``coat_patches.cpu.megatron_on_cpu()``, and
 returns the per-rank return values (a list indexed by rank). ``fn`` must be importable by name
 (a module-level function of a test module); what it returns must pickle.
@@ -10,6 +10,12 @@ Failures come back to the test: the first rank to raise has its exception re-rai
 chained to that rank's traceback (and the other ranks' errors are listed); a rank that dies without
 reporting, or a run that outlives ``timeout``, fails the test and the processes are killed, so that
 a hung collective cannot hang CI.
+
+Start-up: a child that imports torch and Megatron from scratch (``spawn``) spends 3-5 s on imports
+before 0.1 s of tiny-GPT work, and the tests start some 25 of them on 2 cores. ``forkserver`` runs
+those imports once per test process, in a server that has started no threads, and forks each child
+from it (0.1 s); like ``spawn``, it never forks the test process itself. The server starts with
+the first run and exits with the test process.
 
 Rendezvous: the parent hosts the ``TCPStore`` on a port the OS picks (bound, never guessed), so
 concurrent runs (pytest-xdist workers) cannot collide. gloo then connects the ranks through that
@@ -34,6 +40,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HOST = "127.0.0.1"
+
+# Imported once by the fork server (what the tiny-GPT tests use); a module missing here is skipped.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "coat_patches.cpu",
+    "megatron.core.dist_checkpointing",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+]
 
 
 class RemoteTraceback(Exception):
@@ -75,7 +93,8 @@ def run_distributed(
         The first failing rank's exception (with its traceback as __cause__), RankFailed, or
         TimeoutError naming the ranks that had not finished.
     """
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts: at the first run
     results = ctx.Queue()
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout))
     setup = dict(
@@ -90,9 +109,10 @@ def run_distributed(
     procs = []
     reports = {}
     try:
-        # The children read the environment when they start: hide GPUs so that megatron_on_cpu()
-        # applies on any machine, and keep each child to its share of the cores.
-        with _environment(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(threads)):
+        # The fork server (and so every child) keeps the environment it starts with. Hide GPUs
+        # from it: CUDA must not be initialised in a process that forks, and without CUDA
+        # megatron_on_cpu() applies on any machine.
+        with _environment(CUDA_VISIBLE_DEVICES=""):
             for rank in range(world_size):
                 # Not daemonic: Megatron's checkpoint writer starts processes of its own.
                 p = ctx.Process(target=_child, args=(rank, setup, fn, tuple(args), results))
