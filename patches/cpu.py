@@ -12,8 +12,9 @@ Megatron does                               on the CPU it gets
 device of buffers (RoPE, attention masks,
 SP all-gather, pipeline p2p, optimizer)
 ``device="cuda"`` in factory calls          a ``TorchFunctionMode`` that makes the device the
-(grad scaler, schedules' token counts,      CPU in any torch call's ``device=`` argument
-grad-norm helpers)
+(grad scaler, schedules' token counts,      CPU in any torch call's ``device=`` keyword
+grad-norm helpers, causal masks)            (positional devices and ``.cuda()`` are left alone:
+                                            Megatron's CPU paths do not use them)
 the CUDA RNG tracker (attention always      ``torch.cuda.get_rng_state`` / ``manual_seed`` and
 forks it, even at dropout 0)                Megatron's ``_set_cuda_rng_state`` act on the
                                             CPU default generator
@@ -23,8 +24,12 @@ optimizer, clip_grad_by_total_norm_fp32)    how Megatron dispatches on the dtype
 ``torch.cuda.current_stream()`` in          a stream whose waits do nothing
 ``start_grad_sync`` (0.19)
 ``torch.cuda.synchronize()`` (pipeline      nothing to wait for: CPU ops are synchronous
-p2p, model-parallel set-up)
+p2p, the dist-checkpoint writer)
 ==========================================  ==================================================
+
+The CPU default generator plays the CUDA generator, so that dropout on CPU tensors draws from the
+tracker's streams (per TP rank inside ``fork()``). With dropout > 0, Megatron's ``fork()`` then
+logs "CPU RNG state changed within GPU RNG context" on every fork: expected here, not a fault.
 
 Use it around everything that builds or runs Megatron objects::
 
@@ -137,7 +142,7 @@ def _redirects() -> list[tuple[object, str, object]]:
         (mcore_random, "_set_cuda_rng_state", _cpu_set_rng_state),
         # 0.19's start_grad_sync waits on the current stream for CUDA-graph events.
         (torch.cuda, "current_stream", lambda device=None: _CpuStream()),
-        # Pipeline p2p (batched isend/irecv) and model-parallel set-up synchronize the device.
+        # Pipeline p2p (batched isend/irecv) and the dist-checkpoint writer synchronize the device.
         (torch.cuda, "synchronize", lambda device=None: None),
     ]
 

@@ -1,5 +1,5 @@
-"""Real Megatron-Core on gloo: DDP + DistributedOptimizer training at DP=2, and a dist checkpoint
-(``dp_reshardable``) that resumes exactly.
+"""Real Megatron-Core on gloo: DDP training at DP=2 (distributed optimizer, and Megatron's BF16
+optimizer) that matches DP=1, and a dist checkpoint (``dp_reshardable``) that resumes exactly.
 
 BF16 parameters with FP32 main parameters and gradients: the precision path the COAT optimizer
 replaces.
@@ -32,30 +32,32 @@ def _my_micro_batches() -> list[dict]:
     return batches[rank::size]
 
 
-def _build(seed: int = 0):
-    model = tiny_ddp(tiny_gpt(tiny_config(params_dtype=torch.bfloat16), seed=seed))
+def _build(seed: int = 0, distributed_optimizer: bool = True):
+    model = tiny_ddp(tiny_gpt(tiny_config(params_dtype=torch.bfloat16), seed=seed), distributed_optimizer=distributed_optimizer)
     return model, tiny_optimizer(model, lr=1e-2)
 
 
-def _train() -> dict:
-    model, optimizer = _build()
+def _train(distributed_optimizer: bool) -> dict:
+    model, optimizer = _build(distributed_optimizer=distributed_optimizer)
     batches = _my_micro_batches()
     losses = [train_step(model, optimizer, batches) for _ in range(STEPS)]
     return dict(losses=losses, params=local_shards(model, "data"))
 
 
-def test_distributed_optimizer_dp2_trains_like_dp1():
-    dp2 = run_distributed(_train, 2, tensor_parallel=1)
-    dp1 = run_distributed(_train, 1, tensor_parallel=1)[0]
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["distributed-optimizer", "bf16-optimizer"])
+def test_dp2_trains_like_dp1(distributed_optimizer):
+    dp2 = run_distributed(_train, 2, args=(distributed_optimizer,), tensor_parallel=1)
+    dp1 = run_distributed(_train, 1, args=(distributed_optimizer,), tensor_parallel=1)[0]
     losses = dp2[0]["losses"]
     # The same global batch every step: the model memorises it.
     assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.5, losses
-    # Both ranks hold the same (all-gathered) parameters and saw the same averaged loss.
+    # Both ranks hold the same parameters (all-gathered by the distributed optimizer, or updated
+    # from all-reduced gradients) and saw the same averaged loss.
     assert dp2[1]["losses"] == losses
     for name, shard in dp2[0]["params"].items():
         assert torch.equal(shard.tensor, dp2[1]["params"][name].tensor), name
-    # Sharding the optimizer over DP changes nothing but BF16 rounding.
+    # Splitting the batch over DP changes nothing but rounding.
     assert losses == pytest.approx(dp1["losses"], abs=5e-3)
 
 
