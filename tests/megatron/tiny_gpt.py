@@ -287,7 +287,7 @@ def forward_backward(model: torch.nn.Module, batches: list[dict], *, forward_onl
     return (total[0] / total[1]).item()
 
 
-def tiny_ddp(model: GPTModel, *, distributed_optimizer: bool = True, **ddp_overrides) -> DistributedDataParallel:
+def tiny_ddp(model: MegatronModule, *, distributed_optimizer: bool = True, **ddp_overrides) -> DistributedDataParallel:
     """Megatron's DDP around ``model`` (FP32 grad buffers, no overlap), with
     ``finalize_model_grads`` installed so that the schedule reduces gradients over DP and, for
     sequence-parallel norms, over TP."""
@@ -330,7 +330,6 @@ def train_step(model: DistributedDataParallel, optimizer, batches: list[dict]) -
     return loss
 
 
-
 def _checkpoint_state(model: DistributedDataParallel, optimizer, sharding_type: str, is_loading: bool) -> dict:
     metadata = dict(
         distrib_optim_sharding_type=sharding_type,
@@ -351,15 +350,18 @@ def save_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sha
 
 
 def load_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sharding_type: str = "dp_reshardable") -> None:
-    """Load what ``save_checkpoint`` wrote into ``model`` and ``optimizer`` (same layouts).
+    """Load what ``save_checkpoint`` wrote into ``model`` and its distributed optimizer, built
+    with the same TP/PP/DP layout.
 
     Works around three faults of megatron-core 0.19's DistributedOptimizer with torch's Adam
-    (no apex or TE, so Adam keeps a ``step`` tensor per parameter): its ``state_dict()`` asserts on
-    a new optimizer, which has no per-parameter states yet; its ``load_state_dict`` gives all
-    parameters one shared step tensor, which Adam's foreach step then increments once per
-    parameter; and the ``dp_reshardable`` load copies the step of the optimizer being loaded into
-    over that one. The checkpoint's step does arrive in the param groups: each parameter gets its
-    own step tensor from there.
+    (no apex or TE, so Adam keeps a ``step`` tensor per parameter):
+    - ``state_dict()`` asserts on a new optimizer, which has no per-parameter states yet;
+    - ``load_state_dict`` hands every parameter one shared step tensor, which Adam's foreach step
+      then increments once per parameter (measured: step 2 became 17 after one step, 15 params);
+    - the ``dp_reshardable`` load then overwrites that step with the one the optimizer had before
+      the load.
+    The checkpoint's step does arrive in the param groups: each parameter gets its own step tensor
+    from there.
     """
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     for opt in distributed:
@@ -374,4 +376,4 @@ def load_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sha
         for opt in distributed:
             for group in opt.optimizer.param_groups:
                 for param in group["params"]:
-                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))  # Adam's dtype
