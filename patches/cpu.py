@@ -69,19 +69,16 @@ def check_megatron_version() -> None:
     """Raise if the installed megatron-core is not one whose CUDA hard-codes this module knows."""
     found = megatron_core_version()
     if found[:2] != SUPPORTED_MEGATRON:
-        want = ".".join(map(str, SUPPORTED_MEGATRON))
+        major, minor = SUPPORTED_MEGATRON
         raise RuntimeError(
-            f"coat_patches.cpu redirects the CUDA hard-codes of megatron-core {want}.x, but "
-            f"megatron-core {'.'.join(map(str, found))} is installed; install megatron-core=={want}.* "
-            f"(pip install 'megatron-core>={want},<0.{SUPPORTED_MEGATRON[1] + 1}') or port the patches "
-            f"in {__name__} to the new call sites"
+            f"coat_patches.cpu redirects the CUDA hard-codes of megatron-core {major}.{minor}.x, but "
+            f"megatron-core {'.'.join(map(str, found))} is installed; install it with "
+            f"pip install 'megatron-core>={major}.{minor},<{major}.{minor + 1}', or port {__name__} "
+            f"to the new release's call sites"
         )
 
 
 def _names_cuda(device) -> bool:
-    # A bare int is a CUDA ordinal in torch's factory calls.
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
     if isinstance(device, str):
         return device.startswith("cuda")
     return isinstance(device, torch.device) and device.type == "cuda"
