@@ -7,7 +7,7 @@ Every public function here picks Triton for CUDA tensors and the torch reference
 from .backend import use_triton
 from .formats import FP8_FORMATS, GROUP_SIZES, Fp8Format, fp8_format
 from .per_group import dequantize_per_group, quantize_per_group
-from .per_tensor import dequantize_per_tensor, quantize_per_tensor, tensor_amax
+from .per_tensor import dequantize_per_tensor, quantize_per_tensor, tensor_amax, transpose_codes
 from .scaling import NonFiniteInputError
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "quantize_per_group",
     "quantize_per_tensor",
     "tensor_amax",
+    "transpose_codes",
     "use_triton",
 ]

@@ -133,6 +133,19 @@ def _transpose_codes_kernel(q_ptr, qt_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr
     tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
 
 
+def transpose_codes(q: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The (N, R) row-major transpose of FP8 codes q (R rows of N; any leading shape), in one
+    1-byte pass (wgrad operands of inputs that were all-gathered or produced without a copy)."""
+    n_cols = q.shape[-1]
+    n_rows = q.numel() // max(n_cols, 1)
+    q_t = torch.empty((n_cols, n_rows), dtype=q.dtype, device=q.device)
+    if not use_triton(q, backend):
+        q_t.view(torch.uint8).copy_(q.view(torch.uint8).reshape(n_rows, n_cols).t())
+        return q_t
+    finish_transpose(q.contiguous(), q_t, True, in_pass=False)
+    return q_t
+
+
 def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pass: bool) -> None:
     """Write q_t (N, R) from the codes q (R rows of N) when the quantizing pass did not."""
     if not transpose or in_pass or q.numel() == 0:

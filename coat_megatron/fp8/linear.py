@@ -32,7 +32,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache, config, fp8_output, save_original_input):
+    def forward(ctx, x, weight, bias, cache, config, fp8_output, save_original_input, main_grad):
         # fp8_output: None (BF16 out), "1xG", or "swiglu" (1xG, plus the amax of SwiGLU's output)
         fmt = config.forward_format
         x_t = x_t_fn = x_orig = x_amax = None
@@ -55,7 +55,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
         ctx.x_t_fn = x_t_fn
         ctx.w = (w_t, w_scale)
-        ctx.meta = (config, bias is not None, x.shape, x.dtype)
+        ctx.meta = (config, bias is not None, x.shape, x.dtype, main_grad)
         if fp8_output == "swiglu":
             y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, fmt)
             return Fp8Tensor(y_q, y_scales, group_size=config.group_size, consumer_amax=a_amax, dtype=y.dtype)
@@ -67,7 +67,7 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x_t, x_orig, x_amax, x_scale, weight = ctx.saved_tensors
-        config, has_bias, x_shape, x_dtype = ctx.meta
+        config, has_bias, x_shape, x_dtype, main_grad = ctx.meta
         w_t, w_scale = ctx.w
         dy2 = _rows(dy.contiguous())
         dy_q, dy_scale, dy_t = quantize_per_tensor(
@@ -81,15 +81,31 @@ class _Fp8Linear(torch.autograd.Function):
                 x_t = quantize_per_tensor(x_orig, config.forward_format, transpose=True, amax=x_amax, check_finite=False)[2]
             elif x_t is None:
                 x_t = ctx.x_t_fn()
-            dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=weight.dtype)
+            if main_grad and hasattr(weight, "main_grad"):
+                dw = _accumulate_main_grad(weight, fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=torch.float32))
+            else:
+                dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(dim=0).to(weight.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _accumulate_main_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
+    """Megatron's gradient-accumulation-fusion protocol: add wgrad into ``weight.main_grad`` (FP32)
+    and hand autograd a placeholder, so DDP's hook does not add it a second time."""
+    weight.main_grad.add_(dw)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
 
 
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: CoatConfig | None = None,
     weight_cache: Fp8WeightCache | None = None, fp8_output: str | None = None, save_original_input: bool = False,
+    accumulate_into_main_grad: bool = False,
 ) -> torch.Tensor:
     """y = x @ weight^T + bias with FP8 GEMMs (fprop, dgrad, wgrad).
 
@@ -103,9 +119,11 @@ def fp8_linear(
             SwiGLU: 1xG FP8 that also carries SwiGLU's output amax, found in the same pass.
         save_original_input: x (plain) is kept alive anyway (e.g. attention saves its output):
             save it instead of an FP8 transposed copy.
+        accumulate_into_main_grad: add wgrad (FP32) into ``weight.main_grad`` instead of returning
+            it (Megatron's gradient_accumulation_fusion).
     """
     if fp8_output not in (None, "1xG", "swiglu"):
         raise ValueError(f"fp8_output={fp8_output!r}: use None (BF16), '1xG' or 'swiglu'")
     config = config or CoatConfig()
     cache = weight_cache or Fp8WeightCache(config.weight_format)
-    return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input)
+    return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input, accumulate_into_main_grad)

@@ -23,11 +23,11 @@ def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor
 
 class _NormToFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt):
+    def forward(ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax):
         b = bias.detach().float().contiguous() if bias is not None else None
         r = norm_to_fp8(
             x, _multiplier(weight, zero_centered_gamma), b, eps=eps, kind=kind, group_size=group_size,
-            out_fmt=out_fmt, saved_fmt=saved_fmt, transpose=True,
+            out_fmt=out_fmt, saved_fmt=saved_fmt, transpose=transpose, reduce_amax=reduce_amax,
         )
         ctx.save_for_backward(r.x_q, r.x_scales, r.mean, r.rstd, weight)
         ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype)
@@ -41,23 +41,32 @@ class _NormToFp8(torch.autograd.Function):
             grad.contiguous(), x_q, x_scales, _multiplier(weight, zero_centered_gamma), mean, rstd,
             group_size=group_size, has_bias=has_bias, dx_dtype=dtype,
         )
-        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, None, None, None, None, None, None
+        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 9)
 
 
 def rmsnorm_to_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, group_size: int = 16,
-    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3",
+    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
+    reduce_amax=None,
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` carrying its transposed copy.
 
     H must be a multiple of ``group_size`` (the 1xG FP8 copy of x saved for backward).
+    ``transpose=False`` skips the transposed copy (a consumer that all-gathers its input makes
+    its own); ``reduce_amax`` is applied in place to the output amax before quantizing (an
+    all-reduce MAX over the tensor-parallel group under sequence parallelism).
     """
-    return _NormToFp8.apply(x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt)
+    return _NormToFp8.apply(
+        x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
+    )
 
 
 def layernorm_to_fp8(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, *, group_size: int = 16,
-    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3",
+    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
+    reduce_amax=None,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
-    return _NormToFp8.apply(x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt)
+    return _NormToFp8.apply(
+        x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
+    )

@@ -1,0 +1,86 @@
+"""Column- and row-parallel linears whose GEMMs run in FP8: drop-ins for Megatron's.
+
+They subclass Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``, so construction,
+initialisation, parameter names, TP partitioning and checkpointing are Megatron's; only the
+forward differs. Tensor parallel: the column-parallel linear splits its output (the input
+gradient is all-reduced over the group, BF16); the row-parallel one splits its input and
+all-reduces its output in BF16 (or reduce-scatters it under sequence parallelism). Sequence
+parallel: the column-parallel input is all-gathered in FP8 (see ``sequence_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+from ..config import CoatConfig
+from ..fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear
+from .sequence_parallel import gather_fp8_from_sequence_parallel
+
+
+def _coat_kwargs(kwargs: dict) -> CoatConfig:
+    return kwargs.pop("coat_config", None) or CoatConfig()
+
+
+class CoatColumnParallelLinear(ColumnParallelLinear):
+    """``ColumnParallelLinear`` with FP8 GEMMs. Input: a per-tensor ``Fp8Tensor`` (from ``CoatNorm``)
+    or BF16. Output: BF16, or 1xG FP8 when ``fp8_output`` is set (fc1 feeding SwiGLU)."""
+
+    def __init__(self, input_size, output_size, *args, **kwargs):
+        self.coat = _coat_kwargs(kwargs)
+        super().__init__(input_size, output_size, *args, **kwargs)
+        self.weight_cache = Fp8WeightCache(self.coat.weight_format)
+        self.fp8_output = None
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_fp8_from_sequence_parallel(input_, self.tp_group, self.coat.forward_format)
+        elif self.allreduce_dgrad:
+            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        else:
+            x = input_
+        out = fp8_linear(
+            x, weight, None if self.skip_bias_add else self.bias, config=self.coat, weight_cache=self.weight_cache,
+            fp8_output=self.fp8_output, accumulate_into_main_grad=self.gradient_accumulation_fusion,
+        )
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            if isinstance(out, Fp8Tensor):
+                raise ValueError("an FP8 output cannot be gathered across tensor-parallel ranks; use gather_output=False")
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, self.bias if self.skip_bias_add else None
+
+
+class CoatRowParallelLinear(RowParallelLinear):
+    """``RowParallelLinear`` with FP8 GEMMs. ``input_saved_by_producer`` (linear_proj after an
+    attention that saves its output, as flash attention does): keep that BF16 input for wgrad
+    instead of an FP8 transposed copy, so the layer saves nothing the attention has not saved."""
+
+    def __init__(self, input_size, output_size, *args, input_saved_by_producer: bool = False, **kwargs):
+        self.coat = _coat_kwargs(kwargs)
+        super().__init__(input_size, output_size, *args, **kwargs)
+        self.weight_cache = Fp8WeightCache(self.coat.weight_format)
+        self.input_saved_by_producer = input_saved_by_producer
+
+    def forward(self, input_):
+        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
+        out = fp8_linear(
+            x, self.weight, None, config=self.coat, weight_cache=self.weight_cache,
+            save_original_input=self.input_saved_by_producer and not isinstance(x, Fp8Tensor),
+            accumulate_into_main_grad=self.gradient_accumulation_fusion,
+        )
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
