@@ -67,7 +67,10 @@ def build(mode: str, args):
     elif mode.startswith("TE"):
         spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        spec = get_gpt_layer_coat_spec(proj_input_saved_by_attention="attention saves" in mode)
+        from coat_megatron.config import CoatConfig
+
+        coat = CoatConfig(recompute_norm_output="no recompute" not in mode)
+        spec = get_gpt_layer_coat_spec(coat, proj_input_saved_by_attention="attention saves" in mode)
     layer = build_module(spec, config=config, layer_number=1).cuda()
     ctx = contextlib.nullcontext
     if fp8:
@@ -126,7 +129,7 @@ def main():
 
     te = transformer_engine_available()
     modes = ["local BF16", "TE BF16", "TE FP8 delayed", "TE FP8 current", "TE FP8 current + FP8 SwiGLU input store",
-             "COAT", "COAT (proj: attention saves its output)"]
+             "COAT", "COAT (proj: attention saves its output)", "COAT (norm outputs stored, no recompute)"]
     rows = []
     for mode in modes:
         if mode.startswith("TE") and not te:

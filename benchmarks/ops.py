@@ -56,7 +56,8 @@ class CoatBlock(Bf16Block):
         self.c1, self.c2 = Fp8WeightCache(), Fp8WeightCache()
 
     def forward(self, x):
-        n = rmsnorm_to_fp8(x, self.norm, 1e-5, group_size=self.config.group_size)
+        transpose = "recompute" if self.config.recompute_norm_output else "store"
+        n = rmsnorm_to_fp8(x, self.norm, 1e-5, group_size=self.config.group_size, transpose=transpose)
         h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, fp8_output="swiglu")
         return fp8_linear(swiglu_fp8(h, group_size=self.config.group_size), self.fc2, config=self.config, weight_cache=self.c2)
 
@@ -192,6 +193,7 @@ def main():
         results.append(measure(name, make(), x, dy, ctx))
     results.append(measure("COAT", CoatBlock(hdim, ffn, CoatConfig()).cuda(), x, dy))
     results.append(measure("COAT, promoted fprop accumulation", CoatBlock(hdim, ffn, CoatConfig(fprop_fast_accumulation=False)).cuda(), x, dy))
+    results.append(measure("COAT, fc1 input stored (no recompute)", CoatBlock(hdim, ffn, CoatConfig(recompute_norm_output=False)).cuda(), x, dy))
 
     src = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)

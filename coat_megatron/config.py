@@ -49,6 +49,10 @@ class CoatConfig:
         fprop_fast_accumulation: Hopper's fast FP8 accumulation (no periodic promotion to full
             FP32) in the forward GEMMs, as TE's current-scaling recipe does; dgrad and wgrad
             always promote. Measured 4% of an MLP block's fwd+bwd time on an H200.
+        recompute_norm_output: a norm's per-tensor FP8 output is not kept for the next linear's
+            wgrad (its transposed copy, 1 byte per element): backward recomputes it from the
+            norm's saved 1xG input copy. The forward stays exact; the wgrad operand then carries
+            the 1xG rounding of the norm input too (COAT's own data flow quantizes twice there).
     """
 
     activations: bool = True
@@ -65,9 +69,10 @@ class CoatConfig:
     k_max: float = 16.0
     optimizer_group_size: int = 128
     fprop_fast_accumulation: bool = True
+    recompute_norm_output: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation"):
+        for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation", "recompute_norm_output"):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
             value = getattr(self, name)

@@ -61,6 +61,7 @@ class NormFp8(NamedTuple):
     x_scales: torch.Tensor
     mean: torch.Tensor | None
     rstd: torch.Tensor
+    amax: torch.Tensor
 
 
 @triton.jit
@@ -218,7 +219,7 @@ def norm_to_fp8_reference(
         reduce_amax(amax)
     out = quantize_per_tensor_reference(y, out_fmt, transpose=transpose, amax=amax)
     x_q, x_scales = quantize_per_group_reference(x, group_size, saved_fmt)
-    return NormFp8(out[0].view(x.shape), out[1], out[2] if transpose else None, x_q, x_scales, mean, rstd)
+    return NormFp8(out[0].view(x.shape), out[1], out[2] if transpose else None, x_q, x_scales, mean, rstd, amax.reshape(()))
 
 
 def norm_to_fp8(
@@ -274,7 +275,37 @@ def norm_to_fp8(
             TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
         )
         finish_transpose(q, q_t, transpose, in_pass)
-    return NormFp8(q, scale, q_t if transpose else None, x_q, x_scales, mean, rstd)
+    else:
+        amax = torch.zeros((), dtype=torch.float32, device=dev)
+    return NormFp8(q, scale, q_t if transpose else None, x_q, x_scales, mean, rstd, amax.reshape(()))
+
+
+def norm_quantize(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor | None, rstd: torch.Tensor,
+    amax: torch.Tensor, *, out_fmt: str = "e4m3", transpose: bool = True, backend: str = "auto",
+) -> tuple[torch.Tensor, ...]:
+    """The quantizing pass of ``norm_to_fp8`` alone, with given statistics and amax: (q, scale[, q_t]).
+
+    Used to recompute a norm's per-tensor FP8 output in backward (from its saved 1xG input copy,
+    dequantized) instead of keeping it from the forward."""
+    f = fp8_format(out_fmt)
+    rows = as_rows(x)
+    if not use_triton(x, backend):
+        y = _normalize_reference(rows.float(), mean, rstd, weight, bias)
+        out = quantize_per_tensor_reference(y, out_fmt, transpose=transpose, amax=amax)
+        return (out[0].view(x.shape), *out[1:])
+    n_rows, n_cols = rows.shape
+    q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
+    if n_rows:
+        block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
+        in_pass = transpose_in_pass(transpose, x.dtype)
+        _norm_quantize_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+            rows, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd, amax, q, q_t, scale,
+            n_rows, n_cols, rows.stride(0), FMAX=f.max, IS_LAYERNORM=mean is not None, HAS_BIAS=bias is not None,
+            TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+        )
+        finish_transpose(q, q_t, transpose, in_pass)
+    return (q, scale, q_t) if transpose else (q, scale)
 
 
 def norm_backward_reference(

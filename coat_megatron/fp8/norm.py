@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from coat_kernels.norm import norm_backward, norm_to_fp8
+from coat_kernels import dequantize_per_group
+from coat_kernels.norm import norm_backward, norm_quantize, norm_to_fp8
 
 from .tensor import Fp8Tensor
 
@@ -24,14 +25,25 @@ def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor
 class _NormToFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax):
+        # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
+        # from the saved 1xG input copy)
+        w = _multiplier(weight, zero_centered_gamma)
         b = bias.detach().float().contiguous() if bias is not None else None
         r = norm_to_fp8(
-            x, _multiplier(weight, zero_centered_gamma), b, eps=eps, kind=kind, group_size=group_size,
-            out_fmt=out_fmt, saved_fmt=saved_fmt, transpose=transpose, reduce_amax=reduce_amax,
+            x, w, b, eps=eps, kind=kind, group_size=group_size, out_fmt=out_fmt, saved_fmt=saved_fmt,
+            transpose=transpose == "store", reduce_amax=reduce_amax,
         )
         ctx.save_for_backward(r.x_q, r.x_scales, r.mean, r.rstd, weight)
         ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype)
-        return Fp8Tensor(r.q, r.scale, transposed=r.q_t, dtype=x.dtype)
+        transposed_fn = None
+        if transpose == "recompute":
+            x_q, x_scales, mean, rstd, amax, dtype = r.x_q, r.x_scales, r.mean, r.rstd, r.amax, x.dtype
+
+            def transposed_fn():
+                x_saved = dequantize_per_group(x_q, x_scales, group_size, dtype)
+                return norm_quantize(x_saved, w, b, mean, rstd, amax, out_fmt=out_fmt, transpose=True)[2]
+
+        return Fp8Tensor(r.q, r.scale, transposed=r.q_t, transposed_fn=transposed_fn, dtype=x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -46,15 +58,17 @@ class _NormToFp8(torch.autograd.Function):
 
 def rmsnorm_to_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, group_size: int = 16,
-    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
+    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: str | None = "store",
     reduce_amax=None,
 ) -> Fp8Tensor:
-    """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` carrying its transposed copy.
+    """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
     H must be a multiple of ``group_size`` (the 1xG FP8 copy of x saved for backward).
-    ``transpose=False`` skips the transposed copy (a consumer that all-gathers its input makes
-    its own); ``reduce_amax`` is applied in place to the output amax before quantizing (an
-    all-reduce MAX over the tensor-parallel group under sequence parallelism).
+    ``transpose``: "store" writes the transposed copy (the next linear's wgrad operand) now;
+    "recompute" makes it in backward from the saved 1xG copy (nothing more is kept); None makes
+    none (a consumer that all-gathers its input makes its own). ``reduce_amax`` is applied in
+    place to the output amax before quantizing (an all-reduce MAX over the tensor-parallel group
+    under sequence parallelism).
     """
     return _NormToFp8.apply(
         x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
@@ -63,7 +77,7 @@ def rmsnorm_to_fp8(
 
 def layernorm_to_fp8(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, *, group_size: int = 16,
-    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
+    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: str | None = "store",
     reduce_amax=None,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""

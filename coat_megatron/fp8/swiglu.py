@@ -29,9 +29,10 @@ class _SwigluFp8(torch.autograd.Function):
         r = swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, amax=amax)
         ctx.save_for_backward(h_q, h_scales)
         ctx.meta = (group_size, h.dtype)
+        out_amax = r.amax  # the closure must not hold r: r.q is the output, which fc2 does not keep
 
         def transposed():
-            return swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, transpose=True, amax=r.amax, store_q=False).q_t
+            return swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, transpose=True, amax=out_amax, store_q=False).q_t
 
         return Fp8Tensor(r.q, r.scale, transposed_fn=transposed, dtype=h.dtype)
 

@@ -62,7 +62,8 @@ class CoatNorm(MegatronModule):
             group_size=self.coat.group_size, zero_centered_gamma=self.zero_centered_gamma,
             out_fmt=self.coat.forward_format, saved_fmt=self.coat.forward_format,
             # under SP the consumer gathers the codes and makes its own transposed copy
-            transpose=not self.sequence_parallel, reduce_amax=all_reduce_amax(group) if group is not None else None,
+            transpose=None if self.sequence_parallel else "recompute" if self.coat.recompute_norm_output else "store",
+            reduce_amax=all_reduce_amax(group) if group is not None else None,
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

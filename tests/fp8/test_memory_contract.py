@@ -2,7 +2,9 @@
 
 Per token, with hidden H, FFN F and 1xG groups:
     norm       the 1xG FP8 copy of its input + scales + rstd   H (1 + 4/G) + 4
-    fc1 / qkv  the FP8 transposed copy of its input            H            (+ a 4-byte scale)
+    fc1 / qkv  nothing: the norm output's transposed copy is recomputed in backward from the
+               norm's saved copy (transpose="recompute", the layer spec's default), or the FP8
+               transposed copy of its input, H, when the norm stores it (transpose="store")
     SwiGLU     its 1xG FP8 input + scales                      2F (1 + 4/G)
     fc2        nothing: its input's transposed copy is recomputed from SwiGLU's saved input
     proj       nothing new when the BF16 input is saved anyway (attention saves its output)
@@ -60,6 +62,9 @@ def test_each_op_saves_its_contract():
     fp8 = [t for t in s if t.dtype == torch.float8_e4m3fn]
     assert len(fp8) == 1 and fp8[0].shape == (H, T)  # the wgrad layout: X^T row-major
     assert nbytes(s) == T * H + 4
+    n_recompute = rmsnorm_to_fp8(x, wn, transpose="recompute")
+    _, s = saved_by(lambda: fp8_linear(n_recompute, w1, fp8_output="swiglu"), params)
+    assert nbytes(s) == 4
     assert h.consumer_amax is not None  # fc1 found SwiGLU's output amax in its quantizing pass
     a, s = saved_by(lambda: swiglu_fp8(h), params)
     assert nbytes(s) == 2 * T * FFN + 2 * T * FFN // G * 4
@@ -75,7 +80,7 @@ def test_mlp_block_saves_about_a_third_of_bf16():
     params = [wn, w1, w2]
 
     def coat():
-        return fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(x, wn), w1, fp8_output="swiglu")), w2)
+        return fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(x, wn, transpose="recompute"), w1, fp8_output="swiglu")), w2)
 
     def bf16():
         gate, up = (F.rms_norm(x, (H,), wn.to(torch.bfloat16), 1e-5) @ w1.t()).chunk(2, dim=-1)
@@ -84,9 +89,27 @@ def test_mlp_block_saves_about_a_third_of_bf16():
     _, coat_saved = saved_by(coat, params)
     _, bf16_saved = saved_by(bf16, params + [x])
     coat_bytes = nbytes(coat_saved)
-    assert coat_bytes == T * (H * (1 + 4 / G) + 4 + H + 2 * FFN * (1 + 4 / G)) + 8
+    assert coat_bytes == T * (H * (1 + 4 / G) + 4 + 2 * FFN * (1 + 4 / G)) + 8
     assert all(t.dtype != torch.bfloat16 for t in coat_saved)
     # BF16 saves the norm input (which is x itself here, so excluded), the norm output, fc1's
     # output, silu(gate) and fc2's input: 2H + 4F + 2F + 2F bytes per token (+ rstd)
     assert nbytes(bf16_saved) >= T * (2 * H + 8 * FFN)
     assert coat_bytes <= 0.55 * (nbytes(bf16_saved) + 2 * T * H)
+
+
+def test_nothing_outside_the_contract_stays_alive():
+    """Closures and Fp8Tensors must not keep forward outputs alive: after the block's forward,
+    the norm's and SwiGLU's per-tensor FP8 outputs (read only by the next GEMM) are freed."""
+    import gc
+    import weakref
+
+    x, wn, w1, w2 = make()
+    n = rmsnorm_to_fp8(x, wn, transpose="recompute")
+    a = swiglu_fp8(fp8_linear(n, w1, fp8_output="swiglu"))
+    refs = [weakref.ref(n.data_fp8), weakref.ref(a.data_fp8)]
+    y = fp8_linear(a, w2)
+    del n, a
+    gc.collect()
+    assert all(r() is None for r in refs)
+    y.float().sum().backward()  # the recomputed copies still serve the backward
+    assert w1.grad is not None and torch.isfinite(w1.grad.float()).all()

@@ -2,7 +2,7 @@ import pytest
 import torch
 from kernel_inputs import as_bytes, random_activations
 
-from coat_kernels.norm import norm_backward, norm_backward_reference, norm_to_fp8, norm_to_fp8_reference
+from coat_kernels.norm import norm_backward, norm_backward_reference, norm_quantize, norm_to_fp8, norm_to_fp8_reference
 
 SHAPES = [(7, 96), (3, 5, 160), (9, 5120), (2, 640)]
 
@@ -91,3 +91,13 @@ def test_bad_arguments_name_the_fix():
         norm_to_fp8(torch.randn(4, 32), torch.ones(32, dtype=torch.bfloat16), eps=1e-5)
     with pytest.raises(ValueError, match="use 'rmsnorm' or 'layernorm'"):
         norm_to_fp8(torch.randn(4, 32), torch.ones(32), eps=1e-5, kind="batchnorm")
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_quantize_pass_alone_with_given_stats(device, kind, seed):
+    x = random_activations((13, 320), seed=seed)
+    w, b = weights(320, kind, seed)
+    r = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
+    args = [t.to(device) if t is not None else None for t in (x, w, b, r.mean, r.rstd, r.amax)]
+    q, scale, q_t = (t.cpu() for t in norm_quantize(*args, transpose=True, backend="triton"))
+    assert torch.equal(scale, r.scale) and torch.equal(as_bytes(q), as_bytes(r.q)) and torch.equal(as_bytes(q_t), as_bytes(r.q_t))
