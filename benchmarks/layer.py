@@ -69,8 +69,8 @@ def build(mode: str, args):
     else:
         from coat_megatron.config import CoatConfig
 
-        coat = CoatConfig(recompute_norm_output="no recompute" not in mode)
-        spec = get_gpt_layer_coat_spec(coat, proj_input_saved_by_attention="attention saves" in mode)
+        coat = CoatConfig(recompute_norm_output="recomputed" in mode)
+        spec = get_gpt_layer_coat_spec(coat, proj_input_saved_by_attention=False if "proj saves" in mode else None)
     layer = build_module(spec, config=config, layer_number=1).cuda()
     ctx = contextlib.nullcontext
     if fp8:
@@ -129,7 +129,7 @@ def main():
 
     te = transformer_engine_available()
     modes = ["local BF16", "TE BF16", "TE FP8 delayed", "TE FP8 current", "TE FP8 current + FP8 SwiGLU input store",
-             "COAT", "COAT (proj: attention saves its output)", "COAT (norm outputs stored, no recompute)"]
+             "COAT", "COAT (proj saves its FP8 input)", "COAT (norm outputs recomputed for wgrad)"]
     rows = []
     for mode in modes:
         if mode.startswith("TE") and not te:

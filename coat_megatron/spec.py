@@ -43,8 +43,14 @@ def _core_attention(core_attention):
     return DotProductAttention
 
 
+def _saves_its_output(core_attention) -> bool:
+    """TE's attention (flash / fused) keeps its output for its backward; Megatron's unfused local
+    attention does not (it keeps the probabilities and V)."""
+    return getattr(core_attention, "__name__", "") == "TEDotProductAttention"
+
+
 def get_gpt_layer_coat_spec(
-    coat_config: CoatConfig | None = None, *, core_attention=None, proj_input_saved_by_attention: bool = False,
+    coat_config: CoatConfig | None = None, *, core_attention=None, proj_input_saved_by_attention: bool | None = None,
     num_experts: int | None = None, qk_layernorm: bool = False,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec with COAT's FP8 modules (RMSNorm or LayerNorm, by the config).
@@ -55,13 +61,17 @@ def get_gpt_layer_coat_spec(
             installed, else Megatron's ``DotProductAttention``. It stays BF16.
         proj_input_saved_by_attention: the core attention keeps its output for its backward
             (flash attention does), so linear_proj saves nothing new; else linear_proj saves its
-            FP8 transposed input.
+            FP8 transposed input. Default: True for TE's attention (measured: 32 MiB less per
+            Llama-2-7B layer at seq 2048 x 4 on an H200), False otherwise.
     """
     if num_experts:
         raise ValueError("COAT's layer spec covers dense layers; mixture-of-experts layers are not supported yet")
     if qk_layernorm:
         raise ValueError("qk_layernorm is not supported by the COAT layer spec")
     cfg = coat_config or CoatConfig()
+    attention = _core_attention(core_attention)
+    if proj_input_saved_by_attention is None:
+        proj_input_saved_by_attention = _saves_its_output(attention)
     norm = partial(CoatNorm, coat_config=cfg)
     column = partial(CoatColumnParallelLinear, coat_config=cfg)
     row = partial(CoatRowParallelLinear, coat_config=cfg)
@@ -74,7 +84,7 @@ def get_gpt_layer_coat_spec(
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=column,
-                    core_attention=_core_attention(core_attention),
+                    core_attention=attention,
                     linear_proj=partial(CoatRowParallelLinear, coat_config=cfg, input_saved_by_producer=proj_input_saved_by_attention),
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
