@@ -1,0 +1,385 @@
+"""The fused AdamW step on range-expanded FP8 states, one launch for many tensors.
+
+Per element, in FP32 registers (torch.optim.AdamW's update, decoupled weight decay, bias correction,
+eps outside the square root):
+
+    m, v  <- dequantize(codes, scale, k, center)            (coat_kernels.expanded)
+    m     <- beta1 m + (1 - beta1) g ;  v <- beta2 v + (1 - beta2) g^2
+    p     <- p (1 - lr wd)
+    p     <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    codes, scale, k, center of m and v <- quantize(m), quantize(v), with fresh k and centre
+    p is written back (FP32 master weights) and, if asked, as BF16/FP16 model weights.
+
+The parameter update uses the FP32 m and v before requantization, so quantization error enters
+only through the next step. No FP32 copy of m or v exists outside one program's registers: each
+program handles GROUPS whole quantization groups of one tensor (groups are counted from element 0
+of each tensor, so a tensor's quantization does not depend on what else is in the launch).
+
+Multi-tensor launch: tensors are addressed as ``base + offset`` where ``base`` is the first tensor
+of each kind and ``offset`` the element distance of each tensor from it (a table, one row per
+tensor); a second table lists (tensor, first group) per program. The offsets' common power-of-two
+divisor is passed as a hint so that loads stay vectorized. Bytes per parameter (expansion on):
+read 4 (p) + 4 (g) + 2 x (1 + 12/128) (codes + metadata), write the same minus g, plus 2 for a
+BF16 model copy: about 17.4 bytes, against about 30 for FP32 AdamW plus a separate BF16 copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .expanded import (
+    DEFAULT_K_MAX,
+    DEFAULT_K_MIN,
+    K_RESOLUTION,
+    ExpandedFp8,
+    _check_limits,
+    dequantize_expanded_groups_reference,
+    dequantize_expanded_tile,
+    div_rn_reference,
+    f32,
+    k_target,
+    quantize_expanded_groups_reference,
+    quantize_expanded_tile,
+    sqrt_rn_reference,
+)
+from .formats import fp8_format
+
+
+
+@triton.jit
+def _load_state(q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr):
+    raw = tl.load(q_base + q_off + idx, mask=mask, other=0)
+    if E5M2:
+        q = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
+    else:
+        q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    scale = tl.load(s_base + s_off + groups, mask=gmask, other=1.0)
+    if EXPAND:
+        k = tl.load(k_base + k_off + groups, mask=gmask, other=1.0)
+        center = tl.load(c_base + c_off + groups, mask=gmask, other=1.0)
+    else:
+        k = scale
+        center = scale
+    return dequantize_expanded_tile(q, scale, k, center, EXPAND)
+
+
+@triton.jit
+def _store_state(
+    x, q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask,
+    FMAX: tl.constexpr, E5M2: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
+):
+    """Requantize x, store codes and metadata; return the number of non-zero values that became code 0."""
+    y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16)
+    if E5M2:
+        raw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    else:
+        raw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_base + q_off + idx, raw, mask=mask)
+    tl.store(s_base + s_off + groups, scale, mask=gmask)
+    if EXPAND:
+        tl.store(k_base + k_off + groups, k, mask=gmask)
+        tl.store(c_base + c_off + groups, center, mask=gmask)
+    underflow = mask & (x != 0.0) & ((raw & 0x7F) == 0)
+    return tl.sum(tl.sum(underflow.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _fp8_adamw_kernel(
+    work_ptr, meta_ptr, under_ptr,
+    p_base, g_base, w_base, mq_base, ms_base, mk_base, mc_base, vq_base, vs_base, vk_base, vc_base,
+    beta1, one_minus_beta1, beta2, one_minus_beta2, decay, step_size, bias2_sqrt, eps,
+    M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_E5M2: tl.constexpr, V_E5M2: tl.constexpr,
+    M_EXPAND: tl.constexpr, V_EXPAND: tl.constexpr, M_TARGET: tl.constexpr, V_TARGET: tl.constexpr,
+    K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, WRITE_MODEL: tl.constexpr, ALIGN: tl.constexpr,
+    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(work_ptr + 2 * pid).to(tl.int64)
+    first_group = tl.load(work_ptr + 2 * pid + 1).to(tl.int64)
+    row = meta_ptr + t * 12
+    # element offsets of this tensor from each base (see _LaunchPlan), then its numel
+    p_off = tl.multiple_of(tl.load(row + 0), ALIGN)
+    g_off = tl.multiple_of(tl.load(row + 1), ALIGN)
+    w_off = tl.multiple_of(tl.load(row + 2), ALIGN)
+    mq_off = tl.multiple_of(tl.load(row + 3), ALIGN)
+    ms_off = tl.load(row + 4)
+    mk_off = tl.load(row + 5)
+    mc_off = tl.load(row + 6)
+    vq_off = tl.multiple_of(tl.load(row + 7), ALIGN)
+    vs_off = tl.load(row + 8)
+    vk_off = tl.load(row + 9)
+    vc_off = tl.load(row + 10)
+    numel = tl.load(row + 11)
+
+    groups = first_group + tl.arange(0, GROUPS)
+    idx = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = idx < numel
+    gmask = groups * GROUP < numel
+
+    p = tl.load(p_base + p_off + idx, mask=mask, other=0.0)
+    g = tl.load(g_base + g_off + idx, mask=mask, other=0.0).to(tl.float32)
+    m = _load_state(mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask, M_E5M2, M_EXPAND)
+    v = _load_state(vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask, V_E5M2, V_EXPAND)
+
+    m = beta1 * m + one_minus_beta1 * g
+    v = beta2 * v + one_minus_beta2 * (g * g)
+    p = p * decay
+    denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+
+    tl.store(p_base + p_off + idx, p, mask=mask)
+    if WRITE_MODEL:
+        tl.store(w_base + w_off + idx, p.to(w_base.dtype.element_ty), mask=mask)
+    m_under = _store_state(
+        m, mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask,
+        M_FMAX, M_E5M2, M_EXPAND, M_TARGET, K_MIN16, K_MAX16,
+    )
+    v_under = _store_state(
+        v, vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask,
+        V_FMAX, V_E5M2, V_EXPAND, V_TARGET, K_MIN16, K_MAX16,
+    )
+    tl.store(under_ptr + 2 * pid, m_under)
+    tl.store(under_ptr + 2 * pid + 1, v_under)
+
+
+def adamw_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict[str, float]:
+    """The step's scalars, computed in float64 and rounded once to FP32 (what the kernel receives)."""
+    if step < 1:
+        raise ValueError(f"step={step}: the AdamW step counter starts at 1 (increment it before the update)")
+    return {
+        "beta1": f32(beta1),
+        "one_minus_beta1": f32(1.0 - beta1),
+        "beta2": f32(beta2),
+        "one_minus_beta2": f32(1.0 - beta2),
+        "decay": f32(1.0 - lr * weight_decay),
+        "step_size": f32(lr / (1.0 - beta1**step)),
+        "bias2_sqrt": f32(math.sqrt(1.0 - beta2**step)),
+        "eps": f32(eps),
+    }
+
+
+# Elements per chunk of the reference: bounds its FP32 temporaries (a multiple of every group size).
+_REFERENCE_CHUNK = 1 << 20
+
+
+def _adamw_reference_chunk(p, g, m_state, v_state, lo, hi, w, s, k_min, k_max) -> tuple[int, int]:
+    gs = m_state.group_size
+    n_groups = -(-(hi - lo) // gs)
+    g0 = lo // gs
+    pad = n_groups * gs - (hi - lo)
+
+    def tile(t):
+        return torch.nn.functional.pad(t.reshape(-1)[lo:hi].float(), (0, pad)).view(n_groups, gs)
+
+    def meta(state, name):
+        t = getattr(state, name)
+        return None if t is None else t[g0 : g0 + n_groups]
+
+    def load(state):
+        return dequantize_expanded_groups_reference(tile(state.codes), meta(state, "scale"), meta(state, "k"), meta(state, "center"), state.expansion)
+
+    def store(state, x):
+        fmt = fp8_format(state.fmt)
+        y, scale, k, center = quantize_expanded_groups_reference(x, fmt.max, state.expansion, k_min, k_max)
+        codes = y.to(fmt.dtype)
+        state.codes.view(-1)[lo:hi] = codes.reshape(-1)[: hi - lo]
+        state.scale[g0 : g0 + n_groups] = scale
+        if state.expansion:
+            state.k[g0 : g0 + n_groups] = k
+            state.center[g0 : g0 + n_groups] = center
+        return int(((x != 0) & ((codes.view(torch.uint8) & 0x7F) == 0)).sum())
+
+    pt, gt = tile(p), tile(g)
+    m, v = load(m_state), load(v_state)
+    m = s["beta1"] * m + s["one_minus_beta1"] * gt
+    v = s["beta2"] * v + s["one_minus_beta2"] * (gt * gt)
+    pt = pt * s["decay"]
+    denom = div_rn_reference(sqrt_rn_reference(v), s["bias2_sqrt"]) + s["eps"]
+    pt = pt - s["step_size"] * div_rn_reference(m, denom)
+    p.view(-1)[lo:hi] = pt.reshape(-1)[: hi - lo]
+    if w is not None:
+        w.view(-1)[lo:hi] = pt.reshape(-1)[: hi - lo].to(w.dtype)
+    return store(m_state, m), store(v_state, v)
+
+
+def _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max) -> torch.Tensor:
+    under = [0, 0]
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        w = model_params[i] if model_params is not None else None
+        for lo in range(0, p.numel(), _REFERENCE_CHUNK):
+            um, uv = _adamw_reference_chunk(p, g, m, v, lo, min(p.numel(), lo + _REFERENCE_CHUNK), w, scalars, k_min, k_max)
+            under[0] += um
+            under[1] += uv
+    device = params[0].device if params else "cpu"
+    return torch.tensor(under, dtype=torch.int64, device=device)
+
+
+def _offsets(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """(base tensor, element offset of each tensor from it)."""
+    base = tensors[0]
+    size = base.element_size()
+    offsets = []
+    for t in tensors:
+        delta = t.data_ptr() - base.data_ptr()
+        if delta % size:
+            raise ValueError(f"a {t.dtype} tensor is not aligned to its element size; pass contiguous, element-aligned tensors")
+        offsets.append(delta // size)
+    return base, offsets
+
+
+def _alignment(offsets: list[int]) -> int:
+    """Largest power of two (at most 16) that divides every offset: the kernel's vectorization hint."""
+    align = 16
+    for o in offsets:
+        while o % align:
+            align //= 2
+    return align
+
+
+def step_blocks(group_size: int) -> tuple[int, int]:
+    """(groups per program, num_warps): 2048 elements per program with 128-element groups."""
+    return max(1, 2048 // group_size), 8
+
+
+class _LaunchPlan:
+    """Tables for one multi-tensor launch, kept while no tensor of the launch moves.
+
+    ``meta``: int64 (tensors, 12): the element offset of each tensor from the first tensor of its
+    column (p, g, w, m codes, m scale, m k, m centre, v codes, v scale, v k, v centre), then numel.
+    ``work``: int32 (programs, 2): the tensor and the first group of each program.
+    """
+
+    def __init__(self, columns: list[list[torch.Tensor]], numels: list[int], group_size: int, device):
+        groups_per_program = step_blocks(group_size)[0]
+        self.bases = []
+        offsets = []
+        for col in columns:
+            base, offs = _offsets(col)
+            self.bases.append(base)
+            offsets.append(offs)
+        # element-wise columns (p, g, w, codes) get the vectorization hint; metadata is 1/128 of the traffic
+        self.align = _alignment([o for c in (0, 1, 2, 3, 7) for o in offsets[c]])
+        meta = torch.tensor([list(row) + [n] for row, n in zip(zip(*offsets), numels)], dtype=torch.int64)
+        n_groups = torch.tensor([-(-n // group_size) for n in numels])
+        per_tensor = (n_groups + groups_per_program - 1) // groups_per_program
+        tensor = torch.repeat_interleave(torch.arange(len(numels)), per_tensor)
+        starts = torch.cumsum(per_tensor, 0) - per_tensor
+        first = (torch.arange(int(per_tensor.sum())) - torch.repeat_interleave(starts, per_tensor)) * groups_per_program
+        self.meta = meta.to(device)
+        self.work = torch.stack([tensor, first], dim=1).to(torch.int32).to(device)
+        self.n_programs = self.work.shape[0]
+
+
+_plans: dict[tuple, _LaunchPlan] = {}
+
+
+def _plan(key, columns, numels, group_size, device) -> _LaunchPlan:
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) > 64:
+            _plans.clear()
+        plan = _plans[key] = _LaunchPlan(columns, numels, group_size, device)
+    return plan
+
+
+def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params):
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (model_params is not None and len(model_params) != n):
+        raise ValueError("params, grads, exp_avgs, exp_avg_sqs (and model_params) must be lists of the same length")
+    for name, states in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        kinds = {(s.fmt, s.expansion, s.group_size) for s in states}
+        if len(kinds) > 1:
+            raise ValueError(f"{name} mix formats/expansion/group sizes {sorted(kinds)}; launch them separately")
+    if exp_avgs and exp_avgs[0].group_size != exp_avg_sqs[0].group_size:
+        raise ValueError("exp_avg and exp_avg_sq must use the same group size")
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        if p.dtype != torch.float32:
+            raise TypeError(f"param {i} is {p.dtype}: the FP8 AdamW step updates FP32 master weights; keep an FP32 copy (Megatron's distributed optimizer does)")
+        if not (p.is_contiguous() and g.is_contiguous()):
+            raise ValueError(f"param {i} or its grad is not contiguous; the step reads them as flat buffers")
+        if g.numel() != p.numel() or g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"grad {i} must be FP32/BF16/FP16 with the param's {p.numel()} elements, got {g.dtype} with {g.numel()}")
+        for name, s in (("exp_avg", m), ("exp_avg_sq", v)):
+            if s.codes.numel() != p.numel() or s.codes.dtype != fp8_format(s.fmt).dtype or not s.codes.is_contiguous():
+                raise ValueError(f"{name} {i} must hold {p.numel()} contiguous {s.fmt} codes, got {s.codes.dtype} with {s.codes.numel()}")
+        if model_params is not None:
+            w = model_params[i]
+            if w.numel() != p.numel() or w.dtype not in (torch.bfloat16, torch.float16) or not w.is_contiguous():
+                raise ValueError(f"model param {i} must be a contiguous BF16/FP16 tensor of {p.numel()} elements, got {w.dtype} {tuple(w.shape)}")
+    if model_params is not None and len({w.dtype for w in model_params}) > 1:
+        raise ValueError("model_params mix dtypes; launch BF16 and FP16 model params separately")
+    if len({g.dtype for g in grads}) > 1:
+        raise ValueError("grads mix dtypes; launch them separately")
+
+
+def fp8_adamw_step(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[ExpandedFp8],
+    exp_avg_sqs: list[ExpandedFp8],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    model_params: list[torch.Tensor] | None = None,
+    k_min: float = DEFAULT_K_MIN,
+    k_max: float = DEFAULT_K_MAX,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One AdamW step on many tensors, states in range-expanded FP8, updated in place.
+
+    Args:
+        params: FP32 master weights, contiguous (any shape; read as flat).
+        grads: their gradients (FP32, BF16 or FP16), same numel, contiguous.
+        exp_avgs, exp_avg_sqs: ``ExpandedFp8`` states of m (signed) and v, same numel; all m states
+            share one format/expansion/group size, all v states another.
+        lr, beta1, beta2, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+        step: the step number after incrementing (1 on the first step): bias correction.
+        model_params: optional BF16/FP16 tensors receiving the updated weights (Megatron's model
+            params), written by the same pass.
+        k_min, k_max: expansion limits for the requantization.
+    Returns:
+        int64 tensor [m codes, v codes] on the params' device: how many non-zero values became code 0
+        (underflow), for telemetry; reading it syncs.
+    """
+    _check_limits(k_min, k_max)
+    _validate(params, grads, exp_avgs, exp_avg_sqs, model_params)
+    scalars = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
+    live = [i for i, p in enumerate(params) if p.numel()]
+    if not live or not use_triton(params[live[0]], backend):
+        return _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max)
+
+    pick = lambda seq: [seq[i] for i in live]  # noqa: E731
+    ps, gs, ms, vs = pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
+    ws = pick(model_params) if model_params is not None else ps
+    m0, v0 = ms[0], vs[0]
+    m_codes = [m.codes.view(torch.uint8) for m in ms]
+    v_codes = [v.codes.view(torch.uint8) for v in vs]
+    m_scale, v_scale = [m.scale for m in ms], [v.scale for v in vs]
+    m_k = [m.k for m in ms] if m0.expansion else m_scale
+    m_c = [m.center for m in ms] if m0.expansion else m_scale
+    v_k = [v.k for v in vs] if v0.expansion else v_scale
+    v_c = [v.center for v in vs] if v0.expansion else v_scale
+    columns = [ps, gs, ws, m_codes, m_scale, m_k, m_c, v_codes, v_scale, v_k, v_c]
+    numels = [p.numel() for p in ps]
+    key = (tuple(t.data_ptr() for col in columns for t in col), tuple(numels), m0.group_size, ps[0].device)
+    plan = _plan(key, columns, numels, m0.group_size, ps[0].device)
+    under = torch.empty(plan.n_programs, 2, dtype=torch.int32, device=ps[0].device)
+    mf, vf = fp8_format(m0.fmt), fp8_format(v0.fmt)
+    groups, warps = step_blocks(m0.group_size)
+    _fp8_adamw_kernel[(plan.n_programs,)](
+        plan.work, plan.meta, under, *plan.bases, **scalars,
+        M_FMAX=mf.max, V_FMAX=vf.max, M_E5M2=m0.fmt == "e5m2", V_E5M2=v0.fmt == "e5m2",
+        M_EXPAND=m0.expansion, V_EXPAND=v0.expansion, M_TARGET=k_target(mf.max), V_TARGET=k_target(vf.max),
+        K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION, WRITE_MODEL=model_params is not None,
+        ALIGN=plan.align, GROUP=m0.group_size, GROUPS=groups, num_warps=warps, enable_fp_fusion=False,
+    )
+    return under.sum(dim=0, dtype=torch.int64)
