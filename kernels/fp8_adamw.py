@@ -163,56 +163,84 @@ def adamw_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_d
     }
 
 
-# Elements per chunk of the reference: bounds its FP32 temporaries (a multiple of every group size).
+# Elements per batch of the reference: bounds its FP32 temporaries (a multiple of every group size).
 _REFERENCE_CHUNK = 1 << 20
 
 
-def _adamw_reference_chunk(p, g, m_state, v_state, lo, hi, w, s, k_min, k_max) -> tuple[int, int]:
-    gs = m_state.group_size
-    n_groups = -(-(hi - lo) // gs)
-    g0 = lo // gs
-    pad = n_groups * gs - (hi - lo)
+def _reference_batches(numels: list[int], group_size: int):
+    """Pieces (tensor, lo, hi) of whole groups, batched into lists of about _REFERENCE_CHUNK elements:
+    small tensors share one batch (one pass of torch ops), large ones are split."""
+    batch, size = [], 0
+    for i, n in enumerate(numels):
+        for lo in range(0, n, _REFERENCE_CHUNK):
+            hi = min(n, lo + _REFERENCE_CHUNK)
+            batch.append((i, lo, hi))
+            size += hi - lo
+            if size >= _REFERENCE_CHUNK:
+                yield batch
+                batch, size = [], 0
+    if batch:
+        yield batch
 
-    def tile(t):
-        return torch.nn.functional.pad(t.reshape(-1)[lo:hi].float(), (0, pad)).view(n_groups, gs)
 
-    def meta(state, name):
-        t = getattr(state, name)
-        return None if t is None else t[g0 : g0 + n_groups]
+def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, s, k_min, k_max) -> tuple[int, int]:
+    gs = exp_avgs[0].group_size
+    spans = [(i, lo, hi, -(-(hi - lo) // gs)) for i, lo, hi in pieces]
 
-    def load(state):
-        return dequantize_expanded_groups_reference(tile(state.codes), meta(state, "scale"), meta(state, "k"), meta(state, "center"), state.expansion)
+    def tile(tensors):
+        parts = [torch.nn.functional.pad(tensors[i].reshape(-1)[lo:hi].float(), (0, ng * gs - (hi - lo))) for i, lo, hi, ng in spans]
+        return torch.cat(parts).view(-1, gs)
 
-    def store(state, x):
-        fmt = fp8_format(state.fmt)
-        y, scale, k, center = quantize_expanded_groups_reference(x, fmt.max, state.expansion, k_min, k_max)
+    def meta(states, name):
+        if getattr(states[0], name) is None:
+            return None
+        return torch.cat([getattr(states[i], name)[lo // gs : lo // gs + ng] for i, lo, hi, ng in spans])
+
+    def scatter(flat_rows, tensors, convert=lambda t, dst: t.to(dst.dtype)):
+        row = 0
+        for i, lo, hi, ng in spans:
+            dst = tensors[i]
+            dst.view(-1)[lo:hi] = convert(flat_rows[row : row + ng].reshape(-1)[: hi - lo], dst)
+            row += ng
+
+    def scatter_meta(values, states, name):
+        row = 0
+        for i, lo, hi, ng in spans:
+            getattr(states[i], name)[lo // gs : lo // gs + ng] = values[row : row + ng]
+            row += ng
+
+    def load(states):
+        return dequantize_expanded_groups_reference(tile([st.codes for st in states]), meta(states, "scale"), meta(states, "k"), meta(states, "center"), states[0].expansion)
+
+    def store(states, x):
+        fmt = fp8_format(states[0].fmt)
+        y, scale, k, center = quantize_expanded_groups_reference(x, fmt.max, states[0].expansion, k_min, k_max)
         codes = y.to(fmt.dtype)
-        state.codes.view(-1)[lo:hi] = codes.reshape(-1)[: hi - lo]
-        state.scale[g0 : g0 + n_groups] = scale
-        if state.expansion:
-            state.k[g0 : g0 + n_groups] = k
-            state.center[g0 : g0 + n_groups] = center
+        scatter(codes.view(torch.uint8), [st.codes.view(torch.uint8) for st in states], lambda t, dst: t)
+        scatter_meta(scale, states, "scale")
+        if states[0].expansion:
+            scatter_meta(k, states, "k")
+            scatter_meta(center, states, "center")
         return int(((x != 0) & ((codes.view(torch.uint8) & 0x7F) == 0)).sum())
 
-    pt, gt = tile(p), tile(g)
-    m, v = load(m_state), load(v_state)
-    m = s["beta1"] * m + s["one_minus_beta1"] * gt
-    v = s["beta2"] * v + s["one_minus_beta2"] * (gt * gt)
-    pt = pt * s["decay"]
+    p, g = tile(params), tile(grads)
+    m, v = load(exp_avgs), load(exp_avg_sqs)
+    m = s["beta1"] * m + s["one_minus_beta1"] * g
+    v = s["beta2"] * v + s["one_minus_beta2"] * (g * g)
+    p = p * s["decay"]
     denom = div_rn_reference(sqrt_rn_reference(v), s["bias2_sqrt"]) + s["eps"]
-    pt = pt - s["step_size"] * div_rn_reference(m, denom)
-    p.view(-1)[lo:hi] = pt.reshape(-1)[: hi - lo]
-    if w is not None:
-        w.view(-1)[lo:hi] = pt.reshape(-1)[: hi - lo].to(w.dtype)
-    return store(m_state, m), store(v_state, v)
+    p = p - s["step_size"] * div_rn_reference(m, denom)
+    scatter(p, params)
+    if model_params is not None:
+        scatter(p, model_params)
+    return store(exp_avgs, m), store(exp_avg_sqs, v)
 
 
 def _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max) -> torch.Tensor:
     under = [0, 0]
-    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        w = model_params[i] if model_params is not None else None
-        for lo in range(0, p.numel(), _REFERENCE_CHUNK):
-            um, uv = _adamw_reference_chunk(p, g, m, v, lo, min(p.numel(), lo + _REFERENCE_CHUNK), w, scalars, k_min, k_max)
+    if params:
+        for pieces in _reference_batches([p.numel() for p in params], exp_avgs[0].group_size):
+            um, uv = _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max)
             under[0] += um
             under[1] += uv
     device = params[0].device if params else "cpu"

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# One intra-op thread per test process: `pytest -n 2` on two cores otherwise oversubscribes them, and
+# OpenMP's spinning barriers make small CPU ops 10-100x slower.
+torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from triton_interpreter import install
@@ -23,3 +26,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not fp8_gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed per test, printed so that a failure can be replayed."""
+    s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    print(f"seed={s}")
+    return s

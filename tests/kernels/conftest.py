@@ -54,11 +54,3 @@ def poisoned_outputs(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
-
-
-@pytest.fixture
-def seed():
-    """A fresh seed per test, printed so that a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-    print(f"seed={s}")
-    return s
