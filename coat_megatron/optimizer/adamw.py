@@ -94,6 +94,14 @@ class CoatAdamW(torch.optim.Optimizer):
                 if getattr(zeros, name) is not None:
                     state[f"{moment}.{name}"] = getattr(zeros, name)
 
+    def init_states(self) -> None:
+        """Allocate the (zero) states of every parameter that has none yet (torch allocates them at
+        the first step; Megatron needs them before loading a checkpoint)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self._init_state(p, self.state[p])
+
     def moment(self, p: torch.Tensor, moment: str) -> ExpandedFp8:
         """A view of p's state ``moment`` ("exp_avg" or "exp_avg_sq") as ``ExpandedFp8`` (no copy)."""
         state = self.state[p]
@@ -211,7 +219,8 @@ class CoatAdamW(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- checkpoints
 
-    def _format_record(self) -> dict:
+    def format_record(self) -> dict:
+        """What a checkpoint must agree on to be read: the states' formats, expansion and group size."""
         c = self.config
         return {
             "m_format": c.m_format, "v_format": c.v_format, "m_expansion": c.m_expansion, "v_expansion": c.v_expansion,
@@ -220,7 +229,7 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["coat"] = self._format_record()
+        sd["coat"] = self.format_record()
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -231,9 +240,9 @@ class CoatAdamW(torch.optim.Optimizer):
                 "this state dict has no 'coat' record: it is not a CoatAdamW state dict. To start from a "
                 "torch.optim.AdamW state dict (FP32 exp_avg/exp_avg_sq), use load_fp32_state_dict()"
             )
-        if record != self._format_record():
+        if record != self.format_record():
             raise ValueError(
-                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {self._format_record()}: "
+                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {self.format_record()}: "
                 f"use a CoatConfig that matches the checkpoint, or convert through fp32_state_dict()/load_fp32_state_dict()"
             )
         super().load_state_dict(state_dict)

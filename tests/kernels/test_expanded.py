@@ -113,8 +113,10 @@ def test_edge_groups_are_finite_and_handled_without_expansion(device):
         nz = x[sl] != 0
         q = state.codes[sl].float().abs()[nz]
         assert (q > 0).all()  # R^k <= 448^2/2 keeps the smallest value above E4M3's smallest subnormal
-        code_err = torch.where(q >= 2.0**-6, 2.0**-4, 2.0**-10 / q)  # half a step, normal / subnormal
-        bound = (1 + code_err) ** (1 / state.k[i]) - 1
+        # half a step relative to the value before rounding: 2^-4 for normal codes, 2^-10 / y below 2^-6
+        code_err = torch.where(q >= 2.0**-6, 2.0**-4, 2.0**-10 / (q - 2.0**-10).clamp_min(2.0**-10))
+        inv_k = 1 / state.k[i]
+        bound = torch.maximum((1 + code_err) ** inv_k - 1, 1 - (1 - code_err).clamp_min(0) ** inv_k)
         rel = ((y[sl] - x[sl]).abs() / x[sl].abs())[nz]
         assert (rel <= bound * 1.01 + 1e-6).all(), (i, (rel / bound).max(), state.k[i])
 
