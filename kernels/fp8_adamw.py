@@ -46,13 +46,16 @@ from .expanded import (
     quantize_expanded_groups_reference,
     quantize_expanded_tile,
     sqrt_rn_reference,
+    use_exact_math,
 )
 from .formats import fp8_format
 
 
 
 @triton.jit
-def _load_state(q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr):
+def _load_state(
+    q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr, FAST: tl.constexpr
+):
     raw = tl.load(q_base + q_off + idx, mask=mask, other=0)
     if E5M2:
         q = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
@@ -65,16 +68,17 @@ def _load_state(q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx,
     else:
         k = scale
         center = scale
-    return dequantize_expanded_tile(q, scale, k, center, EXPAND)
+    return dequantize_expanded_tile(q, scale, k, center, EXPAND, FAST)
 
 
 @triton.jit
 def _store_state(
     x, q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask,
     FMAX: tl.constexpr, E5M2: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """Requantize x, store codes and metadata; return the number of non-zero values that became code 0."""
-    y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16)
+    y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST)
     if E5M2:
         raw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
@@ -96,7 +100,7 @@ def _fp8_adamw_kernel(
     M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_E5M2: tl.constexpr, V_E5M2: tl.constexpr,
     M_EXPAND: tl.constexpr, V_EXPAND: tl.constexpr, M_TARGET: tl.constexpr, V_TARGET: tl.constexpr,
     K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, WRITE_MODEL: tl.constexpr, ALIGN: tl.constexpr,
-    GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    FAST: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(work_ptr + 2 * pid).to(tl.int64)
@@ -123,25 +127,28 @@ def _fp8_adamw_kernel(
 
     p = tl.load(p_base + p_off + idx, mask=mask, other=0.0)
     g = tl.load(g_base + g_off + idx, mask=mask, other=0.0).to(tl.float32)
-    m = _load_state(mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask, M_E5M2, M_EXPAND)
-    v = _load_state(vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask, V_E5M2, V_EXPAND)
+    m = _load_state(mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask, M_E5M2, M_EXPAND, FAST)
+    v = _load_state(vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask, V_E5M2, V_EXPAND, FAST)
 
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
     p = p * decay
-    denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
+    if FAST:
+        p = p - step_size * (m / (tl.sqrt(v) / bias2_sqrt + eps))
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
 
     tl.store(p_base + p_off + idx, p, mask=mask)
     if WRITE_MODEL:
         tl.store(w_base + w_off + idx, p.to(w_base.dtype.element_ty), mask=mask)
     m_under = _store_state(
         m, mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask,
-        M_FMAX, M_E5M2, M_EXPAND, M_TARGET, K_MIN16, K_MAX16,
+        M_FMAX, M_E5M2, M_EXPAND, M_TARGET, K_MIN16, K_MAX16, FAST,
     )
     v_under = _store_state(
         v, vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask,
-        V_FMAX, V_E5M2, V_EXPAND, V_TARGET, K_MIN16, K_MAX16,
+        V_FMAX, V_E5M2, V_EXPAND, V_TARGET, K_MIN16, K_MAX16, FAST,
     )
     tl.store(under_ptr + 2 * pid, m_under)
     tl.store(under_ptr + 2 * pid + 1, v_under)
@@ -360,6 +367,7 @@ def fp8_adamw_step(
     model_params: list[torch.Tensor] | None = None,
     k_min: float = DEFAULT_K_MIN,
     k_max: float = DEFAULT_K_MAX,
+    exact_math: bool | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """One AdamW step on many tensors, states in range-expanded FP8, updated in place.
@@ -374,6 +382,10 @@ def fp8_adamw_step(
         model_params: optional BF16/FP16 tensors receiving the updated weights (Megatron's model
             params), written by the same pass.
         k_min, k_max: expansion limits for the requantization.
+        exact_math: Triton only: True is bit-identical to the torch reference (IEEE operations, no
+            FMA contraction), False uses the hardware's exp2/log2, division and square root per
+            element (the CUDA default: the exact path is compute-bound on an H100/H200); see
+            ``coat_kernels.expanded``.
     Returns:
         int64 tensor [m codes, v codes] on the params' device: how many non-zero values became code 0
         (underflow), for telemetry; reading it syncs.
@@ -398,16 +410,17 @@ def fp8_adamw_step(
     v_c = [v.center for v in vs] if v0.expansion else v_scale
     columns = [ps, gs, ws, m_codes, m_scale, m_k, m_c, v_codes, v_scale, v_k, v_c]
     numels = [p.numel() for p in ps]
-    key = (tuple(t.data_ptr() for col in columns for t in col), tuple(numels), m0.group_size, ps[0].device)
+    key = (tuple(t.data_ptr() for col in columns for t in col), tuple(numels), m0.group_size, step_blocks(m0.group_size), ps[0].device)
     plan = _plan(key, columns, numels, m0.group_size, ps[0].device)
     under = torch.empty(plan.n_programs, 2, dtype=torch.int32, device=ps[0].device)
     mf, vf = fp8_format(m0.fmt), fp8_format(v0.fmt)
     groups, warps = step_blocks(m0.group_size)
+    fast = not use_exact_math(ps[0], exact_math)
     _fp8_adamw_kernel[(plan.n_programs,)](
         plan.work, plan.meta, under, *plan.bases, **scalars,
         M_FMAX=mf.max, V_FMAX=vf.max, M_E5M2=m0.fmt == "e5m2", V_E5M2=v0.fmt == "e5m2",
         M_EXPAND=m0.expansion, V_EXPAND=v0.expansion, M_TARGET=k_target(mf.max), V_TARGET=k_target(vf.max),
         K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION, WRITE_MODEL=model_params is not None,
-        ALIGN=plan.align, GROUP=m0.group_size, GROUPS=groups, num_warps=warps, enable_fp_fusion=False,
+        ALIGN=plan.align, FAST=fast, GROUP=m0.group_size, GROUPS=groups, num_warps=warps, enable_fp_fusion=fast,
     )
     return under.sum(dim=0, dtype=torch.int64)

@@ -43,6 +43,9 @@ class CoatAdamW(torch.optim.Optimizer):
         config: formats, expansion switches, k limits and group size of the states
             (``CoatConfig.m_format`` ... ``optimizer_group_size``); defaults to ``CoatConfig()``:
             E4M3 for m and v, expansion on, k in [1/16, 16], groups of 128.
+        exact_math: None (default): the Triton step uses the hardware's exp2/log2 per element on CUDA
+            (bandwidth-bound; within 2^-17 of the reference), True: IEEE-only math, bit-identical to
+            the torch reference on any device (compute-bound on H100/H200). See coat_kernels.expanded.
         backend: "auto" (Triton on CUDA, the torch reference on CPU), "triton" or "reference".
     """
 
@@ -55,6 +58,7 @@ class CoatAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         config: CoatConfig | None = None,
+        exact_math: bool | None = None,
         backend: str = "auto",
     ):
         if not 0.0 <= lr:
@@ -67,6 +71,7 @@ class CoatAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.config = config if config is not None else CoatConfig()
         self.backend = backend
+        self.exact_math = exact_math
         self.model_params: dict[torch.Tensor, torch.Tensor] = {}
         self._last_underflow: list[torch.Tensor] = []
         self._last_numel = 0
@@ -126,7 +131,7 @@ class CoatAdamW(torch.optim.Optimizer):
         c = self.config
         q = quantize_expanded(
             value.detach().to(p.device, torch.float32).reshape(p.shape).contiguous(), c.optimizer_group_size, fmt, moment == "exp_avg",
-            expansion=expansion, k_min=c.k_min, k_max=c.k_max, backend=self.backend,
+            expansion=expansion, k_min=c.k_min, k_max=c.k_max, exact_math=self.exact_math, backend=self.backend,
         )
         state[f"{moment}.codes"].copy_(q.codes.view(torch.uint8))
         for name in META:
@@ -175,7 +180,7 @@ class CoatAdamW(torch.optim.Optimizer):
                         [self.moment(p, "exp_avg_sq") for p in params],
                         model_params=None if model_dtype is None else [self.model_params[p] for p in params],
                         lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                        k_min=c.k_min, k_max=c.k_max, backend=self.backend,
+                        k_min=c.k_min, k_max=c.k_max, exact_math=self.exact_math, backend=self.backend,
                     )
                 )
                 self._last_numel += sum(p.numel() for p in params)
@@ -265,7 +270,7 @@ class CoatAdamW(torch.optim.Optimizer):
             p = params[index]
             state[index] = {"step": s["step"].clone()}
             for moment in MOMENTS:
-                state[index][moment] = dequantize_expanded(self.moment(p, moment), backend=self.backend).view(p.shape)
+                state[index][moment] = dequantize_expanded(self.moment(p, moment), exact_math=self.exact_math, backend=self.backend).view(p.shape)
         sd["state"] = state
         for group in sd["param_groups"]:
             group.update(foreach=None, capturable=False, differentiable=False, fused=None)

@@ -208,7 +208,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         self.optimizer.init_states()
         out = {"param": main}
         for moment in MOMENTS:
-            out[moment] = dequantize_expanded(self.optimizer.moment(main, moment)).view(-1)
+            out[moment] = dequantize_expanded(self.optimizer.moment(main, moment), exact_math=self.optimizer.exact_math).view(-1)
         return out
 
     @torch.no_grad()
