@@ -215,3 +215,23 @@ def test_errors_name_the_fix():
         opt.load_state_dict(adamw.state_dict())
     with pytest.raises(ValueError, match="amsgrad"):
         CoatAdamW([{"params": [p], "amsgrad": True}]).step()
+
+
+@pytest.mark.gpu
+def test_tiny_gpt_on_gpu_tracks_torch_fused_adamw(seed):
+    # the CUDA default: the fused Triton step with the hardware's exp2/log2, writing BF16 weights
+    data = encode(docstring_text()).cuda()
+    torch.manual_seed(seed)
+    model = TinyGPT().cuda()
+    reference = copy.deepcopy(model)
+    opt = CoatAdamW(model.parameters(), **HYPER)
+    opt.model_params = {p: torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in model.parameters()}
+    coat = train(model, opt, data, 150, seed=seed)
+    fp32 = train(reference, torch.optim.AdamW(reference.parameters(), **HYPER, fused=True), data, 150, seed=seed)
+    gap = [abs(a - b) for a, b in zip(coat, fp32)]
+    assert fp32[-1] < 0.6 * fp32[0]
+    assert max(gap) < 0.08 and sum(gap[-30:]) / 30 < 0.03, (max(gap), sum(gap[-30:]) / 30)
+    assert all(torch.equal(w, p.detach().to(torch.bfloat16)) for p, w in opt.model_params.items())
+    assert opt.state_bytes() <= 2.2 * sum(p.numel() for p in model.parameters())
+    t = opt.telemetry()
+    assert 1 <= t["v_k_mean"] <= 16 and t["m_underflow_fraction"] < 0.01
