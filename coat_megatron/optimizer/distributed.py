@@ -188,6 +188,8 @@ class CoatDistributedOptimizer(DistributedOptimizer):
     # ------------------------------------------------------------------ the step
 
     def _init_optimizer_states_with_dummy_values(self):
+        if self.is_stub_optimizer:
+            return super()._init_optimizer_states_with_dummy_values()
         # Megatron steps with zero grads to allocate states before a checkpoint load; COAT's states
         # are allocated directly (a dummy step would also decay the weights and count a step).
         self.optimizer.init_states()
@@ -224,6 +226,8 @@ class CoatDistributedOptimizer(DistributedOptimizer):
     # ------------------------------------------------------------------ common state
 
     def state_dict(self):
+        if self.is_stub_optimizer:
+            return super().state_dict()
         inner = self.optimizer
         steps = {float(s["step"]) for s in inner.state.values()} or {0.0}
         if len(steps) != 1:
@@ -236,6 +240,8 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         return state
 
     def load_state_dict(self, state_dict):
+        if self.is_stub_optimizer:
+            return super().load_state_dict(state_dict)
         record = state_dict.get("coat")
         sharding_type = state_dict.get("param_state_sharding_type")
         if record is not None and record != self.optimizer.format_record():
