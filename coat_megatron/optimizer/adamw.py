@@ -76,6 +76,19 @@ class CoatAdamW(torch.optim.Optimizer):
         self._last_underflow: list[torch.Tensor] = []
         self._last_numel = 0
 
+    @classmethod
+    def adopting(cls, param_groups: list[dict], **kwargs) -> "CoatAdamW":
+        """A CoatAdamW that takes over existing param group dicts in place (Megatron's distributed
+        optimizer: its groups hold the FP32 main shards and Megatron's own keys). torch's
+        constructor is not used for them because it refuses non-leaf tensors, and Megatron's main
+        params of FP32 model params are views of those params (so are their grads)."""
+        opt = cls([torch.zeros(0)], **kwargs)
+        for group in param_groups:
+            for key, value in opt.defaults.items():
+                group.setdefault(key, value)
+        opt.param_groups = param_groups
+        return opt
+
     # ---------------------------------------------------------------- state layout
 
     def _fmt(self, moment: str) -> tuple[str, bool]:

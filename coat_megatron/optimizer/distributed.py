@@ -142,7 +142,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         if opt.is_stub_optimizer:
             return
         opt._check_group_aligned_shards()
-        inner = CoatAdamW(
+        inner = CoatAdamW.adopting(
             opt.optimizer.param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
             weight_decay=config.weight_decay, config=coat_config,
         )

@@ -45,8 +45,8 @@ def _stock_layout_cutting_a_group(module, ddp_config) -> FullParamLayout:
     return FullParamLayout({key: buffer})
 
 
-def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False):
-    module = tiny_gpt(tiny_config(params_dtype=torch.bfloat16), seed=seed)
+def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False, dtype=torch.bfloat16):
+    module = tiny_gpt(tiny_config(params_dtype=dtype), seed=seed)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
     layout = coat_param_layout(module, ddp_config) if coat_layout else None
     if cut_groups:
@@ -54,7 +54,7 @@ def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_s
     model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module, full_param_layout=layout)
     module.config.finalize_model_grads_func = finalize_model_grads
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16,
+        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=True, loss_scale=loss_scale,
     )
     optimizer = get_coat_optimizer(config, [model]) if coat else get_megatron_optimizer(config, [model])
@@ -177,8 +177,8 @@ def test_states_do_not_depend_on_the_dp_size_and_the_stock_layout_is_refused():
         assert r["stock_layout_error"] is not None and "coat_param_layout" in r["stock_layout_error"]
 
 
-def _train(coat: bool, steps: int) -> dict:
-    model, optimizer = _build(coat=coat)
+def _train(coat: bool, steps: int, dtype=torch.bfloat16) -> dict:
+    model, optimizer = _build(coat=coat, dtype=dtype)
     batches = _my_micro_batches()
     losses = [train_step(model, optimizer, batches) for _ in range(steps)]
     out = dict(losses=losses)
@@ -186,7 +186,7 @@ def _train(coat: bool, steps: int) -> dict:
         # the fused step wrote the BF16 model weights; the all-gather spread them to every rank
         inner = _inner(optimizer)
         for model_param, main, start, end in inner._coat_shards():
-            assert torch.equal(model_param.detach().view(-1)[start:end], main.to(torch.bfloat16)), inner._coat_names()[model_param]
+            assert torch.equal(model_param.detach().view(-1)[start:end], main.to(dtype)), inner._coat_names()[model_param]
         out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         out["telemetry"] = coat_telemetry(optimizer)
         out["state_bytes"] = inner.optimizer.state_bytes()
@@ -212,6 +212,16 @@ def test_coat_trains_like_megatron_adam_at_dp2_and_dp1():
     assert 0 <= t["m_underflow_fraction"] < 0.05 and 0 <= t["v_underflow_fraction"] < 0.05
     for r in coat2:  # each rank holds the states of its shard only: about 2.19 bytes per element
         assert r["state_bytes"] <= 2.3 * r["shard_numel"] and r["shard_numel"] < 0.6 * sum(p.numel() for p in r["params"].values())
+
+
+def test_fp32_model_params_are_their_own_main_params():
+    # FP32 models: Megatron's main params are views of the model params (non-leaf tensors)
+    dp2 = run_distributed(_train, 2, args=(True, 4, torch.float32), tensor_parallel=1)
+    dp1 = run_distributed(_train, 1, args=(True, 4, torch.float32), tensor_parallel=1)[0]
+    assert dp2[0]["losses"] == dp2[1]["losses"] and dp2[0]["losses"][-1] < dp2[0]["losses"][0] - 0.3
+    assert dp2[0]["losses"] == pytest.approx(dp1["losses"], abs=3e-3)
+    for name, p in dp2[0]["params"].items():
+        assert p.dtype == torch.float32 and torch.equal(p, dp2[1]["params"][name]), name
 
 
 def test_coat_with_tensor_parallel_trains_like_tp1():
