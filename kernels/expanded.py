@@ -18,16 +18,17 @@ flag, as in ``coat_kernels.scaling``), never to a finite number.
 
 Exactness: ``a^k`` is ``exp2(k * log2(a))``. The torch reference evaluates it with log2 and exp2
 written here from IEEE operations only (bit manipulation, +, *, correctly rounded division and
-square root), and the Triton kernels can do the same (``exact_math=True``, with FMA contraction
-off): then the GPU, the Triton interpreter and torch on the CPU produce the same bits, and kernel
-and reference are compared byte for byte. That costs about 250 FP32 instructions per element in the
-AdamW step, which would make it compute-bound on an H100/H200, so on CUDA the kernels default to the
-hardware's exp2/log2 (``exact_math=False``) for the per-element powers. Their error (about 2^-22,
-times k <= 16 in the exponent: below 2^-17 relative) is 2^-13 of an E4M3 step: a code differs from
-the reference's only when the value lies within that distance of a rounding midpoint (about 1 in
-10^4 codes), by one step. The per-group k, centre and scale use the exact operations in both modes
-(once per group), so k and the centre never differ for the same input. Under the interpreter the
-default is exact.
+square root), and the Triton kernels can do the same (``exact_math=True``): with FMA contraction off
+(always: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
+produce the same bits, and kernel and reference are compared byte for byte. That costs about 250
+FP32 instructions per element in the AdamW step, which would make it compute-bound on an H100/H200,
+so on CUDA the kernels default to the hardware's exp2/log2 (``exact_math=False``) for the
+per-element powers (and approximate division and square root in the AdamW update). Their error,
+about 2^-22, is amplified by k (or 1/k) <= 16 in the exponent: at most about 2^-16 relative, 2^-12
+of an E4M3 step. A code differs from the reference's only when the value lies that close to a
+rounding midpoint (about 1 in 10^4 codes), and then by one step. The per-group k, centre and scale
+use the exact operations in both modes (once per group: cheap), so they never differ for the same
+input. Under the interpreter the default is exact.
 """
 
 from __future__ import annotations
@@ -509,7 +510,7 @@ def quantize_expanded(
             _quantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
                 x, state.codes, state.scale, state.k if expansion else state.scale, state.center if expansion else state.scale, n,
                 FMAX=f.max, EXPAND=expansion, K_TARGET=k_target(f.max), K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION,
-                FAST=fast, GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
+                FAST=fast, GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
             )
     if check_finite and state.n_groups and not bool(torch.isfinite(state.scale).all()):
         bad = int((~torch.isfinite(state.scale)).sum())
@@ -542,6 +543,6 @@ def dequantize_expanded(
         meta = state.scale
         _dequantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
             state.codes.contiguous(), state.scale, state.k if state.expansion else meta, state.center if state.expansion else meta, out, n,
-            EXPAND=state.expansion, FAST=fast, GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
+            EXPAND=state.expansion, FAST=fast, GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
         )
     return out

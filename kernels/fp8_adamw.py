@@ -420,6 +420,6 @@ def fp8_adamw_step(
         M_FMAX=mf.max, V_FMAX=vf.max, M_E5M2=m0.fmt == "e5m2", V_E5M2=v0.fmt == "e5m2",
         M_EXPAND=m0.expansion, V_EXPAND=v0.expansion, M_TARGET=k_target(mf.max), V_TARGET=k_target(vf.max),
         K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION, WRITE_MODEL=model_params is not None,
-        ALIGN=plan.align, FAST=fast, GROUP=m0.group_size, GROUPS=groups, num_warps=warps, enable_fp_fusion=fast,
+        ALIGN=plan.align, FAST=fast, GROUP=m0.group_size, GROUPS=groups, num_warps=warps, enable_fp_fusion=False,
     )
     return under.sum(dim=0, dtype=torch.int64)

@@ -44,7 +44,7 @@ class CoatAdamW(torch.optim.Optimizer):
             (``CoatConfig.m_format`` ... ``optimizer_group_size``); defaults to ``CoatConfig()``:
             E4M3 for m and v, expansion on, k in [1/16, 16], groups of 128.
         exact_math: None (default): the Triton step uses the hardware's exp2/log2 per element on CUDA
-            (bandwidth-bound; within 2^-17 of the reference), True: IEEE-only math, bit-identical to
+            (bandwidth-bound; within about 2^-16 of the reference), True: IEEE-only math, bit-identical to
             the torch reference on any device (compute-bound on H100/H200). See coat_kernels.expanded.
         backend: "auto" (Triton on CUDA, the torch reference on CPU), "triton" or "reference".
     """
