@@ -45,8 +45,8 @@ def _stock_layout_cutting_a_group(module, ddp_config) -> FullParamLayout:
     return FullParamLayout({key: buffer})
 
 
-def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False, dtype=torch.bfloat16):
-    module = tiny_gpt(tiny_config(params_dtype=dtype), seed=seed)
+def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False, dtype=torch.bfloat16, device="cpu"):
+    module = tiny_gpt(tiny_config(params_dtype=dtype), seed=seed).to(device)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
     layout = coat_param_layout(module, ddp_config) if coat_layout else None
     if cut_groups:
@@ -413,3 +413,38 @@ def test_fp32_import_from_megatron_adam(tmp_path):
             assert torch.equal(coat[name][f"{moment}.scale"], ref.scale) and torch.equal(coat[name][f"{moment}.k"], ref.k)
     assert all(s["step"] == 2 for r in ranks for s in r["coat"].values())
     assert ranks[0]["coat_after"] == pytest.approx(ranks[0]["adam_after"], abs=0.02)
+
+
+def _gpu_train_save_resume(directory: str) -> dict:
+    batches = [{k: v.cuda() for k, v in b.items()} for b in synthetic_batches(2)]
+    model, optimizer = _build(device="cuda")
+    inner = _inner(optimizer)
+    first = [train_step(model, optimizer, batches) for _ in range(3)]
+    _save(directory, model, optimizer)
+    expected = [train_step(model, optimizer, batches) for _ in range(2)]
+    bf16_written = all(torch.equal(p.detach().view(-1)[s:e], main.to(torch.bfloat16)) for p, main, s, e in inner._coat_shards())
+    model, optimizer = _build(seed=1, device="cuda")
+    _load(directory, model, optimizer)
+    resumed = [train_step(model, optimizer, batches) for _ in range(2)]
+    return dict(first=first, expected=expected, resumed=resumed, bf16_written=bf16_written, telemetry=coat_telemetry(optimizer),
+                inner_type=type(_inner(optimizer).optimizer).__name__, on_cuda=all(m.is_cuda for _, m, _, _ in _inner(optimizer)._coat_shards()))
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_with_megatrons_gpu_stack(tmp_path):
+    """Megatron on CUDA (with TransformerEngine installed, Megatron builds TE's FusedAdam, which COAT
+    replaces), the fused Triton step writing BF16 weights into DDP's buffer, and a bit-exact resume."""
+    import torch.distributed as dist
+
+    dist.init_process_group("cuda:nccl,cpu:gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        try:
+            r = _gpu_train_save_resume(str(tmp_path / "checkpoint"))
+        finally:
+            parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+    assert r["inner_type"] == "CoatAdamW" and r["on_cuda"] and r["bf16_written"]
+    assert r["first"][-1] < r["first"][0] and r["resumed"] == r["expected"]
+    assert 1 <= r["telemetry"]["v_k_mean"] <= 16
