@@ -53,17 +53,17 @@ from .formats import fp8_format
 
 @triton.jit
 def _load_state(
-    q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr, FAST: tl.constexpr
+    q_base, q_at, s_base, s_at, k_base, k_at, c_base, c_at, idx, groups, mask, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr, FAST: tl.constexpr
 ):
-    raw = tl.load(q_base + q_off + idx, mask=mask, other=0)
+    raw = tl.load(q_base + q_at + idx, mask=mask, other=0)
     if E5M2:
         q = raw.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
         q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    scale = tl.load(s_base + s_off + groups, mask=gmask, other=1.0)
+    scale = tl.load(s_base + s_at + groups, mask=gmask, other=1.0)
     if EXPAND:
-        k = tl.load(k_base + k_off + groups, mask=gmask, other=1.0)
-        center = tl.load(c_base + c_off + groups, mask=gmask, other=1.0)
+        k = tl.load(k_base + k_at + groups, mask=gmask, other=1.0)
+        center = tl.load(c_base + c_at + groups, mask=gmask, other=1.0)
     else:
         k = scale
         center = scale
@@ -72,7 +72,7 @@ def _load_state(
 
 @triton.jit
 def _store_state(
-    x, q_base, q_off, s_base, s_off, k_base, k_off, c_base, c_off, idx, groups, mask, gmask,
+    x, q_base, q_at, s_base, s_at, k_base, k_at, c_base, c_at, idx, groups, mask, gmask,
     FMAX: tl.constexpr, E5M2: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
     FAST: tl.constexpr,
 ):
@@ -82,11 +82,11 @@ def _store_state(
         raw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
     else:
         raw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    tl.store(q_base + q_off + idx, raw, mask=mask)
-    tl.store(s_base + s_off + groups, scale, mask=gmask)
+    tl.store(q_base + q_at + idx, raw, mask=mask)
+    tl.store(s_base + s_at + groups, scale, mask=gmask)
     if EXPAND:
-        tl.store(k_base + k_off + groups, k, mask=gmask)
-        tl.store(c_base + c_off + groups, center, mask=gmask)
+        tl.store(k_base + k_at + groups, k, mask=gmask)
+        tl.store(c_base + c_at + groups, center, mask=gmask)
     underflow = mask & (x != 0.0) & ((raw & 0x7F) == 0)
     return tl.sum(tl.sum(underflow.to(tl.int32), axis=1), axis=0)
 
@@ -104,30 +104,33 @@ def _fp8_adamw_kernel(
     pid = tl.program_id(0)
     t = tl.load(work_ptr + 2 * pid).to(tl.int64)
     first_group = tl.load(work_ptr + 2 * pid + 1).to(tl.int64)
+    first = first_group * GROUP
     row = meta_ptr + t * 12
-    # element offsets of this tensor from each base (see _LaunchPlan), then its numel
-    p_off = tl.multiple_of(tl.load(row + 0), ALIGN)
-    g_off = tl.multiple_of(tl.load(row + 1), ALIGN)
-    w_off = tl.multiple_of(tl.load(row + 2), ALIGN)
-    mq_off = tl.multiple_of(tl.load(row + 3), ALIGN)
-    ms_off = tl.load(row + 4)
-    mk_off = tl.load(row + 5)
-    mc_off = tl.load(row + 6)
-    vq_off = tl.multiple_of(tl.load(row + 7), ALIGN)
-    vs_off = tl.load(row + 8)
-    vk_off = tl.load(row + 9)
-    vc_off = tl.load(row + 10)
-    numel = tl.load(row + 11)
+    # This program's start in each array: the tensor's element (or group) offset from the base of
+    # its column (see _LaunchPlan) plus the program's first element (or group); 64-bit scalars,
+    # so that the per-element offsets below stay 32-bit.
+    p_at = tl.multiple_of(tl.load(row + 0), ALIGN) + first
+    g_at = tl.multiple_of(tl.load(row + 1), ALIGN) + first
+    w_at = tl.multiple_of(tl.load(row + 2), ALIGN) + first
+    mq_at = tl.multiple_of(tl.load(row + 3), ALIGN) + first
+    ms_at = tl.load(row + 4) + first_group
+    mk_at = tl.load(row + 5) + first_group
+    mc_at = tl.load(row + 6) + first_group
+    vq_at = tl.multiple_of(tl.load(row + 7), ALIGN) + first
+    vs_at = tl.load(row + 8) + first_group
+    vk_at = tl.load(row + 9) + first_group
+    vc_at = tl.load(row + 10) + first_group
+    remaining = tl.minimum(tl.load(row + 11) - first, GROUPS * GROUP).to(tl.int32)
 
-    groups = first_group + tl.arange(0, GROUPS)
+    groups = tl.arange(0, GROUPS)
     idx = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = idx < numel
-    gmask = groups * GROUP < numel
+    mask = idx < remaining
+    gmask = groups * GROUP < remaining
 
-    p = tl.load(p_base + p_off + idx, mask=mask, other=0.0)
-    g = tl.load(g_base + g_off + idx, mask=mask, other=0.0).to(tl.float32)
-    m = _load_state(mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask, M_E5M2, M_EXPAND, FAST)
-    v = _load_state(vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask, V_E5M2, V_EXPAND, FAST)
+    p = tl.load(p_base + p_at + idx, mask=mask, other=0.0)
+    g = tl.load(g_base + g_at + idx, mask=mask, other=0.0).to(tl.float32)
+    m = _load_state(mq_base, mq_at, ms_base, ms_at, mk_base, mk_at, mc_base, mc_at, idx, groups, mask, gmask, M_E5M2, M_EXPAND, FAST)
+    v = _load_state(vq_base, vq_at, vs_base, vs_at, vk_base, vk_at, vc_base, vc_at, idx, groups, mask, gmask, V_E5M2, V_EXPAND, FAST)
 
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
@@ -138,15 +141,15 @@ def _fp8_adamw_kernel(
         denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
 
-    tl.store(p_base + p_off + idx, p, mask=mask)
+    tl.store(p_base + p_at + idx, p, mask=mask)
     if WRITE_MODEL:
-        tl.store(w_base + w_off + idx, p.to(w_base.dtype.element_ty), mask=mask)
+        tl.store(w_base + w_at + idx, p.to(w_base.dtype.element_ty), mask=mask)
     m_under = _store_state(
-        m, mq_base, mq_off, ms_base, ms_off, mk_base, mk_off, mc_base, mc_off, idx, groups, mask, gmask,
+        m, mq_base, mq_at, ms_base, ms_at, mk_base, mk_at, mc_base, mc_at, idx, groups, mask, gmask,
         M_FMAX, M_E5M2, M_EXPAND, M_TARGET, K_MIN16, K_MAX16, FAST,
     )
     v_under = _store_state(
-        v, vq_base, vq_off, vs_base, vs_off, vk_base, vk_off, vc_base, vc_off, idx, groups, mask, gmask,
+        v, vq_base, vq_at, vs_base, vs_at, vk_base, vk_at, vc_base, vc_at, idx, groups, mask, gmask,
         V_FMAX, V_E5M2, V_EXPAND, V_TARGET, K_MIN16, K_MAX16, FAST,
     )
     tl.store(under_ptr + 2 * pid, m_under)
