@@ -87,7 +87,7 @@ def _store_state(
     if EXPAND:
         tl.store(k_base + k_at + groups, k, mask=gmask)
         tl.store(c_base + c_at + groups, center, mask=gmask)
-    underflow = mask & (x != 0.0) & ((raw & 0x7F) == 0)
+    underflow = (x != 0.0) & ((raw & 0x7F) == 0)  # padding lanes hold 0
     return tl.sum(tl.sum(underflow.to(tl.int32), axis=1), axis=0)
 
 
