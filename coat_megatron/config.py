@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from coat_kernels.expanded import K_RESOLUTION
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
 
 SWITCH_VALUES = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
-K_RESOLUTION = 16  # the expansion exponent k is a multiple of 1/16
 K_LIMITS = (1 / K_RESOLUTION, 64.0)
 OPTIMIZER_GROUP_SIZES = (32, 64, 128, 256)
 

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# One intra-op thread per test process: `pytest -n 2` on two cores otherwise oversubscribes them, and
+# OpenMP's spinning barriers make small CPU ops 10-100x slower.
+torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from triton_interpreter import install

@@ -51,6 +51,7 @@ PRELOAD = [
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
+    "coat_megatron.optimizer.distributed",
 ]
 
 

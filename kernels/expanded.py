@@ -1,0 +1,547 @@
+"""Range-expanded FP8 (COAT's dynamic range expansion) for optimizer states.
+
+Granularity: 1-D groups of ``group_size`` (default 128) consecutive elements of the flattened
+tensor; group j covers elements [j*G, (j+1)*G), the last group may be shorter (ragged). Each group
+stores FP8 codes (1 byte per element) and FP32 ``scale``, ``k`` and ``center`` (DESIGN 5.1):
+
+    amax = max |x|, amin = min |x| over the non-zero elements, R = amax / amin
+    k    = floor(K_RESOLUTION * log2(fmax^2 / 2) / log2 R) / K_RESOLUTION, clamped to [k_min, k_max]
+    c    = sqrt(amax) * sqrt(amin)                       (geometric centre: keeps (|x|/c)^k finite)
+    y    = sign(x) * (|x| / c)^k,  scale = (amax / c)^k / fmax,  q = fp8(clamp(y / scale))
+    x'   = sign(q) * (|q| * scale)^(1/k) * c               (dequantization)
+
+The relative error of a value in FP8's normal range shrinks by about k. A group whose range cannot
+be measured (all zero, one distinct magnitude, R within the resolution of log2) gets k = 1, c = 1
+and plain absmax scaling; so does every group when expansion is off (then k and c are not stored).
+A group holding inf or NaN gets an infinite scale and zero codes, so it dequantizes to NaN (the
+flag, as in ``coat_kernels.scaling``), never to a finite number.
+
+Exactness: ``a^k`` is ``exp2(k * log2(a))``. The torch reference evaluates it with log2 and exp2
+written here from IEEE operations only (bit manipulation, +, *, correctly rounded division and
+square root), and the Triton kernels can do the same (``exact_math=True``): with FMA contraction off
+(always: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
+produce the same bits, and kernel and reference are compared byte for byte. That costs about 250
+FP32 instructions per element in the AdamW step, which would make it compute-bound on an H100/H200,
+so on CUDA the kernels default to the hardware's exp2/log2 (``exact_math=False``) for the
+per-element powers (and approximate division and square root in the AdamW update). Their error,
+about 2^-22, is amplified by k (or 1/k) <= 16 in the exponent: at most about 2^-16 relative, 2^-12
+of an E4M3 step. A code differs from the reference's only when the value lies that close to a
+rounding midpoint (about 1 in 10^4 codes), and then by one step. The per-group k, centre and scale
+use the exact operations in both modes (once per group: cheap), so they never differ for the same
+input. Under the interpreter the default is exact.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .backend import use_triton
+from .formats import FP32_MIN_NORMAL, fp8_format
+from .scaling import (
+    NonFiniteInputError,
+    abs_or_inf,
+    abs_or_inf_reference,
+    quantize_with_inverse,
+    quantize_with_inverse_reference,
+    scale_from_amax,
+    scale_from_amax_reference,
+)
+
+K_RESOLUTION = 16  # k is a multiple of 1/16
+DEFAULT_K_MIN = 1 / K_RESOLUTION
+DEFAULT_K_MAX = 16.0
+
+
+def f32(value: float) -> float:
+    """``value`` rounded to the nearest FP32 (as a Python float): what a Triton scalar argument or
+    an FP32 constant holds, so that host-side scalars mean the same on every path."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def k_target(fmax: float) -> float:
+    """K_RESOLUTION * log2(fmax^2 / 2), FP32: the numerator of k's formula.
+
+    The target ratio fmax^2/2 (100352 for E4M3, not E4M3's full 2^17.8) puts the smallest element of
+    a group at 2/fmax, 1.2 binades above the format's smallest subnormal, where it keeps some
+    precision (DESIGN 5.1); for E5M2 the same rule gives the same headroom.
+    """
+    return f32(K_RESOLUTION * math.log2(fmax * fmax / 2))
+
+
+# Coefficients of log2(m) = t * (C1 + t^2 (C3 + ...)), t = (m - 1) / (m + 1), m in [sqrt(1/2), sqrt(2)):
+# 2 / (ln 2 * (2i + 1)), the series of 2 atanh(t) / ln 2. |t| <= 0.1716, so the first omitted term
+# is 2e-9 of the result (below FP32's 6e-8).
+_LOG2_C = [f32(2.0 / (math.log(2.0) * (2 * i + 1))) for i in range(5)]
+# 2^f = sum (f ln 2)^i / i! for f in [-0.5, 0.5]; the first omitted term is 5e-9 of the result.
+_EXP2_C = [f32(math.log(2.0) ** i / math.factorial(i)) for i in range(8)]
+_SQRT2 = f32(math.sqrt(2.0))
+_TWO_POW_23 = 2.0**23
+
+L2C0: tl.constexpr = tl.constexpr(_LOG2_C[0])
+L2C1: tl.constexpr = tl.constexpr(_LOG2_C[1])
+L2C2: tl.constexpr = tl.constexpr(_LOG2_C[2])
+L2C3: tl.constexpr = tl.constexpr(_LOG2_C[3])
+L2C4: tl.constexpr = tl.constexpr(_LOG2_C[4])
+E2C0: tl.constexpr = tl.constexpr(_EXP2_C[0])
+E2C1: tl.constexpr = tl.constexpr(_EXP2_C[1])
+E2C2: tl.constexpr = tl.constexpr(_EXP2_C[2])
+E2C3: tl.constexpr = tl.constexpr(_EXP2_C[3])
+E2C4: tl.constexpr = tl.constexpr(_EXP2_C[4])
+E2C5: tl.constexpr = tl.constexpr(_EXP2_C[5])
+E2C6: tl.constexpr = tl.constexpr(_EXP2_C[6])
+E2C7: tl.constexpr = tl.constexpr(_EXP2_C[7])
+SQRT2: tl.constexpr = tl.constexpr(_SQRT2)
+MIN_NORMAL: tl.constexpr = tl.constexpr(FP32_MIN_NORMAL)
+TWO_POW_23: tl.constexpr = tl.constexpr(_TWO_POW_23)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton device functions (shared with the fused AdamW step in fp8_adamw.py)
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def log2_ieee(x):
+    """log2 of positive finite FP32 values (subnormals included), from IEEE operations only."""
+    sub = x < MIN_NORMAL
+    x = tl.where(sub, x * TWO_POW_23, x)  # exact: brings a subnormal into the normal range
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - tl.where(sub, 23, 0)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    big = m > SQRT2
+    m = tl.where(big, m * 0.5, m)
+    e = tl.where(big, e + 1, e)
+    t = tl.div_rn(m - 1.0, m + 1.0)
+    t2 = t * t
+    p = L2C4
+    p = p * t2 + L2C3
+    p = p * t2 + L2C2
+    p = p * t2 + L2C1
+    p = p * t2 + L2C0
+    return e.to(tl.float32) + t * p
+
+
+@triton.jit
+def exp2_ieee(a):
+    """2^a for finite FP32 a, from IEEE operations only (underflows to 0, overflows to inf)."""
+    a = tl.minimum(tl.maximum(a, -200.0), 200.0)
+    n = tl.floor(a + 0.5)
+    f = a - n  # exact, |f| <= 0.5
+    p = E2C7
+    p = p * f + E2C6
+    p = p * f + E2C5
+    p = p * f + E2C4
+    p = p * f + E2C3
+    p = p * f + E2C2
+    p = p * f + E2C1
+    p = p * f + E2C0
+    ni = n.to(tl.int32)
+    n1 = ni >> 1  # arithmetic shift: floor(n / 2) for negative n too
+    n2 = ni - n1
+    # two powers of two within the normal range: only the last product can round (or underflow)
+    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
+    return (p * s1) * s2
+
+
+@triton.jit
+def pow_ieee(a, k):
+    """a^k for a >= 0 (0^k = 0); exact for k = 1."""
+    safe = tl.where(a == 0.0, 1.0, a)
+    r = tl.where(k == 1.0, a, exp2_ieee(k * log2_ieee(safe)))
+    return tl.where(a == 0.0, 0.0, r)
+
+
+@triton.jit
+def pow_fast(a, k):
+    """a^k for a >= 0 and k > 0 with the hardware's exp2 and log2 (NVIDIA: ex2.approx / lg2.approx,
+    about 2^-22 relative and absolute error). Three instructions: 0 needs no case of its own
+    (log2 0 = -inf, exp2 -inf = 0), and k = 1 is not special-cased (a^1 within 2^-22 of a)."""
+    return tl.exp2(k * tl.log2(a))
+
+
+@triton.jit
+def quantize_expanded_tile(
+    x, FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, FAST: tl.constexpr
+):
+    """Quantize a (groups, G) FP32 tile (padding lanes hold 0) group by group.
+
+    Returns (y, scale, k, center): y is the clamped FP32 value to cast to FP8 (y / scale already
+    applied), scale/k/center are (groups,) FP32. Without EXPAND, k and center are 1.
+    The per-group metadata is computed with IEEE operations only (one per group: cheap); FAST
+    computes the per-element power with the hardware's exp2/log2 (see the module docstring).
+    """
+    ax = abs_or_inf(x)
+    amax = tl.max(ax, axis=1)
+    if EXPAND:
+        amin = tl.min(tl.where(ax > 0.0, ax, float("inf")), axis=1)
+        # zero, non-finite or single-magnitude groups: plain absmax (COAT's kernel gives NaN here)
+        plain = (amax == 0.0) | (amax == float("inf")) | (amin == amax)
+        hi = tl.where(plain, 1.0, amax)
+        lo = tl.where(plain, 1.0, amin)
+        log2_range = log2_ieee(hi) - log2_ieee(lo)
+        plain = plain | (log2_range <= 0.0)
+        k16 = tl.floor(tl.div_rn(K_TARGET, tl.where(plain, 1.0, log2_range)))
+        k16 = tl.minimum(tl.maximum(k16, K_MIN16), K_MAX16)
+        k = tl.where(plain, 1.0, k16 * (1.0 / 16.0))
+        center = tl.where(plain, 1.0, tl.sqrt_rn(hi) * tl.sqrt_rn(lo))
+        if FAST:
+            mag = pow_fast(ax * tl.div_rn(1.0, center)[:, None], k[:, None])
+        else:
+            mag = pow_ieee(tl.div_rn(ax, center[:, None]), k[:, None])
+        y = tl.where(plain[:, None], x, tl.where(x < 0.0, -mag, mag))
+        ymax = tl.where(plain, amax, pow_ieee(tl.div_rn(hi, center), k))
+    else:
+        k = tl.full(amax.shape, 1.0, tl.float32)
+        center = k
+        y = x
+        ymax = amax
+    scale = scale_from_amax(ymax, FMAX)
+    y = quantize_with_inverse(y, tl.div_rn(1.0, scale)[:, None], FMAX)
+    return y, scale, k, center
+
+
+@triton.jit
+def dequantize_expanded_tile(q, scale, k, center, EXPAND: tl.constexpr, FAST: tl.constexpr):
+    """FP32 values of a (groups, G) tile of FP8 codes ``q`` (as FP32) with (groups,) metadata."""
+    if EXPAND:
+        a = tl.abs(q) * scale[:, None]
+        inv_k = tl.div_rn(1.0, k)[:, None]
+        if FAST:
+            mag = pow_fast(a, inv_k) * center[:, None]
+        else:
+            mag = pow_ieee(a, inv_k) * center[:, None]
+        return tl.where(q < 0.0, -mag, mag)
+    return q * scale[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# torch reference: the same operations in the same order
+# --------------------------------------------------------------------------------------------
+
+
+def sqrt_rn_reference(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded FP32 sqrt (as ``tl.sqrt_rn``). torch's CPU float32 sqrt is not: about
+    0.7% of results are 1 ULP off; the float64 sqrt rounded to FP32 is exact."""
+    return torch.sqrt(x.double()).float()
+
+
+def div_rn_reference(a: torch.Tensor, b) -> torch.Tensor:
+    """Correctly rounded FP32 a / b (as ``tl.div_rn``), through float64 (exact after rounding)."""
+    b = b.double() if isinstance(b, torch.Tensor) else b
+    return (a.double() / b).float()
+
+
+def log2_ieee_reference(x: torch.Tensor) -> torch.Tensor:
+    sub = x < FP32_MIN_NORMAL
+    x = torch.where(sub, x * _TWO_POW_23, x)
+    bits = x.view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - torch.where(sub, 23, 0).to(torch.int32)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)
+    e = torch.where(big, e + 1, e)
+    t = div_rn_reference(m - 1.0, m + 1.0)
+    t2 = t * t
+    p = torch.full_like(t, _LOG2_C[4])
+    for c in reversed(_LOG2_C[:4]):
+        p = p * t2 + c
+    return e.to(torch.float32) + t * p
+
+
+def exp2_ieee_reference(a: torch.Tensor) -> torch.Tensor:
+    a = a.clamp(-200.0, 200.0)
+    n = torch.floor(a + 0.5)
+    f = a - n
+    p = torch.full_like(f, _EXP2_C[7])
+    for c in reversed(_EXP2_C[:7]):
+        p = p * f + c
+    ni = n.to(torch.int32)
+    n1 = ni >> 1
+    n2 = ni - n1
+    s1 = ((n1 + 127) << 23).view(torch.float32)
+    s2 = ((n2 + 127) << 23).view(torch.float32)
+    return (p * s1) * s2
+
+
+def pow_ieee_reference(a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(a == 0, 1.0, a)
+    r = torch.where(k == 1.0, a, exp2_ieee_reference(k * log2_ieee_reference(safe)))
+    return torch.where(a == 0, 0.0, r)
+
+
+def quantize_expanded_groups_reference(x: torch.Tensor, fmax: float, expand: bool, k_min: float, k_max: float):
+    """Reference of ``quantize_expanded_tile`` on a (groups, G) FP32 tensor (padding lanes 0)."""
+    ax = abs_or_inf_reference(x)
+    amax = ax.amax(dim=1)
+    if expand:
+        amin = torch.where(ax > 0, ax, torch.inf).amin(dim=1)
+        plain = (amax == 0) | (amax == torch.inf) | (amin == amax)
+        hi = torch.where(plain, 1.0, amax)
+        lo = torch.where(plain, 1.0, amin)
+        log2_range = log2_ieee_reference(hi) - log2_ieee_reference(lo)
+        plain = plain | (log2_range <= 0)
+        k16 = torch.floor(div_rn_reference(torch.full_like(amax, k_target(fmax)), torch.where(plain, 1.0, log2_range)))
+        k16 = k16.clamp(k_min * K_RESOLUTION, k_max * K_RESOLUTION)
+        k = torch.where(plain, 1.0, k16 * (1.0 / 16.0))
+        center = torch.where(plain, 1.0, sqrt_rn_reference(hi) * sqrt_rn_reference(lo))
+        mag = pow_ieee_reference(div_rn_reference(ax, center[:, None]), k[:, None])
+        y = torch.where(plain[:, None], x, torch.where(x < 0, -mag, mag))
+        ymax = torch.where(plain, amax, pow_ieee_reference(div_rn_reference(hi, center), k))
+    else:
+        k = center = torch.ones_like(amax)
+        y, ymax = x, amax
+    scale = scale_from_amax_reference(ymax, fmax)
+    y = quantize_with_inverse_reference(y, div_rn_reference(torch.ones_like(scale), scale)[:, None], fmax)
+    return y, scale, k, center
+
+
+def dequantize_expanded_groups_reference(q: torch.Tensor, scale, k, center, expand: bool) -> torch.Tensor:
+    if expand:
+        a = q.abs() * scale[:, None]
+        mag = pow_ieee_reference(a, div_rn_reference(torch.ones_like(k), k)[:, None]) * center[:, None]
+        return torch.where(q < 0, -mag, mag)
+    return q * scale[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# The state type and the public functions
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExpandedFp8:
+    """A tensor in range-expanded FP8: codes plus per-group FP32 metadata.
+
+    Attributes:
+        codes: FP8 (``float8_e4m3fn`` or ``float8_e5m2``), the original tensor's shape.
+        scale: FP32, (n_groups,), n_groups = ceil(codes.numel() / group_size).
+        k, center: FP32, (n_groups,); None when expansion is off (k = 1, center = 1 implied).
+        group_size: elements per group along the flattened tensor.
+        fmt: "e4m3" or "e5m2".
+        signed: False for a tensor of magnitudes (Adam's v): its input was checked non-negative.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    k: torch.Tensor | None
+    center: torch.Tensor | None
+    group_size: int
+    fmt: str
+    signed: bool = True
+
+    @property
+    def expansion(self) -> bool:
+        return self.k is not None
+
+    @property
+    def n_groups(self) -> int:
+        return self.scale.numel()
+
+    def nbytes(self) -> int:
+        """Bytes held: codes + metadata."""
+        meta = [t for t in (self.scale, self.k, self.center) if t is not None]
+        return self.codes.numel() * self.codes.element_size() + sum(t.numel() * 4 for t in meta)
+
+    @classmethod
+    def zeros(cls, shape, *, group_size: int = 128, fmt: str = "e4m3", signed: bool = True, expansion: bool = True, device=None) -> "ExpandedFp8":
+        """The state of an all-zero tensor (what quantizing zeros gives: scale 1, k 1, centre 1)."""
+        f = fp8_format(fmt)
+        numel = math.prod(shape)
+        n_groups = -(-numel // group_size)
+        ones = lambda: torch.ones(n_groups, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(
+            codes=torch.zeros(shape, dtype=f.dtype, device=device),
+            scale=ones(),
+            k=ones() if expansion else None,
+            center=ones() if expansion else None,
+            group_size=group_size,
+            fmt=fmt,
+            signed=signed,
+        )
+
+
+@triton.jit
+def _quantize_expanded_kernel(
+    x_ptr, q_ptr, s_ptr, k_ptr, c_ptr, n,
+    FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
+    FAST: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+):
+    groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST)
+    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    gmask = groups * GROUP < n
+    tl.store(s_ptr + groups, scale, mask=gmask)
+    if EXPAND:
+        tl.store(k_ptr + groups, k, mask=gmask)
+        tl.store(c_ptr + groups, center, mask=gmask)
+
+
+@triton.jit
+def _dequantize_expanded_kernel(
+    q_ptr, s_ptr, k_ptr, c_ptr, out_ptr, n, EXPAND: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr
+):
+    groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = offs < n
+    gmask = groups * GROUP < n
+    q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + groups, mask=gmask, other=1.0)
+    if EXPAND:
+        k = tl.load(k_ptr + groups, mask=gmask, other=1.0)
+        center = tl.load(c_ptr + groups, mask=gmask, other=1.0)
+    else:
+        k = scale
+        center = scale
+    x = dequantize_expanded_tile(q, scale, k, center, EXPAND, FAST)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def use_exact_math(x: torch.Tensor, exact_math: bool | None) -> bool:
+    """The kernels' math mode: exact (IEEE-only, bit-identical to the reference) unless on CUDA."""
+    return not x.is_cuda if exact_math is None else bool(exact_math)
+
+
+def _groups_per_program(group_size: int) -> int:
+    return max(1, 1024 // group_size)
+
+
+def _check_limits(k_min: float, k_max: float) -> None:
+    for name, value in (("k_min", k_min), ("k_max", k_max)):
+        if value * K_RESOLUTION != round(value * K_RESOLUTION):
+            raise ValueError(f"{name}={value} is not a multiple of 1/{K_RESOLUTION}; round it, e.g. to {round(value * K_RESOLUTION) / K_RESOLUTION}")
+    if not DEFAULT_K_MIN <= k_min <= 1.0 <= k_max <= 64.0:
+        raise ValueError(f"expansion limits k_min={k_min}, k_max={k_max} must satisfy 1/16 <= k_min <= 1 <= k_max <= 64")
+
+
+def _check_input(x: torch.Tensor, group_size: int) -> None:
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize_expanded takes float32, bfloat16 or float16, got {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"x of shape {tuple(x.shape)} is not contiguous; pass x.contiguous()")
+    if group_size < 1 or group_size & (group_size - 1):
+        raise ValueError(f"group_size={group_size} must be a power of two (128 is COAT's)")
+
+
+def quantize_expanded_reference(
+    x: torch.Tensor, group_size: int = 128, fmt: str = "e4m3", *, signed: bool = True, expansion: bool = True,
+    k_min: float = DEFAULT_K_MIN, k_max: float = DEFAULT_K_MAX,
+) -> ExpandedFp8:
+    f = fp8_format(fmt)
+    _check_input(x, group_size)
+    n = x.numel()
+    n_groups = -(-n // group_size)
+    flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_groups * group_size - n))
+    y, scale, k, center = quantize_expanded_groups_reference(flat.view(n_groups, group_size), f.max, expansion, k_min, k_max)
+    codes = y.reshape(-1)[:n].to(f.dtype).view(x.shape)
+    return ExpandedFp8(codes, scale, k if expansion else None, center if expansion else None, group_size, fmt, signed)
+
+
+def dequantize_expanded_reference(state: ExpandedFp8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = state.codes.numel()
+    g = state.group_size
+    q = torch.nn.functional.pad(state.codes.reshape(-1).float(), (0, state.n_groups * g - n)).view(-1, g)
+    x = dequantize_expanded_groups_reference(q, state.scale, state.k, state.center, state.expansion)
+    return x.reshape(-1)[:n].to(dtype).view(state.codes.shape)
+
+
+def quantize_expanded(
+    x: torch.Tensor,
+    group_size: int = 128,
+    fmt: str = "e4m3",
+    signed: bool = True,
+    *,
+    expansion: bool = True,
+    k_min: float = DEFAULT_K_MIN,
+    k_max: float = DEFAULT_K_MAX,
+    check_finite: bool = True,
+    exact_math: bool | None = None,
+    backend: str = "auto",
+) -> ExpandedFp8:
+    """Quantize ``x`` to range-expanded FP8, one (scale, k, centre) per group of ``group_size``
+    consecutive elements of the flattened tensor (the last group may be shorter).
+
+    Args:
+        x: FP32/BF16/FP16, any shape, contiguous.
+        group_size: a power of two; 128 as COAT.
+        fmt: "e4m3" (default; Adam's m and v) or "e5m2".
+        signed: False for magnitudes (Adam's v); then negative input is an error.
+        expansion: False gives plain per-group absmax scaling (k and center not stored).
+        k_min, k_max: limits of k, multiples of 1/16 with k_min <= 1 <= k_max.
+        check_finite: raise ``NonFiniteInputError`` (and, unsigned, ValueError for negative values)
+            after one device sync; with False such groups come back with an infinite scale.
+        exact_math: Triton only: True makes the kernel bit-identical to the torch reference, False
+            uses the hardware's exp2/log2 per element; None: exact except on CUDA (module docstring).
+    Returns:
+        ``ExpandedFp8`` with codes of x's shape and FP32 metadata of shape (ceil(numel / group_size),).
+    """
+    f = fp8_format(fmt)
+    _check_input(x, group_size)
+    _check_limits(k_min, k_max)
+    if check_finite and not signed and x.numel() and bool((x < 0).any()):
+        raise ValueError("quantize_expanded(signed=False) got negative values; pass signed=True for signed data")
+    if not use_triton(x, backend):
+        state = quantize_expanded_reference(x, group_size, fmt, signed=signed, expansion=expansion, k_min=k_min, k_max=k_max)
+    else:
+        n = x.numel()
+        n_groups = -(-n // group_size)
+        state = ExpandedFp8(
+            codes=torch.empty(x.shape, dtype=f.dtype, device=x.device),
+            scale=torch.empty(n_groups, dtype=torch.float32, device=x.device),
+            k=torch.empty(n_groups, dtype=torch.float32, device=x.device) if expansion else None,
+            center=torch.empty(n_groups, dtype=torch.float32, device=x.device) if expansion else None,
+            group_size=group_size,
+            fmt=fmt,
+            signed=signed,
+        )
+        if n:
+            groups = _groups_per_program(group_size)
+            fast = not use_exact_math(x, exact_math)
+            _quantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
+                x, state.codes, state.scale, state.k if expansion else state.scale, state.center if expansion else state.scale, n,
+                FMAX=f.max, EXPAND=expansion, K_TARGET=k_target(f.max), K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION,
+                FAST=fast, GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
+            )
+    if check_finite and state.n_groups and not bool(torch.isfinite(state.scale).all()):
+        bad = int((~torch.isfinite(state.scale)).sum())
+        raise NonFiniteInputError(
+            f"quantize_expanded: input holds inf or NaN ({bad} of {state.n_groups} groups); find where they come "
+            f"from, or pass check_finite=False to get infinite scales as a flag instead"
+        )
+    return state
+
+
+def dequantize_expanded(
+    state: ExpandedFp8, dtype: torch.dtype = torch.float32, *, exact_math: bool | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Inverse of ``quantize_expanded``: x' = sign(q) (|q| scale)^(1/k) center per group, in ``dtype``
+    (FP32 by default), shaped like ``state.codes``. ``exact_math`` as for ``quantize_expanded``."""
+    if state.codes.dtype != fp8_format(state.fmt).dtype:
+        raise TypeError(f"codes are {state.codes.dtype} but the state says {state.fmt!r}")
+    n = state.codes.numel()
+    n_groups = -(-n // state.group_size)
+    for name in ("scale", "k", "center"):
+        t = getattr(state, name)
+        if t is not None and (t.dtype != torch.float32 or t.shape != (n_groups,) or not t.is_contiguous()):
+            raise ValueError(f"state.{name} must be contiguous float32 of shape ({n_groups},), got {t.dtype} {tuple(t.shape)}")
+    if not use_triton(state.codes, backend):
+        return dequantize_expanded_reference(state, dtype)
+    out = torch.empty(state.codes.shape, dtype=dtype, device=state.codes.device)
+    if n:
+        groups = _groups_per_program(state.group_size)
+        fast = not use_exact_math(state.codes, exact_math)
+        meta = state.scale
+        _dequantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
+            state.codes.contiguous(), state.scale, state.k if state.expansion else meta, state.center if state.expansion else meta, out, n,
+            EXPAND=state.expansion, FAST=fast, GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
+        )
+    return out

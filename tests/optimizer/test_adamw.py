@@ -1,0 +1,237 @@
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+from tiny_lm import TinyGPT, docstring_text, encode, train
+
+from coat_kernels import dequantize_expanded
+from coat_megatron import CoatConfig
+from coat_megatron.optimizer import CoatAdamW
+
+HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def regression_problem(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(512, 64, generator=g)
+    w = torch.randn(64, 1, generator=g)
+    y = torch.tanh(x @ w / 8) + 0.01 * torch.randn(512, 1, generator=g)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 1))
+    return model, x, y
+
+
+def fit(model, optimizer, x, y, steps, scheduler=None, start=0):
+    losses = []
+    for i in range(start, start + steps):
+        batch = slice((i * 64) % 512, (i * 64) % 512 + 64)
+        loss = nn.functional.mse_loss(model(x[batch]), y[batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def states_equal(a: CoatAdamW, b: CoatAdamW) -> bool:
+    for pa, pb in zip([p for g in a.param_groups for p in g["params"]], [p for g in b.param_groups for p in g["params"]]):
+        sa, sb = a.state[pa], b.state[pb]
+        if sa.keys() != sb.keys() or not all(torch.equal(sa[k], sb[k]) for k in sa):
+            return False
+    return True
+
+
+def test_regression_loss_curve_matches_torch_adamw(seed):
+    model, x, y = regression_problem(seed)
+    reference = copy.deepcopy(model)
+    coat = fit(model, CoatAdamW(model.parameters(), **HYPER), x, y, 150)
+    fp32 = fit(reference, torch.optim.AdamW(reference.parameters(), **HYPER), x, y, 150)
+    assert fp32[-1] < 0.05 * fp32[0] and coat[-1] < 0.05 * coat[0]  # the problem is learned
+    gap = [abs(a - b) / fp32[0] for a, b in zip(coat, fp32)]  # in units of the initial loss
+    assert max(gap) < 0.01 and sum(gap[-20:]) / 20 < 0.004, (max(gap), sum(gap[-20:]) / 20)
+
+
+def test_tiny_gpt_loss_curve_matches_torch_adamw(seed):
+    data = encode(docstring_text())
+    torch.manual_seed(seed)
+    model = TinyGPT()
+    reference = copy.deepcopy(model)
+    coat = train(model, CoatAdamW(model.parameters(), **HYPER), data, 80, seed=seed)
+    fp32 = train(reference, torch.optim.AdamW(reference.parameters(), **HYPER), data, 80, seed=seed)
+    assert fp32[-1] < 0.65 * fp32[0]  # from ln(128) = 4.85 towards character statistics
+    gap = [abs(a - b) for a, b in zip(coat, fp32)]
+    assert max(gap) < 0.05 and sum(gap[-20:]) / 20 < 0.02, (max(gap), sum(gap[-20:]) / 20)
+
+
+def test_state_dict_resume_is_bit_exact(seed):
+    model, x, y = regression_problem(seed)
+    straight = copy.deepcopy(model)
+    opt_straight = CoatAdamW(straight.parameters(), **HYPER)
+    fit(straight, opt_straight, x, y, 10)
+
+    opt = CoatAdamW(model.parameters(), **HYPER)
+    fit(model, opt, x, y, 6)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed, _, _ = regression_problem(seed + 1)  # other weights: everything must come from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    opt_resumed = CoatAdamW(resumed.parameters(), **HYPER)
+    opt_resumed.load_state_dict(saved["opt"])
+    assert all(t.dtype == torch.uint8 for s in opt_resumed.state.values() for k, t in s.items() if k.endswith(".codes"))
+    fit(resumed, opt_resumed, x, y, 4, start=6)
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert states_equal(opt_straight, opt_resumed)
+
+
+def test_param_groups_and_lr_schedule_follow_torch_adamw(seed):
+    model, x, y = regression_problem(seed)
+    reference = copy.deepcopy(model)
+
+    def groups(m):
+        return [
+            {"params": [m[0].weight, m[2].weight], "weight_decay": 0.1},
+            {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0, "lr": 1e-2},
+        ]
+
+    coat = CoatAdamW(groups(model), lr=3e-3, betas=(0.9, 0.95))
+    fp32 = torch.optim.AdamW(groups(reference), lr=3e-3, betas=(0.9, 0.95))
+    warmup = lambda step: min(1.0, (step + 1) / 20)  # noqa: E731
+    fit(model, coat, x, y, 60, torch.optim.lr_scheduler.LambdaLR(coat, warmup))
+    fit(reference, fp32, x, y, 60, torch.optim.lr_scheduler.LambdaLR(fp32, warmup))
+    assert coat.param_groups[1]["lr"] == fp32.param_groups[1]["lr"] == 1e-2
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert (a - b).norm() < 0.15 * b.norm(), ((a - b).norm(), b.norm())
+    # lr 0 leaves parameters untouched (decay 1, step size 0), and still advances the states
+    before = [p.clone() for p in model.parameters()]
+    for group in coat.param_groups:
+        group["lr"] = 0.0
+    fit(model, coat, x, y, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fp32_export_and_import_move_runs_between_coat_and_torch_adamw(seed):
+    model, x, y = regression_problem(seed)
+    coat_model = copy.deepcopy(model)
+    coat = CoatAdamW(coat_model.parameters(), **HYPER)
+    fit(coat_model, coat, x, y, 8)
+    exported = coat.fp32_state_dict()
+    for p, s in zip(coat_model.parameters(), exported["state"].values()):
+        assert s["exp_avg"].dtype == torch.float32 and s["exp_avg"].shape == p.shape
+        assert torch.equal(s["exp_avg_sq"].view(-1), dequantize_expanded(coat.moment(p, "exp_avg_sq")).view(-1))
+    torch_model = copy.deepcopy(coat_model)
+    adamw = torch.optim.AdamW(torch_model.parameters(), **HYPER)
+    adamw.load_state_dict(exported)
+    assert adamw.state_dict()["state"][0]["step"] == 8
+    torch_losses = fit(torch_model, adamw, x, y, 8)
+    coat_losses = fit(coat_model, coat, x, y, 8)
+    assert max(abs(a - b) / b for a, b in zip(coat_losses, torch_losses)) < 0.05
+
+    # and back: AdamW's FP32 moments, quantized
+    back = CoatAdamW(copy.deepcopy(torch_model).parameters(), **HYPER)
+    back.load_fp32_state_dict(adamw.state_dict())
+    for p_torch, p in zip(torch_model.parameters(), [p for g in back.param_groups for p in g["params"]]):
+        s = adamw.state[p_torch]
+        m = dequantize_expanded(back.moment(p, "exp_avg")).view(p.shape)
+        v = dequantize_expanded(back.moment(p, "exp_avg_sq")).view(p.shape)
+        assert ((m - s["exp_avg"]).norm() / s["exp_avg"].norm()) < 0.03
+        assert ((v - s["exp_avg_sq"]).norm() / s["exp_avg_sq"].norm()) < 0.03
+        assert back.state[p]["step"] == 16
+
+
+def test_state_bytes_telemetry_and_model_copy():
+    params = [nn.Parameter(torch.randn(256, 128)), nn.Parameter(torch.randn(128 * 5))]
+    opt = CoatAdamW(params, **HYPER)
+    opt.model_params = {p: torch.zeros(p.shape, dtype=torch.bfloat16) for p in params}
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-3 * (1 + torch.rand_like(p))
+        opt.step()
+    numel = sum(p.numel() for p in params)
+    assert opt.state_bytes() / numel == 2 + 6 * 4 / 128  # 2.1875 bytes per parameter
+    for p, w in opt.model_params.items():
+        assert torch.equal(w, p.detach().to(torch.bfloat16))
+    t = opt.telemetry()
+    assert set(t) == {f"{m}_{s}" for m in "mv" for s in ("k_mean", "k_min", "k_max", "underflow_fraction")}
+    assert 1 / 16 <= t["m_k_min"] <= t["m_k_mean"] <= t["m_k_max"] <= 16 and t["v_k_mean"] >= 1
+    assert 0 <= t["m_underflow_fraction"] < 0.01 and 0 <= t["v_underflow_fraction"] < 0.01
+    plain = CoatAdamW([nn.Parameter(torch.randn(1280))], config=CoatConfig(m_expansion=False, v_expansion=False))
+    plain.param_groups[0]["params"][0].grad = torch.randn(1280)
+    plain.step()
+    assert plain.state_bytes() / 1280 == 2 + 2 * 4 / 128
+    assert plain.telemetry()["m_k_mean"] == 1.0
+
+
+def test_triton_kernel_and_reference_give_the_same_run(seed):
+    model, x, y = regression_problem(seed)  # 8.5k parameters: a handful of kernel programs per step
+    twin = copy.deepcopy(model)
+    opt_k = CoatAdamW(model.parameters(), **HYPER, backend="triton")
+    opt_r = CoatAdamW(twin.parameters(), **HYPER, backend="reference")
+    assert fit(model, opt_k, x, y, 3) == fit(twin, opt_r, x, y, 3)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert states_equal(opt_k, opt_r)
+
+
+def test_non_finite_grads_are_skipped_by_the_grad_scaler(seed):
+    model, x, y = regression_problem(seed)
+    opt = CoatAdamW(model.parameters(), **HYPER)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    fit(model, opt, x, y, 3)
+    before = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    loss = nn.functional.mse_loss(model(x[:64]), y[:64])
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    after = opt.state_dict()
+    assert all(torch.equal(before["state"][i][k], after["state"][i][k]) for i in before["state"] for k in before["state"][i])
+
+
+def test_errors_name_the_fix():
+    with pytest.raises(TypeError, match="FP32 master"):
+        p = nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
+        p.grad = torch.randn_like(p)
+        CoatAdamW([p]).step()
+    p = nn.Parameter(torch.randn(10))
+    p.grad = torch.randn_like(p)
+    opt = CoatAdamW([p])
+    opt.step()
+    other = CoatAdamW([nn.Parameter(torch.randn(10))], config=CoatConfig(v_format="e5m2"))
+    with pytest.raises(ValueError, match="matches the checkpoint"):
+        other.load_state_dict(opt.state_dict())
+    adamw = torch.optim.AdamW([p])
+    adamw.step()
+    with pytest.raises(ValueError, match="load_fp32_state_dict"):
+        opt.load_state_dict(adamw.state_dict())
+    with pytest.raises(ValueError, match="amsgrad"):
+        CoatAdamW([{"params": [p], "amsgrad": True}]).step()
+
+
+@pytest.mark.gpu
+def test_tiny_gpt_on_gpu_tracks_torch_fused_adamw(seed):
+    # the CUDA default: the fused Triton step with the hardware's exp2/log2, writing BF16 weights
+    data = encode(docstring_text()).cuda()
+    torch.manual_seed(seed)
+    model = TinyGPT().cuda()
+    reference = copy.deepcopy(model)
+    opt = CoatAdamW(model.parameters(), **HYPER)
+    opt.model_params = {p: torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in model.parameters()}
+    coat = train(model, opt, data, 150, seed=seed)
+    fp32 = train(reference, torch.optim.AdamW(reference.parameters(), **HYPER, fused=True), data, 150, seed=seed)
+    gap = [abs(a - b) for a, b in zip(coat, fp32)]
+    assert fp32[-1] < 0.6 * fp32[0]
+    assert max(gap) < 0.08 and sum(gap[-30:]) / 30 < 0.03, (max(gap), sum(gap[-30:]) / 30)
+    assert all(torch.equal(w, p.detach().to(torch.bfloat16)) for p, w in opt.model_params.items())
+    assert opt.state_bytes() <= 2.2 * sum(p.numel() for p in model.parameters())
+    t = opt.telemetry()
+    assert 1 <= t["v_k_mean"] <= 16 and t["m_underflow_fraction"] < 0.01
