@@ -195,6 +195,11 @@ def test_norm_output_recompute_for_wgrad_stays_within_one_more_rounding(device, 
         wc = leaf(w, device=device)
         fp8_linear(rmsnorm_to_fp8(leaf(x, device=device), torch.ones(320, device=device), transpose=mode), wc).backward(dy.to(device))
         grads[mode] = wc.grad.float().cpu()
-    xn = F.rms_norm(x.float(), (320,), eps=1e-5)
-    bound = product_error(dy.float().t(), torch.zeros_like(dy.float().t()), xn, quant_error_groups(x.float(), "e4m3", 16) * 2)
-    assert ((grads["recompute"] - grads["store"]).abs() <= bound + BF16 * grads["store"].abs() + 1e-3 * grads["store"].abs().amax()).all()
+    xf = x.float()
+    rstd = 1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+    xn = xf * rstd
+    # the two wgrad operands differ by the norm of the 1x16 rounding of x, plus one per-tensor
+    # E4M3 rounding on each side; both GEMMs read the same E5M2 dY (|dY_q| <= (1 + 2^-3) |dy|)
+    operand = rstd * quant_error_groups(xf, "e4m3", 16) + 2 * quant_error(xn, "e4m3")
+    bound = (1 + 2**-3) * dy.float().abs().t() @ operand
+    assert ((grads["recompute"] - grads["store"]).abs() <= bound + 2 * BF16 * grads["store"].abs() + SLACK).all()

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from conftest import as_bytes
+from kernel_inputs import as_bytes
 
 from coat_kernels import ExpandedFp8, NonFiniteInputError, dequantize_expanded, quantize_expanded
 from coat_kernels.expanded import (

@@ -2,7 +2,7 @@ import copy
 
 import pytest
 import torch
-from conftest import as_bytes
+from kernel_inputs import as_bytes
 
 from coat_kernels import ExpandedFp8, dequantize_expanded, fp8_adamw_step
 
