@@ -46,6 +46,7 @@ from .formats import FP32_MIN_NORMAL, fp8_format
 from .scaling import (
     NonFiniteInputError,
     abs_or_inf,
+    encode_fp8,
     abs_or_inf_reference,
     quantize_with_inverse,
     quantize_with_inverse_reference,
@@ -378,7 +379,11 @@ def _quantize_expanded_kernel(
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST)
-    tl.store(q_ptr + offs, y.to(q_ptr.dtype.element_ty), mask=mask)
+    if FMAX == 448.0:  # the byte by integer arithmetic: see scaling.encode_fp8
+        code = encode_fp8(y, 3, 7)
+    else:
+        code = encode_fp8(y, 2, 15)
+    tl.store(q_ptr + offs, code.to(q_ptr.dtype.element_ty, bitcast=True), mask=mask)
     gmask = groups * GROUP < n
     tl.store(s_ptr + groups, scale, mask=gmask)
     if EXPAND:

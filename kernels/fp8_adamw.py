@@ -49,6 +49,7 @@ from .expanded import (
     use_exact_math,
 )
 from .formats import fp8_format
+from .scaling import encode_fp8
 
 
 @triton.jit
@@ -79,9 +80,9 @@ def _store_state(
     """Requantize x, store codes and metadata; return the number of non-zero values that became code 0."""
     y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST)
     if E5M2:
-        raw = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        raw = encode_fp8(y, 2, 15)
     else:
-        raw = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        raw = encode_fp8(y, 3, 7)
     tl.store(q_base + q_at + idx, raw, mask=mask)
     tl.store(s_base + s_at + groups, scale, mask=gmask)
     if EXPAND:

@@ -69,3 +69,29 @@ def raise_if_nonfinite(scales: torch.Tensor, op: str) -> None:
             f"represent it. Find where the non-finite values come from (loss scale, learning rate), or "
             f"pass check_finite=False to get infinite scales as a flag instead"
         )
+
+
+@triton.jit
+def encode_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """The bits (uint8) of the FP8 value nearest to y, ties to even, by integer and exact FP32
+    arithmetic: for y finite and within the format's range (clamped), the same byte as a cast.
+
+    Why not ``y.to(fp8)``: Triton 3.6's FP32 -> FP8 conversion on Hopper (cvt ... e4m3x2/e5m2x2,
+    two values per instruction) writes constant garbage (0x60, 0xFC) into half of the bytes in
+    some register layouts, the fused optimizer step's among them (measured on an H200,
+    2026-11-22). Rounding: adding and subtracting c = 2^(e - MBITS + 23), whose FP32 ulp is the
+    FP8 step of y's binade (the smallest normal binade's step below it), rounds |y| to that step,
+    ties to even; the result is an FP8 value whose bits are then assembled.
+    """
+    a = tl.abs(y)
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, 1 - BIAS)
+    c = ((e - MBITS + 150) << 23).to(tl.float32, bitcast=True)
+    r = (a + c) - c
+    rb = r.to(tl.int32, bitcast=True)
+    er = ((rb >> 23) & 0xFF) - 127
+    normal = ((er + BIAS) << MBITS) | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    subnormal_unit = tl.full((), (BIAS - 1 + MBITS + 127) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2^(BIAS-1+MBITS)
+    subnormal = (r * subnormal_unit).to(tl.int32)
+    code = tl.where(er >= 1 - BIAS, normal, subnormal) | ((bits >> 24) & 0x80)
+    return code.to(tl.uint8)
