@@ -259,7 +259,7 @@ def _forward_step(data_iterator, model):
     def loss_func(per_token_loss: torch.Tensor):
         # (sum, token count, report): Megatron divides by the count, as pretrain_gpt's does.
         loss = per_token_loss.float().sum()
-        num_tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int)
+        num_tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=per_token_loss.device)
         return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
     return output, loss_func
