@@ -4,7 +4,7 @@ import io
 import pytest
 import torch
 from torch import nn
-from tiny_lm import TinyGPT, docstring_text, encode, train
+from tiny_lm import TinyGPT, text_tokens, train
 
 from coat_kernels import dequantize_expanded
 from coat_megatron import CoatConfig
@@ -56,7 +56,7 @@ def test_regression_loss_curve_matches_torch_adamw(seed):
 
 
 def test_tiny_gpt_loss_curve_matches_torch_adamw(seed):
-    data = encode(docstring_text())
+    data = text_tokens()
     torch.manual_seed(seed)
     model = TinyGPT()
     reference = copy.deepcopy(model)
@@ -220,7 +220,7 @@ def test_errors_name_the_fix():
 @pytest.mark.gpu
 def test_tiny_gpt_on_gpu_tracks_torch_fused_adamw(seed):
     # the CUDA default: the fused Triton step with the hardware's exp2/log2, writing BF16 weights
-    data = encode(docstring_text()).cuda()
+    data = text_tokens().cuda()
     torch.manual_seed(seed)
     model = TinyGPT().cuda()
     reference = copy.deepcopy(model)

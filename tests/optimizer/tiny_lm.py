@@ -5,31 +5,16 @@ The text is docstrings of the Python standard library: real prose, present where
 
 from __future__ import annotations
 
-import inspect
-import json
-import collections
-import argparse
-import textwrap
-
 import torch
 from torch import nn
 
-
-def docstring_text(min_chars: int = 60_000) -> str:
-    parts = []
-    for module in (argparse, collections, json, textwrap, inspect):
-        for _, obj in sorted(vars(module).items()):
-            doc = getattr(obj, "__doc__", None)
-            if isinstance(doc, str) and len(doc) > 80:
-                parts.append(inspect.cleandoc(doc))
-    text = "\n\n".join(parts)
-    while len(text) < min_chars:
-        text += "\n\n" + text
-    return text
+from coat_megatron.corpus import stdlib_docstrings
 
 
-def encode(text: str) -> torch.Tensor:
-    return torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
+def text_tokens(max_bytes: int = 64 << 10) -> torch.Tensor:
+    """The first ``max_bytes`` of the standard library's docstrings, as byte tokens below 128."""
+    data = stdlib_docstrings(max_bytes)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long().clamp_(max=127)
 
 
 class TinyGPT(nn.Module):
