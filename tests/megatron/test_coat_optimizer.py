@@ -440,6 +440,7 @@ def test_on_one_gpu_with_megatrons_gpu_stack(tmp_path):
     try:
         parallel_state.initialize_model_parallel(1, 1)
         try:
+            (tmp_path / "checkpoint").mkdir()  # dist_checkpointing.save writes into an existing directory
             r = _gpu_train_save_resume(str(tmp_path / "checkpoint"))
         finally:
             parallel_state.destroy_model_parallel()
