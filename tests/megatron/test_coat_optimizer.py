@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout
-from tiny_gpt import forward_backward, synthetic_batches, tiny_config, tiny_gpt, train_step
+from tiny_gpt import checkpoint_state, forward_backward, synthetic_batches, tiny_config, tiny_gpt, train_step
 
 from coat_kernels import quantize_expanded
 from coat_megatron.optimizer import CoatDistributedOptimizer, coat_param_layout, coat_telemetry, get_coat_optimizer
@@ -68,22 +68,8 @@ def _inner(optimizer):
     return optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
 
 
-def _checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> dict:
-    metadata = dict(
-        distrib_optim_sharding_type=sharding_type,
-        # fully_reshardable gathers over gloo on the CPU (the default gathers CUDA tensors)
-        distrib_optim_fully_reshardable_mem_efficient=True,
-        singleton_local_shards=False,
-        chained_optim_avoid_prefix=True,
-        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
-    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading, metadata=metadata)
-    return state
-
-
 def _save(directory: str, model, optimizer, sharding_type: str = "dp_reshardable") -> None:
-    dist_checkpointing.save(_checkpoint_state(model, optimizer, sharding_type, is_loading=False), directory)
+    dist_checkpointing.save(checkpoint_state(model, optimizer, sharding_type, is_loading=False), directory)
 
 
 def _load(directory: str, model, optimizer, sharding_type: str = "dp_reshardable") -> None:
@@ -99,7 +85,7 @@ def _load(directory: str, model, optimizer, sharding_type: str = "dp_reshardable
         # with TE or apex Adam there is no per-param step. Mark it as not a tensor: it is skipped.
         set_states = opt._set_main_param_and_optimizer_states
         opt._set_main_param_and_optimizer_states = lambda p, tensors, set_states=set_states: set_states(p, {"step": None, **tensors})
-    state = dist_checkpointing.load(_checkpoint_state(model, optimizer, sharding_type, is_loading=True), directory)
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), directory)
     model.module.load_state_dict(state["model"])
     with torch.no_grad():
         optimizer.load_state_dict(state["optimizer"])

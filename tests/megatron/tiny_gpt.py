@@ -330,9 +330,12 @@ def train_step(model: DistributedDataParallel, optimizer, batches: list[dict]) -
     return loss
 
 
-def _checkpoint_state(model: DistributedDataParallel, optimizer, sharding_type: str, is_loading: bool) -> dict:
+def checkpoint_state(model: DistributedDataParallel, optimizer, sharding_type: str, is_loading: bool) -> dict:
+    """The sharded state dict of model and optimizer, as ``megatron.training`` builds it."""
     metadata = dict(
         distrib_optim_sharding_type=sharding_type,
+        # fully_reshardable gathers over gloo on the CPU (the default gathers CUDA tensors)
+        distrib_optim_fully_reshardable_mem_efficient=True,
         singleton_local_shards=False,
         chained_optim_avoid_prefix=True,
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
@@ -346,7 +349,7 @@ def save_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sha
     """Save model and optimizer as a Megatron dist checkpoint (``torch_dist``), the way
     ``megatron.training`` does. A script that calls this must guard its entry point with
     ``if __name__ == "__main__":`` (the checkpoint writer's workers re-import ``__main__``)."""
-    dist_checkpointing.save(_checkpoint_state(model, optimizer, sharding_type, is_loading=False), str(directory))
+    dist_checkpointing.save(checkpoint_state(model, optimizer, sharding_type, is_loading=False), str(directory))
 
 
 def load_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sharding_type: str = "dp_reshardable") -> None:
@@ -367,7 +370,7 @@ def load_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sha
     for opt in distributed:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
-    state = dist_checkpointing.load(_checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
     model.module.load_state_dict(state["model"])
     # With FP32 params the distributed optimizer's main params are views of the parameters, which
     # its load copies into in place: that needs autograd off.
