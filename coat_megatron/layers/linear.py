@@ -10,7 +10,6 @@ parallel: the column-parallel input is all-gathered in FP8 (see ``sequence_paral
 
 from __future__ import annotations
 
-import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
