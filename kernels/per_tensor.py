@@ -8,8 +8,10 @@ column-major, so of a linear layer's three GEMMs
     wgrad  dW = dY^T @ X     (A = dY^T row-major, B = X column-major: transposed copies of dY and X)
 
 the activation X and the output gradient dY are each needed both as they are and transposed. The
-transposed copy is written by the same pass that quantizes, from the same registers: never by a
-second pass over the FP8 data.
+transposed copy is written by the same pass that quantizes, from the same registers, for BF16 and
+FP16 input; FP32 input (and tiles other kernels build by reshaping) get it from a 1-byte pass
+over the codes, because Triton 3.6 miscompiles the in-register transpose there (see
+``transpose_in_pass``).
 
 The scale comes from the tensor's current amax by group scaling: a first pass writes one amax per
 tile (or the producer of x writes them, fused into its own pass, and hands them over as ``amax``);
@@ -218,7 +220,8 @@ def quantize_per_tensor(
     Args:
         x: BF16/FP16/FP32, 1-D to 3-D (any last dim), last dim contiguous.
         fmt: "e4m3" (activations, weights) or "e5m2" (gradients).
-        transpose: also return ``q_t``, the (N, R) row-major FP8 transpose, from the same pass.
+        transpose: also return ``q_t``, the (N, R) row-major FP8 transpose (from the same pass for
+            BF16/FP16 input).
         amax: FP32 amax of x already known (0-d, or one per tile/row/group from x's producer,
             reduced here). Without it a group-scaling pass computes it.
         check_finite: raise ``NonFiniteInputError`` if x holds inf or NaN (one device sync).
