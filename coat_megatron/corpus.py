@@ -61,3 +61,37 @@ class ByteBatches:
             "labels": window[:, 1:].contiguous(),
             "position_ids": torch.arange(self.seq_length).expand(self.batch_size, -1).contiguous(),
         }
+
+
+class ByteWindows(torch.utils.data.Dataset):
+    """Next-byte-prediction samples from a byte corpus, in the form of Megatron's ``GPTDataset``.
+
+    Sample ``i`` is the window of ``seq_length + 1`` bytes at a start drawn from a generator seeded
+    by ``seed`` (all starts are drawn up front), as a dict of ``tokens`` and ``labels`` (the next
+    bytes), int64 of shape (seq_length,), ``loss_mask`` (FP32 ones) and ``position_ids``. Every rank
+    and every run with the same arguments sees the same samples, which is what Megatron's samplers
+    expect of a dataset (they pick indices per data-parallel rank).
+    """
+
+    def __init__(self, data: bytes, seq_length: int, num_samples: int, *, seed: int = 0, vocab_size: int = 256):
+        if len(data) <= seq_length + 1:
+            raise ValueError(f"a corpus of {len(data)} bytes has no window of seq_length + 1 = {seq_length + 1} bytes")
+        self.tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long().clamp_(max=vocab_size - 1)
+        self.seq_length = seq_length
+        g = torch.Generator().manual_seed(seed)
+        self.starts = torch.randint(0, len(self.tokens) - seq_length - 1, (num_samples,), generator=g)
+        self.position_ids = torch.arange(seq_length)
+        self.loss_mask = torch.ones(seq_length, dtype=torch.float32)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        start = int(self.starts[i])
+        window = self.tokens[start : start + self.seq_length + 1]
+        return {
+            "tokens": window[:-1].clone(),
+            "labels": window[1:].clone(),
+            "loss_mask": self.loss_mask.clone(),
+            "position_ids": self.position_ids.clone(),
+        }

@@ -102,11 +102,14 @@ def get_gpt_layer_coat_spec(
     )
 
 
-def get_gpt_block_coat_spec(config, coat_config: CoatConfig | None = None, **layer_kwargs) -> TransformerBlockSubmodules:
-    """The block of this pipeline stage: COAT layers and a BF16 final norm (``CoatNorm(output="bf16")``,
-    which, unlike Megatron's torch fallback norm, works under sequence parallelism)."""
+def get_gpt_block_coat_spec(
+    config, coat_config: CoatConfig | None = None, *, vp_stage: int | None = None, **layer_kwargs
+) -> TransformerBlockSubmodules:
+    """The block of this pipeline stage (and virtual stage ``vp_stage``): COAT layers and a BF16
+    final norm (``CoatNorm(output="bf16")``, which, unlike Megatron's torch fallback norm, works
+    under sequence parallelism)."""
     layer = get_gpt_layer_coat_spec(coat_config, **layer_kwargs)
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config),
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
         layer_norm=partial(CoatNorm, coat_config=coat_config or CoatConfig(), output="bf16"),
     )

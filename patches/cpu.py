@@ -53,29 +53,14 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MEGATRON = (0, 19)
+from .version import SUPPORTED_MEGATRON, megatron_core_version, require_megatron_core  # noqa: F401 (re-exported)
 
 _CPU = torch.device("cpu")
 
 
-def megatron_core_version() -> tuple[int, int, int]:
-    """The installed megatron-core version as (major, minor, patch)."""
-    from megatron.core import package_info
-
-    return (package_info.MAJOR, package_info.MINOR, package_info.PATCH)
-
-
 def check_megatron_version() -> None:
     """Raise if the installed megatron-core is not one whose CUDA hard-codes this module knows."""
-    found = megatron_core_version()
-    if found[:2] != SUPPORTED_MEGATRON:
-        major, minor = SUPPORTED_MEGATRON
-        raise RuntimeError(
-            f"coat_patches.cpu redirects the CUDA hard-codes of megatron-core {major}.{minor}.x, but "
-            f"megatron-core {'.'.join(map(str, found))} is installed; install it with "
-            f"pip install 'megatron-core>={major}.{minor},<{major}.{minor + 1}', or port {__name__} "
-            f"to the new release's call sites"
-        )
+    require_megatron_core(__name__)
 
 
 def _names_cuda(device) -> bool:

@@ -91,6 +91,13 @@ def compute_coat_full_param_layout(
     layout = DistributedOptimizer.compute_full_param_layout(
         params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=expert_data_parallel_world_size
     )
+    return align_full_param_layout(layout, data_parallel_world_size, ddp_config, expert_data_parallel_world_size, group_size=group_size)
+
+
+def align_full_param_layout(
+    layout: FullParamLayout, data_parallel_world_size: int, ddp_config, expert_data_parallel_world_size: int | None = None, *, group_size: int = 128
+) -> FullParamLayout:
+    """Megatron's layout of every buffer (``align_buffer_layout``) with shard edges on ``group_size`` boundaries."""
     aligned = {}
     for key, per_buffer in layout.layouts.items():
         dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert_parallel else data_parallel_world_size

@@ -1,0 +1,202 @@
+"""``--coat-fp8`` and the ``--coat-*`` knobs on Megatron's own argument parser, and their validation.
+
+Megatron-LM's ``pretrain_gpt.py`` passes its own ``extra_args_provider`` (and from megatron-core
+0.18 ``pretrain()`` takes none), so an unmodified script cannot receive new flags that way. What
+every script does call is ``megatron.training.arguments.parse_args``, which looks up
+``add_megatron_arguments`` in its module at call time, and ``parse_and_validate_args``, which looks
+up ``validate_args`` the same way. ``install`` wraps both: the first adds the COAT argument group,
+the second runs COAT's checks after Megatron's own (so that derived values such as
+``ffn_hidden_size`` are final) and fails with every problem found and the flag that fixes it.
+
+The knobs map one to one onto ``CoatConfig`` fields (``--coat-group-size`` -> ``group_size``) and
+are read by ``CoatConfig.from_args``; each defaults to None, meaning "CoatConfig's default".
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
+from coat_megatron.config import OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
+
+from .replacements import Replacements
+from .version import require_megatron_core
+
+
+class CoatArgumentError(ValueError):
+    """Command-line arguments that cannot run with (or without) ``--coat-fp8``; the message names the fix."""
+
+
+def _switch(value: str) -> bool:
+    try:
+        return parse_switch(value, "switch")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("switch=")) from None
+
+
+# CoatConfig field -> (argparse keywords, help). The flag is --coat-<field with dashes>.
+KNOBS: dict[str, tuple[dict, str]] = {
+    "activations": (dict(type=_switch, metavar="on|off"), "FP8 activations: the COAT layer spec (default on)"),
+    "optimizer": (dict(type=_switch, metavar="on|off"), "FP8 AdamW states on the distributed optimizer's shards (default on)"),
+    "group_size": (dict(type=int, choices=GROUP_SIZES), "G of the 1xG FP8 groups of what non-linear ops read or save (default 16)"),
+    "forward_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of forward activations (default e4m3)"),
+    "backward_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of activation gradients (default e5m2)"),
+    "weight_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of the per-tensor weight copies (default e4m3)"),
+    "m_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of Adam's first moment (default e4m3)"),
+    "v_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of Adam's second moment (default e4m3)"),
+    "m_expansion": (dict(type=_switch, metavar="on|off"), "dynamic range expansion of m (default on)"),
+    "v_expansion": (dict(type=_switch, metavar="on|off"), "dynamic range expansion of v (default on)"),
+    "k_min": (dict(type=float), "smallest expansion exponent k, a multiple of 1/16 (default 1/16)"),
+    "k_max": (dict(type=float), "largest expansion exponent k (default 16)"),
+    "optimizer_group_size": (dict(type=int, choices=OPTIMIZER_GROUP_SIZES), "consecutive elements of a parameter sharing one optimizer-state scale (default 128)"),
+    "fprop_fast_accumulation": (dict(type=_switch, metavar="on|off"), "Hopper's fast FP8 accumulation in forward GEMMs (default on)"),
+    "recompute_norm_output": (dict(type=_switch, metavar="on|off"), "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)"),
+}
+EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a CoatConfig field or COAT option: ``group_size`` -> ``--coat-group-size``."""
+    return "--coat-" + name.replace("_", "-")
+
+
+def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the COAT argument group to a Megatron argument parser (and return it, as Megatron's
+    ``_add_*_args`` functions do)."""
+    group = parser.add_argument_group(title="COAT FP8 training (coat-megatron)")
+    group.add_argument(
+        "--coat-fp8", action="store_true",
+        help="train with COAT: the FP8 layer spec (FP8 activations, 1xG groups for non-linear ops) and the "
+        "FP8 AdamW optimizer with range-expanded states. Needs --bf16, --swiglu and --use-distributed-optimizer",
+    )
+    for name, (kwargs, help_text) in KNOBS.items():
+        group.add_argument(flag(name), dest=f"coat_{name}", default=None, help=help_text, **kwargs)
+    group.add_argument("--coat-expansion", dest="coat_expansion", type=_switch, metavar="on|off", default=None, help=EXPANSION_HELP)
+    group.add_argument(
+        "--coat-report", dest="coat_report", default=None, metavar="PATH",
+        help="write a JSON report of the run (loss and time per iteration, bytes saved for backward, optimizer-state "
+        "bytes) to PATH; works with and without --coat-fp8 (coat_patches.report)",
+    )
+    return parser
+
+
+def coat_config_from_args(args: argparse.Namespace) -> CoatConfig | None:
+    """The run's CoatConfig, or None without ``--coat-fp8``."""
+    if not getattr(args, "coat_fp8", False):
+        return None
+    return CoatConfig.from_args(args)
+
+
+def check_coat_args(args: argparse.Namespace) -> None:
+    """Raise ``CoatArgumentError`` listing every COAT problem of a parsed and Megatron-validated
+    argument namespace, each with the flag that fixes it."""
+    knobs = [name for name in (*KNOBS, "expansion") if getattr(args, f"coat_{name}", None) is not None]
+    if not getattr(args, "coat_fp8", False):
+        if knobs:
+            set_flags = ", ".join(flag(n) for n in knobs)
+            raise CoatArgumentError(f"{set_flags} {'has' if len(knobs) == 1 else 'have'} no effect without --coat-fp8: add --coat-fp8, or drop {set_flags}")
+        return
+    try:
+        coat = CoatConfig.from_args(args)
+    except ValueError as e:
+        message = str(e)
+        for f in fields(CoatConfig):
+            message = message.replace(f"{f.name}=", f"{flag(f.name)} ")
+        raise CoatArgumentError(f"--coat-fp8: {message}") from None
+    problems = _precision_problems(args)
+    if coat.activations:
+        problems += _layer_problems(args, coat)
+    if coat.optimizer:
+        problems += _optimizer_problems(args)
+    if not coat.any_enabled:
+        problems.append("--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8")
+    if problems:
+        raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
+
+
+def _precision_problems(args) -> list[str]:
+    problems = []
+    if getattr(args, "fp8", None) is not None:
+        problems.append(f"--fp8-format {args.fp8} selects TransformerEngine's FP8 recipe, which COAT replaces: drop --fp8-format (and the other --fp8-* flags)")
+    if getattr(args, "fp4", None) is not None:
+        problems.append("--fp4-format selects TransformerEngine's FP4 recipe: drop it with --coat-fp8")
+    if not getattr(args, "bf16", False):
+        problems.append("COAT keeps weights, the residual stream and attention in BF16 (FP32 master weights in the optimizer): add --bf16" + (" and drop --fp16" if getattr(args, "fp16", False) else ""))
+    return problems
+
+
+def _layer_problems(args, coat: CoatConfig) -> list[str]:
+    off = "; or add --coat-activations off to keep Megatron's layers and use only COAT's FP8 optimizer"
+    problems = []
+    g = coat.group_size
+    if not getattr(args, "swiglu", False):
+        problems.append(f"COAT's FP8 MLP is SwiGLU: add --swiglu{off}")
+    if args.normalization not in ("RMSNorm", "LayerNorm"):
+        problems.append(f"COAT's FP8 norms are RMSNorm and LayerNorm, not --normalization {args.normalization}{off}")
+    if args.hidden_size % g:
+        divisors = [d for d in GROUP_SIZES if args.hidden_size % d == 0]
+        fix = f"use --coat-group-size {max(divisors)} or pad the model" if divisors else "pad the model to a multiple of 16"
+        problems.append(f"hidden size {args.hidden_size} is not a multiple of the FP8 group size {g}; {fix}")
+    tp = args.tensor_model_parallel_size
+    if args.ffn_hidden_size is not None and (args.ffn_hidden_size % tp or (args.ffn_hidden_size // tp) % g):
+        local = args.ffn_hidden_size / tp
+        problems.append(
+            f"the FFN width per tensor-parallel rank, --ffn-hidden-size {args.ffn_hidden_size} / --tensor-model-parallel-size {tp} = "
+            f"{local:g}, is not a multiple of the FP8 group size {g}; choose --ffn-hidden-size divisible by {g * tp} or a smaller --coat-group-size"
+        )
+    unsupported = {
+        "num_experts": "--num-experts (mixture-of-experts layers)",
+        "qk_layernorm": "--qk-layernorm",
+        "multi_latent_attention": "--multi-latent-attention",
+        "mtp_num_layers": "--mtp-num-layers (multi-token prediction)",
+        "experimental_attention_variant": "--experimental-attention-variant",
+        "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
+        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers)",
+    }
+    for attr, what in unsupported.items():
+        if getattr(args, attr, None):
+            problems.append(f"{what} is not supported by the COAT layer spec: drop it{off}")
+    if getattr(args, "spec", None):
+        problems.append(f"--spec {' '.join(args.spec)} names a layer spec, and --coat-fp8 selects COAT's: drop --spec{off}")
+    if getattr(args, "transformer_impl", None) == "inference_optimized":
+        problems.append("--transformer-impl inference_optimized is for inference: use local or transformer_engine with --coat-fp8")
+    return problems
+
+
+def _optimizer_problems(args) -> list[str]:
+    off = "; or add --coat-optimizer off to keep Megatron's optimizer"
+    problems = []
+    if not args.use_distributed_optimizer:
+        problems.append(f"COAT's FP8 optimizer states live on the distributed optimizer's shards: add --use-distributed-optimizer{off}")
+    if args.optimizer != "adam":
+        problems.append(f"COAT's FP8 states are AdamW's: use --optimizer adam, not {args.optimizer}{off}")
+    if getattr(args, "use_precision_aware_optimizer", False):
+        problems.append("--use-precision-aware-optimizer selects TransformerEngine's FP8/BF16 optimizer states, which COAT replaces: drop it")
+    if getattr(args, "optimizer_cpu_offload", False):
+        problems.append(f"--optimizer-cpu-offload is not supported with COAT's optimizer: drop it{off}")
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        problems.append(f"COAT's optimizer runs on Megatron's DDP with the distributed optimizer: drop --use-megatron-fsdp / --use-torch-fsdp2{off}")
+    if getattr(args, "fp8_param_gather", False):
+        problems.append("--fp8-param-gather is TransformerEngine's FP8 weights: drop it")
+    return problems
+
+
+def install(replacements: Replacements) -> None:
+    """Wrap ``add_megatron_arguments`` and ``validate_args`` of ``megatron.training.arguments``."""
+    require_megatron_core(__name__)
+    import megatron.training.arguments as arguments
+
+    add_megatron_arguments = arguments.add_megatron_arguments
+    validate_args = arguments.validate_args
+
+    def add_megatron_and_coat_arguments(parser):
+        return add_coat_arguments(add_megatron_arguments(parser))
+
+    def validate_megatron_and_coat_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        result = validate_args(args, defaults)
+        check_coat_args(args)
+        return result
+
+    replacements.replace(arguments, "add_megatron_arguments", add_megatron_and_coat_arguments)
+    replacements.replace(arguments, "validate_args", validate_megatron_and_coat_args)

@@ -1,0 +1,49 @@
+"""All of ``coat_patches`` applied at once: what ``coat-megatron-run`` does before a script runs.
+
+``coat_megatron_patches()`` installs, in this order:
+
+- ``wheel``: Megatron's start-up skips compiling the dataset helpers the wheel ships prebuilt;
+- ``arguments``: ``--coat-fp8``, the ``--coat-*`` knobs and their validation;
+- ``model``: the COAT layer spec in every ``GPTModel`` of a ``--coat-fp8`` run;
+- ``optimizer``: COAT's distributed FP8 optimizer and its group-aligned DDP layout;
+- ``report``: ``--coat-report PATH``;
+- on a machine without CUDA (or with ``cpu=True``), ``training_cpu``: the training loop on CPU
+  and gloo, inside ``coat_patches.cpu.megatron_on_cpu()``.
+
+Without ``--coat-fp8`` on the command line the hooks pass everything through to Megatron, so a
+patched process trains exactly what the unpatched one would. Every patch checks the megatron-core
+version first; leaving the context restores everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from . import arguments, model, optimizer, report, training_cpu, wheel
+from .replacements import Replacements
+
+
+@contextlib.contextmanager
+def coat_megatron_patches(cpu: bool | None = None) -> Iterator[None]:
+    """Run ``megatron.training`` with COAT inside this context (see the module docstring).
+
+    Args:
+        cpu: run Megatron's training loop on the CPU (gloo); default: when CUDA is not available.
+    """
+    if cpu is None:
+        cpu = not torch.cuda.is_available()
+    if cpu and torch.cuda.is_available():
+        raise ValueError("cpu=True needs a process that does not see a GPU: set CUDA_VISIBLE_DEVICES= (empty)")
+    replacements = Replacements()
+    try:
+        with contextlib.ExitStack() as stack:
+            for patch in (wheel, arguments, model, optimizer, report):
+                patch.install(replacements)
+            if cpu:
+                stack.enter_context(training_cpu.install(replacements))
+            yield
+    finally:
+        replacements.restore()
