@@ -11,6 +11,9 @@ each redirected here (found by running ``examples/pretrain_gpt.py`` and Megatron
 arguments: CUDA-only defaults (fused kernels,      ``validate_args`` first sets the CPU's
 ``--transformer-impl transformer_engine``,         settings (``CPU_ARGUMENTS``: no fusions, CPU
 NCCL, weights initialised on the GPU)              initialisation, local layers, gloo)
+``get_device_arch_version()`` reads the GPU's      0 (no GPU: the pre-Blackwell rules, so TP/CP
+compute capability while validating arguments      ask for ``CUDA_DEVICE_MAX_CONNECTIONS=1``,
+                                                   which is set: it means nothing on a CPU)
 ``initialize_megatron`` asserts CUDA unless        ``pretrain()`` gets ``allow_no_cuda=True``
 ``allow_no_cuda``
 ``_initialize_distributed`` calls                  the process group is made first, on gloo
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import os
 
 import torch
 
@@ -63,6 +67,7 @@ CPU_ARGUMENTS = {
 
 def set_cpu_arguments(args) -> None:
     """Set ``CPU_ARGUMENTS`` on a parsed namespace, saying on rank 0 which ones changed."""
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     changed = {k: v for k, v in CPU_ARGUMENTS.items() if getattr(args, k, None) != v}
     for k, v in changed.items():
         setattr(args, k, v)
@@ -136,6 +141,7 @@ def install(replacements: Replacements) -> contextlib.AbstractContextManager:
             return set_random_seed(*args, **kwargs)
 
     replacements.replace(arguments, "validate_args", validate_args_on_cpu)
+    replacements.replace(arguments, "get_device_arch_version", lambda: 0)
     replacements.replace(training, "initialize_megatron", initialize_megatron_without_cuda)
     replacements.replace(initialize, "_initialize_distributed", initialize_distributed_on_gloo)
     replacements.replace(initialize, "_set_random_seed", set_random_seed_with_tracker)
