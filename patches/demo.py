@@ -1,0 +1,143 @@
+"""The main job: a tiny GPT trained in BF16 and with ``--coat-fp8`` through Megatron's own training
+loop, on the built-in corpus, and a comparison table.
+
+    coat-megatron-demo [--iters 200] [--out coat-demo]      (or python -m coat_patches.demo)
+
+Both runs are ``coat-megatron-run examples/pretrain_gpt.py`` (``megatron.training.pretrain``) with
+the same model, data (the Python standard library's docstrings as bytes), seed and schedule; only
+``--coat-fp8`` differs. Each writes a ``--coat-report`` (``coat_patches.report``), from which the
+table is made:
+
+- final loss: the mean training loss of the last tenth of the iterations (every iteration draws
+  other windows of the corpus, so one iteration's loss is noisy);
+- tokens/s: tokens per iteration over the median iteration time, the first iteration excluded;
+- saved for backward: bytes a micro-batch's forward keeps for backward (one micro-batch per step);
+- optimizer states: Adam's moments over all ranks (FP32 master weights, which both keep, excluded).
+
+Without a GPU everything runs on the CPU: COAT then runs the torch references of its FP8 kernels,
+which are slower than BF16 matmuls, so the CPU's tokens/s says nothing about FP8 speed. With a
+GPU the same command uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+# A Llama-shaped byte-level model: 4 layers, hidden 128, SwiGLU FFN 352, RMSNorm, RoPE, untied.
+MODEL = [
+    "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--swiglu", "--normalization", "RMSNorm",
+    "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--bf16",
+    "--vocab-size", "256", "--byte-corpus", "stdlib_docstrings", "--byte-corpus-bytes", str(1 << 20),
+]
+TRAINING = [
+    "--micro-batch-size", "8", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+    "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
+    "--use-distributed-optimizer", "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0", "--seed", "1234",
+]
+MODES = {"BF16": [], "COAT": ["--coat-fp8"]}
+ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) .*elapsed time per iteration \(ms\): ([\d.]+).*lm loss: ([\d.E+-]+)")
+
+
+def example_script() -> Path:
+    script = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
+    if not script.is_file():
+        raise FileNotFoundError(
+            f"the demo runs examples/pretrain_gpt.py from the coat-megatron source tree, which is not at {script}: "
+            f"install coat-megatron from a checkout (pip install -e .)"
+        )
+    return script
+
+
+def run(mode: str, flags: list[str], iters: int, out: Path) -> dict:
+    """One training run through the launcher; prints its progress; returns its report."""
+    report = out / f"{mode.lower()}.json"
+    report.unlink(missing_ok=True)
+    log_interval = max(1, iters // 10)
+    command = [
+        sys.executable, "-m", "coat_patches.launch", str(example_script()), *MODEL, *TRAINING,
+        "--train-iters", str(iters), "--lr-warmup-iters", str(max(1, iters // 20)), "--log-interval", str(log_interval),
+        "--coat-report", str(report), *flags,
+    ]
+    log = out / f"{mode.lower()}.log"
+    tail: deque[str] = deque(maxlen=60)
+    start = time.perf_counter()
+    with open(log, "w") as f, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        for line in p.stdout:
+            f.write(line)
+            tail.append(line)
+            m = ITERATION_LINE.search(line)
+            if m:
+                it, total, ms, loss = m.groups()
+                print(f"  [{mode}] iteration {int(it):>4}/{total}  lm loss {float(loss):.3f}  {float(ms):7.1f} ms/it", flush=True)
+    if p.returncode != 0 or not report.is_file():
+        sys.stderr.write("".join(tail))
+        raise SystemExit(f"the {mode} run failed (exit code {p.returncode}); its log: {log}\ncommand: {' '.join(command)}")
+    doc = json.loads(report.read_text())
+    doc["wall_seconds"] = time.perf_counter() - start
+    return doc
+
+
+def summary(doc: dict) -> dict[str, float]:
+    """The table's numbers from one report (see the module docstring)."""
+    its = doc["iterations"]
+    losses = [i["loss"] for i in its if i["loss"] is not None]
+    last = losses[-max(1, len(losses) // 10):]
+    seconds = statistics.median(i["seconds"] for i in its[1:]) if len(its) > 1 else its[0]["seconds"]
+    return {
+        "final loss": statistics.fmean(last),
+        "tokens/s": doc["tokens_per_iteration"] / seconds,
+        "saved for backward / step": doc["saved_for_backward_bytes_per_micro_batch"],
+        "optimizer states": doc["optimizer_state_bytes"],
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def table(base: dict, coat: dict) -> str:
+    """A markdown table: BF16, COAT and their ratio, row by row."""
+    formats = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / step": _mib, "optimizer states": _mib}
+    rows = ["| | BF16 | COAT | COAT / BF16 |", "|---|---:|---:|---:|"]
+    for key, fmt in formats.items():
+        rows.append(f"| {key} | {fmt(base[key])} | {fmt(coat[key])} | {coat[key] / base[key]:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="coat-megatron-demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=200, help="training iterations per run (default 200: about 2 minutes on 2 CPU cores)")
+    parser.add_argument("--out", type=Path, default=Path("coat-demo"), help="where the logs and reports go (default ./coat-demo)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    reports = {}
+    for mode, flags in MODES.items():
+        print(f"{mode}: examples/pretrain_gpt.py through coat-megatron-run, {args.iters} iterations", flush=True)
+        reports[mode] = run(mode, flags, args.iters, args.out)
+    base, coat = (summary(reports[m]) for m in MODES)
+    doc = reports["BF16"]
+    print()
+    print(
+        f"{doc['num_layers']}-layer GPT (hidden {doc['hidden_size']}, FFN {doc['ffn_hidden_size']}), "
+        f"{args.iters} iterations of {doc['global_batch_size']} x {doc['seq_length']} bytes of Python docstrings, on {doc['device']}:"
+    )
+    print(table(base, coat))
+    if doc["device"] == "cpu":
+        print("(on a CPU, COAT runs the torch references of its FP8 kernels: its tokens/s is not FP8 speed)")
+    print(f"logs and reports: {args.out}{os.sep}  ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
