@@ -1,0 +1,136 @@
+"""--coat-fp8 and the --coat-* knobs through Megatron's real parse_args and validate_args."""
+
+import sys
+from dataclasses import fields
+
+import megatron.core.package_info
+import megatron.training.arguments as arguments
+import pytest
+
+from coat_megatron import CoatConfig
+from coat_patches.arguments import KNOBS, CoatArgumentError, coat_config_from_args, flag
+from coat_patches.install import coat_megatron_patches
+
+# A Llama-shaped model every COAT check accepts.
+LLAMA = [
+    "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "4",
+    "--lr", "1e-3", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--bf16",
+    "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+]
+
+
+def parse(monkeypatch, *argv: str):
+    """Megatron's parse_args + validate_args (as parse_and_validate_args calls them) on ``argv``."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    with coat_megatron_patches():
+        args = arguments.parse_args()
+        arguments.validate_args(args, {})
+    return args
+
+
+def problems(monkeypatch, *argv: str) -> str:
+    with pytest.raises(CoatArgumentError) as e:
+        parse(monkeypatch, *argv)
+    return str(e.value)
+
+
+def without(argv: list[str], *drop: str) -> list[str]:
+    return [a for a in argv if a not in drop]
+
+
+def test_knobs_map_onto_coat_config(monkeypatch):
+    args = parse(
+        monkeypatch, *LLAMA, "--coat-fp8", "--coat-group-size", "32", "--coat-v-format", "e5m2",
+        "--coat-expansion", "off", "--coat-v-expansion", "on", "--coat-k-max", "8", "--coat-optimizer-group-size", "64",
+    )
+    assert coat_config_from_args(args) == CoatConfig(
+        group_size=32, v_format="e5m2", m_expansion=False, v_expansion=True, k_max=8.0, optimizer_group_size=64
+    )
+
+
+def test_defaults_are_coat_configs_and_no_flag_means_no_coat(monkeypatch):
+    assert coat_config_from_args(parse(monkeypatch, *LLAMA, "--coat-fp8")) == CoatConfig()
+    args = parse(monkeypatch, *LLAMA)
+    assert args.coat_fp8 is False and coat_config_from_args(args) is None
+
+
+def test_every_coat_config_field_has_a_flag():
+    assert [f.name for f in fields(CoatConfig)] == list(KNOBS)
+
+
+def test_transformer_engine_fp8_is_refused(monkeypatch):
+    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--fp8-format", "hybrid")
+    assert "--fp8-format hybrid selects TransformerEngine's FP8 recipe, which COAT replaces: drop --fp8-format" in text
+
+
+def test_needs_the_distributed_optimizer_unless_the_optimizer_is_off(monkeypatch):
+    llama = without(LLAMA, "--use-distributed-optimizer")
+    text = problems(monkeypatch, *llama, "--coat-fp8")
+    assert "add --use-distributed-optimizer; or add --coat-optimizer off" in text
+    args = parse(monkeypatch, *llama, "--coat-fp8", "--coat-optimizer", "off")
+    assert coat_config_from_args(args) == CoatConfig(optimizer=False)
+
+
+def test_needs_bf16(monkeypatch):
+    assert "add --bf16" in problems(monkeypatch, *without(LLAMA, "--bf16"), "--coat-fp8")
+
+
+def test_needs_swiglu_unless_activations_are_off(monkeypatch):
+    llama = without(LLAMA, "--swiglu")
+    assert "COAT's FP8 MLP is SwiGLU: add --swiglu; or add --coat-activations off" in problems(monkeypatch, *llama, "--coat-fp8")
+    assert coat_config_from_args(parse(monkeypatch, *llama, "--coat-fp8", "--coat-activations", "off")).activations is False
+
+
+def test_hidden_size_not_a_multiple_of_the_group_size(monkeypatch):
+    llama = LLAMA[:]
+    llama[llama.index("--hidden-size") + 1] = "96"
+    text = problems(monkeypatch, *llama, "--coat-fp8", "--coat-group-size", "64")
+    assert "hidden size 96 is not a multiple of the FP8 group size 64; use --coat-group-size 32 or pad the model" in text
+
+
+def test_ffn_width_per_tensor_parallel_rank(monkeypatch):
+    llama = LLAMA[:]
+    llama[llama.index("--ffn-hidden-size") + 1] = "344"  # 172 per rank at TP=2
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    text = problems(monkeypatch, *llama, "--tensor-model-parallel-size", "2", "--coat-fp8")
+    assert "--ffn-hidden-size 344 / --tensor-model-parallel-size 2 = 172, is not a multiple of the FP8 group size 16" in text
+    assert "choose --ffn-hidden-size divisible by 32" in text
+
+
+def test_all_problems_are_reported_at_once(monkeypatch):
+    text = problems(monkeypatch, *without(LLAMA, "--bf16", "--use-distributed-optimizer"), "--coat-fp8", "--spec", "my.spec")
+    assert text.count("\n  - ") == 3
+    assert "add --bf16" in text and "add --use-distributed-optimizer" in text and "drop --spec" in text
+
+
+def test_knobs_without_coat_fp8_are_refused(monkeypatch):
+    text = problems(monkeypatch, *LLAMA, "--coat-group-size", "32", "--coat-m-format", "e5m2")
+    assert text == "--coat-group-size, --coat-m-format have no effect without --coat-fp8: add --coat-fp8, or drop --coat-group-size, --coat-m-format"
+
+
+def test_coat_config_errors_name_the_flag(monkeypatch):
+    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--coat-k-min", "0.1")
+    assert text.startswith("--coat-fp8: --coat-k-min 0.1 is not a multiple of 1/16")
+
+
+def test_switches_are_parsed_strictly(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-expansion", "expand")
+    assert "--coat-expansion: 'expand' is not a switch value: use one of true, on, yes, 1, false, off, no, 0" in capsys.readouterr().err
+
+
+def test_flags_are_named_after_the_fields():
+    assert flag("optimizer_group_size") == "--coat-optimizer-group-size"
+
+
+def test_patches_are_removed_on_exit_and_refuse_other_versions(monkeypatch):
+    originals = (arguments.add_megatron_arguments, arguments.validate_args)
+    with coat_megatron_patches():
+        assert arguments.add_megatron_arguments is not originals[0]
+    assert (arguments.add_megatron_arguments, arguments.validate_args) == originals
+    monkeypatch.setattr(megatron.core.package_info, "MINOR", 20)
+    with pytest.raises(RuntimeError, match=r"coat_patches\.\w+ was written for megatron-core 0\.19\.x, but megatron-core 0\.20\.\d+ is installed"):
+        with coat_megatron_patches():
+            pass
+    assert (arguments.add_megatron_arguments, arguments.validate_args) == originals
