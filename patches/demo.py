@@ -59,13 +59,13 @@ def example_script() -> Path:
     return script
 
 
-def run(mode: str, flags: list[str], iters: int, out: Path) -> dict:
+def run(mode: str, flags: list[str], iters: int, out: Path, cpu: bool = False) -> dict:
     """One training run through the launcher; prints its progress; returns its report."""
     report = out / f"{mode.lower()}.json"
     report.unlink(missing_ok=True)
     log_interval = max(1, iters // 10)
     command = [
-        sys.executable, "-m", "coat_patches.launch", str(example_script()), *MODEL, *TRAINING,
+        sys.executable, "-m", "coat_patches.launch", *(["--cpu"] if cpu else []), str(example_script()), *MODEL, *TRAINING,
         "--train-iters", str(iters), "--lr-warmup-iters", str(max(1, iters // 20)), "--log-interval", str(log_interval),
         "--coat-report", str(report), *flags,
     ]
@@ -119,13 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="coat-megatron-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=200, help="training iterations per run (default 200: about 2 minutes on 2 CPU cores)")
     parser.add_argument("--out", type=Path, default=Path("coat-demo"), help="where the logs and reports go (default ./coat-demo)")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is available")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     reports = {}
     for mode, flags in MODES.items():
         print(f"{mode}: examples/pretrain_gpt.py through coat-megatron-run, {args.iters} iterations", flush=True)
-        reports[mode] = run(mode, flags, args.iters, args.out)
+        reports[mode] = run(mode, flags, args.iters, args.out, args.cpu)
     base, coat = (summary(reports[m]) for m in MODES)
     doc = reports["BF16"]
     print()
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.iters} iterations of {doc['global_batch_size']} x {doc['seq_length']} bytes of Python docstrings, on {doc['device']}:"
     )
     print(table(base, coat))
+    (args.out / "comparison.md").write_text(table(base, coat) + "\n")
     if doc["device"] == "cpu":
         print("(on a CPU, COAT runs the torch references of its FP8 kernels: its tokens/s is not FP8 speed)")
     print(f"logs and reports: {args.out}{os.sep}  ({time.perf_counter() - start:.0f} s)")
