@@ -6,13 +6,8 @@ loop, on the built-in corpus, and a comparison table.
 Both runs are ``coat-megatron-run examples/pretrain_gpt.py`` (``megatron.training.pretrain``) with
 the same model, data (the Python standard library's docstrings as bytes), seed and schedule; only
 ``--coat-fp8`` differs. Each writes a ``--coat-report`` (``coat_patches.report``), from which the
-table is made:
-
-- final loss: the mean training loss of the last tenth of the iterations (every iteration draws
-  other windows of the corpus, so one iteration's loss is noisy);
-- tokens/s: tokens per iteration over the median iteration time, the first iteration excluded;
-- saved for backward: bytes a micro-batch's forward keeps for backward (one micro-batch per step);
-- optimizer states: Adam's moments over all ranks (FP32 master weights, which both keep, excluded).
+table is made (``coat_patches.report.summarize`` says how each number is taken; the demo runs one
+micro-batch per step, so "per micro-batch" is "per step").
 
 Without a GPU everything runs on the CPU: COAT then runs the torch references of its FP8 kernels,
 which are slower than BF16 matmuls, so the CPU's tokens/s says nothing about FP8 speed. With a
@@ -25,12 +20,13 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
 from collections import deque
 from pathlib import Path
+
+from .report import comparison_table, summarize
 
 # A Llama-shaped byte-level model: 4 layers, hidden 128, SwiGLU FFN 352, RMSNorm, RoPE, untied.
 MODEL = [
@@ -88,33 +84,6 @@ def run(mode: str, flags: list[str], iters: int, out: Path, cpu: bool = False) -
     return doc
 
 
-def summary(doc: dict) -> dict[str, float]:
-    """The table's numbers from one report (see the module docstring)."""
-    its = doc["iterations"]
-    losses = [i["loss"] for i in its if i["loss"] is not None]
-    last = losses[-max(1, len(losses) // 10):]
-    seconds = statistics.median(i["seconds"] for i in its[1:]) if len(its) > 1 else its[0]["seconds"]
-    return {
-        "final loss": statistics.fmean(last),
-        "tokens/s": doc["tokens_per_iteration"] / seconds,
-        "saved for backward / step": doc["saved_for_backward_bytes_per_micro_batch"],
-        "optimizer states": doc["optimizer_state_bytes"],
-    }
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def table(base: dict, coat: dict) -> str:
-    """A markdown table: BF16, COAT and their ratio, row by row."""
-    formats = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / step": _mib, "optimizer states": _mib}
-    rows = ["| | BF16 | COAT | COAT / BF16 |", "|---|---:|---:|---:|"]
-    for key, fmt in formats.items():
-        rows.append(f"| {key} | {fmt(base[key])} | {fmt(coat[key])} | {coat[key] / base[key]:.2f} |")
-    return "\n".join(rows)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="coat-megatron-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=200, help="training iterations per run (default 200: about 2 minutes on 2 CPU cores)")
@@ -127,15 +96,15 @@ def main(argv: list[str] | None = None) -> None:
     for mode, flags in MODES.items():
         print(f"{mode}: examples/pretrain_gpt.py through coat-megatron-run, {args.iters} iterations", flush=True)
         reports[mode] = run(mode, flags, args.iters, args.out, args.cpu)
-    base, coat = (summary(reports[m]) for m in MODES)
+    table = comparison_table(*(summarize(reports[m]) for m in MODES))
     doc = reports["BF16"]
     print()
     print(
         f"{doc['num_layers']}-layer GPT (hidden {doc['hidden_size']}, FFN {doc['ffn_hidden_size']}), "
         f"{args.iters} iterations of {doc['global_batch_size']} x {doc['seq_length']} bytes of Python docstrings, on {doc['device']}:"
     )
-    print(table(base, coat))
-    (args.out / "comparison.md").write_text(table(base, coat) + "\n")
+    print(table)
+    (args.out / "comparison.md").write_text(table + "\n")
     if doc["device"] == "cpu":
         print("(on a CPU, COAT runs the torch references of its FP8 kernels: its tokens/s is not FP8 speed)")
     print(f"logs and reports: {args.out}{os.sep}  ({time.perf_counter() - start:.0f} s)")

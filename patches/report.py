@@ -16,7 +16,10 @@ was started with ``--coat-report``, records per iteration:
   Adam for Megatron's optimizer. FP32 master weights, which both keep, are not counted.
 
 The last rank writes the file (it is on the last pipeline stage, where the loss is) after every
-step, so a report exists even if the run is stopped early.
+step, so a report exists even if the run is stopped early. Per-rank numbers (saved bytes, peak
+memory) are the last rank's.
+
+``python -m coat_patches.report BF16.json COAT.json`` prints the comparison table of two reports.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
+import sys
 import time
 
 import torch
@@ -191,3 +196,56 @@ def install(replacements: Replacements) -> None:
         return result
 
     replacements.replace(training, "train_step", train_step_with_report)
+
+
+# ---------------------------------------------------------------------------------- comparing runs
+
+
+def summarize(doc: dict) -> dict[str, float | None]:
+    """The numbers compared between runs, from one report:
+
+    - final loss: the mean training loss of the last tenth of the iterations (each iteration
+      draws other data, so one iteration's loss is noisy);
+    - tokens/s: tokens per iteration over the median iteration time, the first iteration excluded;
+    - saved for backward: bytes one micro-batch's forward keeps for backward;
+    - optimizer states: Adam's moments over all ranks;
+    - peak memory: CUDA's max allocated on the last rank (None on a CPU).
+    """
+    its = doc["iterations"]
+    losses = [i["loss"] for i in its if i["loss"] is not None]
+    seconds = statistics.median(i["seconds"] for i in its[1:]) if len(its) > 1 else its[0]["seconds"]
+    return {
+        "final loss": statistics.fmean(losses[-max(1, len(losses) // 10):]),
+        "tokens/s": doc["tokens_per_iteration"] / seconds,
+        "saved for backward / micro-batch": doc["saved_for_backward_bytes_per_micro_batch"],
+        "optimizer states": doc["optimizer_state_bytes"],
+        "peak memory": doc["peak_memory_bytes"],
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+ROW_FORMATS = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / micro-batch": _mib, "optimizer states": _mib, "peak memory": _mib}
+
+
+def comparison_table(base: dict, coat: dict) -> str:
+    """Markdown: BF16, COAT and COAT / BF16 for each number of ``summarize`` both runs have."""
+    rows = ["| | BF16 | COAT | COAT / BF16 |", "|---|---:|---:|---:|"]
+    for key, fmt in ROW_FORMATS.items():
+        if base[key] is not None and coat[key] is not None:
+            rows.append(f"| {key} | {fmt(base[key])} | {fmt(coat[key])} | {coat[key] / base[key]:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        raise SystemExit("usage: python -m coat_patches.report BF16_REPORT.json COAT_REPORT.json")
+    docs = [json.loads(open(path).read()) for path in argv]
+    print(comparison_table(*(summarize(d) for d in docs)))
+
+
+if __name__ == "__main__":
+    main()

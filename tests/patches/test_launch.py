@@ -65,14 +65,14 @@ def test_demo_prints_the_comparison(tmp_path):
     rows = {}
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0] in ("final loss", "tokens/s", "saved for backward / step", "optimizer states"):
+        if len(cells) == 4 and cells[0] in ("final loss", "tokens/s", "saved for backward / micro-batch", "optimizer states"):
             rows[cells[0]] = [float(re.sub(r"[^\d.]", "", c)) for c in cells[1:]]
-    assert set(rows) == {"final loss", "tokens/s", "saved for backward / step", "optimizer states"}
+    assert set(rows) == {"final loss", "tokens/s", "saved for backward / micro-batch", "optimizer states"}
     bf16_loss, coat_loss, _ = rows["final loss"]
     assert 0 < bf16_loss < math.log(256) and 0 < coat_loss < math.log(256)
     assert abs(coat_loss - bf16_loss) < 0.1
     assert rows["tokens/s"][0] > 0 and rows["tokens/s"][1] > 0
-    bf16_saved, coat_saved, saved_ratio = rows["saved for backward / step"]
+    bf16_saved, coat_saved, saved_ratio = rows["saved for backward / micro-batch"]
     assert coat_saved < bf16_saved and saved_ratio < 0.7
     bf16_states, coat_states, states_ratio = rows["optimizer states"]
     # FP32 m and v: 8 bytes per parameter; COAT: about 2.19
