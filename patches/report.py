@@ -10,7 +10,10 @@ was started with ``--coat-report``, records per iteration:
 - in the first step, the bytes saved for backward by each micro-batch's forward: the distinct
   storages handed to autograd's ``saved_tensors_hooks`` while the script's ``forward_step`` runs
   (tensors sharing a storage count once, at the storage's size; model parameters are not
-  activations and are left out, as in ``tests/fp8/test_memory_contract.py``);
+  activations and are left out, as in ``tests/fp8/test_memory_contract.py``). TransformerEngine's
+  modules keep some of what they save out of autograd's sight, so on a GPU the report also
+  holds the CUDA memory a forward leaves allocated (after minus before, minus its output): what
+  a micro-batch really holds for backward, whatever keeps it;
 - after the first step, the optimizer-state bytes summed over all ranks: ``CoatAdamW.state_bytes``
   (FP8 codes and per-group scale, k, centre) for COAT, ``exp_avg`` + ``exp_avg_sq`` of the inner
   Adam for Megatron's optimizer. FP32 master weights, which both keep, are not counted.
@@ -53,22 +56,28 @@ def _storages(t: torch.Tensor):
 
 
 class SavedBytes:
-    """Counts the distinct storages saved for backward inside ``with counter:``, parameters excluded."""
+    """Counts the distinct storages saved for backward inside ``with counter:``, parameters excluded.
+    ``nbytes`` is None if a saved tensor had no storage to count (a quantized tensor type of TE's)."""
 
     def __init__(self, parameters) -> None:
         self._params = {s.data_ptr() for p in parameters for s in _storages(p)}
         self._seen: dict[int, int] = {}
+        self._uncountable = False
         self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+        self.cuda_bytes: int | None = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        for s in _storages(t):
-            if s.data_ptr() not in self._params:
-                self._seen[s.data_ptr()] = s.nbytes()
+        try:
+            for s in _storages(t):
+                if s.data_ptr() not in self._params:
+                    self._seen[s.data_ptr()] = s.nbytes()
+        except (RuntimeError, NotImplementedError):
+            self._uncountable = True
         return t
 
     @property
-    def nbytes(self) -> int:
-        return sum(self._seen.values())
+    def nbytes(self) -> int | None:
+        return None if self._uncountable else sum(self._seen.values())
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -129,6 +138,7 @@ class RunReport:
             "global_batch_size": args.global_batch_size,
             "tokens_per_iteration": args.global_batch_size * args.seq_length,
             "saved_for_backward_bytes_per_micro_batch": None,
+            "activation_memory_bytes_per_micro_batch": None,
             "optimizer_state_bytes": None,
             "optimizer": None,
             "peak_memory_bytes": None,
@@ -171,8 +181,12 @@ def install(replacements: Replacements) -> None:
             def forward_step_counting_saved_bytes(*a, **k):
                 counter = SavedBytes([p for chunk in model for p in chunk.parameters()])
                 counters.append(counter)
+                before = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
                 with counter:
-                    return forward_step_func(*a, **k)
+                    result = forward_step_func(*a, **k)
+                if before is not None:
+                    counter.cuda_bytes = torch.cuda.memory_allocated() - before - result[0].untyped_storage().nbytes()
+                return result
 
             step_func = forward_step_counting_saved_bytes
         else:
@@ -187,7 +201,10 @@ def install(replacements: Replacements) -> None:
         loss = result[0].get("lm loss") if result[0] else None
         report.doc["iterations"].append({"loss": None if loss is None else float(loss), "seconds": seconds, "skipped": bool(result[1])})
         if first:
-            report.doc["saved_for_backward_bytes_per_micro_batch"] = max((c.nbytes for c in counters), default=0)
+            counted = [c.nbytes for c in counters]
+            report.doc["saved_for_backward_bytes_per_micro_batch"] = None if None in counted else max(counted, default=0)
+            if torch.cuda.is_available():
+                report.doc["activation_memory_bytes_per_micro_batch"] = max((c.cuda_bytes for c in counters), default=0)
             report.doc["optimizer_state_bytes"] = _sum_over_ranks(optimizer_state_bytes(optimizer))
             report.doc["optimizer"] = type(getattr(optimizer, "chained_optimizers", [optimizer])[0]).__name__
         if torch.cuda.is_available():
@@ -207,7 +224,8 @@ def summarize(doc: dict) -> dict[str, float | None]:
     - final loss: the mean training loss of the last tenth of the iterations (each iteration
       draws other data, so one iteration's loss is noisy);
     - tokens/s: tokens per iteration over the median iteration time, the first iteration excluded;
-    - saved for backward: bytes one micro-batch's forward keeps for backward;
+    - saved for backward: bytes one micro-batch's forward hands autograd to keep for backward;
+    - activation memory: CUDA memory one micro-batch's forward leaves allocated (None on a CPU);
     - optimizer states: Adam's moments over all ranks;
     - peak memory: CUDA's max allocated on the last rank (None on a CPU).
     """
@@ -218,6 +236,7 @@ def summarize(doc: dict) -> dict[str, float | None]:
         "final loss": statistics.fmean(losses[-max(1, len(losses) // 10):]),
         "tokens/s": doc["tokens_per_iteration"] / seconds,
         "saved for backward / micro-batch": doc["saved_for_backward_bytes_per_micro_batch"],
+        "activation memory / micro-batch": doc.get("activation_memory_bytes_per_micro_batch"),
         "optimizer states": doc["optimizer_state_bytes"],
         "peak memory": doc["peak_memory_bytes"],
     }
@@ -227,7 +246,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-ROW_FORMATS = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / micro-batch": _mib, "optimizer states": _mib, "peak memory": _mib}
+ROW_FORMATS = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / micro-batch": _mib, "activation memory / micro-batch": _mib, "optimizer states": _mib, "peak memory": _mib}
 
 
 def comparison_table(base: dict, coat: dict) -> str:

@@ -40,7 +40,7 @@ COMMON=(
     --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
     --transformer-impl "$IMPL" --use-distributed-optimizer
     --micro-batch-size "$MICRO_BATCH" --global-batch-size $((MICRO_BATCH * GPUS)) --train-iters "$ITERS"
-    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1 --clip-grad 1.0
+    --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters $(( ITERS >= 20 ? ITERS / 10 : 1 )) --weight-decay 0.1 --clip-grad 1.0
     --adam-beta2 0.95 --seed 1234
     --mock-data --tokenizer-type NullTokenizer --num-workers 2
     --log-interval 5 --log-throughput --eval-iters 0 --eval-interval 1000000
