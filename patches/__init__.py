@@ -1,4 +1,10 @@
-"""coat_patches: what makes COAT work inside Megatron-LM without editing it.
+"""coat_patches: what makes COAT work inside Megatron-LM's training loop without editing it.
 
-Installed as the package ``coat_patches`` (the folder is ``patches/``).
+Installed as the package ``coat_patches`` (the folder is ``patches/``). ``coat-megatron-run``
+(``launch``) runs a pretrain script inside ``install.coat_megatron_patches()``, which applies one
+module per patch: ``arguments`` (``--coat-fp8`` and the ``--coat-*`` knobs), ``model`` (the COAT
+layer spec), ``optimizer`` (the FP8 distributed optimizer), ``report`` (``--coat-report``),
+``wheel`` (start-up from the megatron-core wheel) and, without a GPU, ``training_cpu``
+(Megatron's training loop on a CPU, on top of ``cpu``: megatron-core on a CPU). ``demo`` is the
+main job (``coat-megatron-demo``). Importing this package imports nothing else.
 """

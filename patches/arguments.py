@@ -15,6 +15,7 @@ are read by ``CoatConfig.from_args``; each defaults to None, meaning "CoatConfig
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import fields
 
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
@@ -102,7 +103,7 @@ def check_coat_args(args: argparse.Namespace) -> None:
     except ValueError as e:
         message = str(e)
         for f in fields(CoatConfig):
-            message = message.replace(f"{f.name}=", f"{flag(f.name)} ")
+            message = re.sub(rf"\b{f.name}=", f"{flag(f.name)} ", message)
         raise CoatArgumentError(f"--coat-fp8: {message}") from None
     problems = _precision_problems(args)
     if coat.activations:
