@@ -19,7 +19,7 @@ flag, as in ``coat_kernels.scaling``), never to a finite number.
 Exactness: ``a^k`` is ``exp2(k * log2(a))``. The torch reference evaluates it with log2 and exp2
 written here from IEEE operations only (bit manipulation, +, *, correctly rounded division and
 square root), and the Triton kernels can do the same (``exact_math=True``): with FMA contraction off
-(always: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
+(always in exact mode: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
 produce the same bits, and kernel and reference are compared byte for byte. That costs hundreds of
 FP32 instructions per element in the AdamW step (the per-group metadata is computed redundantly by
 every thread holding part of the group), which makes it compute-bound on an H100/H200. So on CUDA
@@ -166,8 +166,8 @@ def pow_ieee(a, k):
 
 @triton.jit
 def log2_fast(x, PTX: tl.constexpr):
-    """log2 of x >= 0, fast: with PTX (compiled for NVIDIA) one ``lg2.approx.f32`` (about 2^-22
-    absolute error, subnormal inputs handled, log2 0 = -inf); ``tl.log2`` itself compiles to a
+    """log2 of x >= 0, fast: with PTX (compiled for NVIDIA) ``lg2.approx.f32`` (about 2^-22 absolute
+    error, subnormal inputs handled, log2 0 = -inf); ``tl.log2`` itself compiles to a
     20-instruction polynomial. Without (the interpreter, which cannot run PTX): ``tl.log2``."""
     if PTX:
         return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
@@ -176,11 +176,21 @@ def log2_fast(x, PTX: tl.constexpr):
 
 
 @triton.jit
-def pow_fast(a, k, PTX: tl.constexpr):
-    """a^k for a >= 0 and k > 0 with the hardware's exp2 and log2 (NVIDIA: ex2.approx / lg2.approx,
-    about 2^-22 relative and absolute error). Three instructions: 0 needs no case of its own
-    (log2 0 = -inf, exp2 -inf = 0), and k = 1 is not special-cased (a^1 within 2^-22 of a)."""
-    return tl.exp2(k * log2_fast(a, PTX))
+def log2_fast_ftz(x, PTX: tl.constexpr):
+    """``log2_fast`` for the per-element powers: ``lg2.approx.ftz.f32``, one instruction (the
+    subnormal handling of the plain form costs three more). A subnormal x (below 2^-126) counts as
+    0 (log2 = -inf), so it encodes to, or decodes from, code 0: below any Adam state that matters."""
+    if PTX:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(tl.where(x < MIN_NORMAL, 0.0, x))
+
+
+@triton.jit
+def copy_sign(mag, x):
+    """mag (>= 0) with the sign bit of x: one bitwise instruction instead of compare, negate, select."""
+    bits = mag.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -209,8 +219,10 @@ def quantize_expanded_tile(
         k = tl.where(plain, 1.0, k16 * (1.0 / 16.0))
         log2_center = 0.5 * (log2_hi + log2_lo)
         center = tl.where(plain, 1.0, tl.maximum(tl.exp2(log2_center), MIN_NORMAL))
-        mag = tl.exp2(k[:, None] * (log2_fast(ax, PTX) - log2_center[:, None]))
-        y = tl.where(plain[:, None], x, tl.where(x < 0.0, -mag, mag))
+        # a plain group has k = 1 and log2 c = 0: mag is |x| to within the approximation, so no
+        # per-element select; inf (and NaN, as inf) stays inf and becomes code 0 below
+        mag = tl.exp2(log2_fast_ftz(ax, PTX) * k[:, None] - (k * log2_center)[:, None])
+        y = copy_sign(mag, x)
         ymax = tl.where(plain, amax, tl.exp2(k * (log2_hi - log2_center)))
     elif EXPAND:
         amin = tl.min(tl.where(ax > 0.0, ax, float("inf")), axis=1)
@@ -249,12 +261,17 @@ def quantize_expanded_tile(
 def dequantize_expanded_tile(q, scale, k, center, EXPAND: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr):
     """FP32 values of a (groups, G) tile of FP8 codes ``q`` (as FP32) with (groups,) metadata."""
     if EXPAND:
-        a = tl.abs(q) * scale[:, None]
         if FAST:
-            mag = pow_fast(a, (1.0 / k)[:, None], PTX) * center[:, None]
+            # (|q| s)^(1/k) c = 2^(log2|q| / k + (log2 s / k + log2 c)): one FMA and two MUFU
+            # operations per element, the rest per group
+            inv_k = 1.0 / k
+            offset = log2_fast(scale, PTX) * inv_k + log2_fast(center, PTX)
+            mag = tl.exp2(log2_fast_ftz(tl.abs(q), PTX) * inv_k[:, None] + offset[:, None])
+            return copy_sign(mag, q)
         else:
+            a = tl.abs(q) * scale[:, None]
             mag = pow_ieee(a, tl.div_rn(1.0, k)[:, None]) * center[:, None]
-        return tl.where(q < 0.0, -mag, mag)
+            return tl.where(q < 0.0, -mag, mag)
     return q * scale[:, None]
 
 
@@ -553,7 +570,7 @@ def quantize_expanded(
             _quantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
                 x, state.codes, state.scale, state.k if expansion else state.scale, state.center if expansion else state.scale, n,
                 FMAX=f.max, EXPAND=expansion, K_TARGET=k_target(f.max), K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION,
-                FAST=fast, PTX=compiled_for_nvidia(), GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
+                FAST=fast, PTX=compiled_for_nvidia(), GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
             )
     if check_finite and state.n_groups and not bool(torch.isfinite(state.scale).all()):
         bad = int((~torch.isfinite(state.scale)).sum())
@@ -586,6 +603,6 @@ def dequantize_expanded(
         meta = state.scale
         _dequantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
             state.codes.contiguous(), state.scale, state.k if state.expansion else meta, state.center if state.expansion else meta, out, n,
-            EXPAND=state.expansion, FAST=fast, PTX=compiled_for_nvidia(), GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
+            EXPAND=state.expansion, FAST=fast, PTX=compiled_for_nvidia(), GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
         )
     return out

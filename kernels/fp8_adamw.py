@@ -451,6 +451,6 @@ def fp8_adamw_step(
             M_EXPAND=m0.expansion, V_EXPAND=v0.expansion, M_TARGET=k_target(mf.max), V_TARGET=k_target(vf.max),
             K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION, WRITE_MODEL=model_params is not None,
             ALIGN=plan.align, FAST=fast, PTX=compiled_for_nvidia(), GROUP=m0.group_size, GROUPS=groups, RAGGED=ragged,
-            num_warps=warps, enable_fp_fusion=False,
+            num_warps=warps, enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
         )
     return under.sum(dim=0, dtype=torch.int64)
