@@ -19,16 +19,21 @@ flag, as in ``coat_kernels.scaling``), never to a finite number.
 Exactness: ``a^k`` is ``exp2(k * log2(a))``. The torch reference evaluates it with log2 and exp2
 written here from IEEE operations only (bit manipulation, +, *, correctly rounded division and
 square root), and the Triton kernels can do the same (``exact_math=True``): with FMA contraction off
-(always: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
-produce the same bits, and kernel and reference are compared byte for byte. That costs about 250
-FP32 instructions per element in the AdamW step, which would make it compute-bound on an H100/H200,
-so on CUDA the kernels default to the hardware's exp2/log2 (``exact_math=False``) for the
-per-element powers (and approximate division and square root in the AdamW update). Their error,
-about 2^-22, is amplified by k (or 1/k) <= 16 in the exponent: at most about 2^-16 relative, 2^-12
-of an E4M3 step. A code differs from the reference's only when the value lies that close to a
-rounding midpoint (about 1 in 10^4 codes), and then by one step. The per-group k, centre and scale
-use the exact operations in both modes (once per group: cheap), so they never differ for the same
-input. Under the interpreter the default is exact.
+(always in exact mode: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
+produce the same bits, and kernel and reference are compared byte for byte. That costs hundreds of
+FP32 instructions per element in the AdamW step (the per-group metadata is computed redundantly by
+every thread holding part of the group), which makes it compute-bound on an H100/H200. So on CUDA
+the kernels default to the hardware's ``lg2.approx``/``ex2.approx`` and approximate division and
+square root (``exact_math=False``), per element and for the metadata: the centre is
+``exp2((log2 amax + log2 amin) / 2)`` and the largest expanded value ``exp2(k log2(amax / c))``.
+(``tl.log2`` itself compiles to a 20-instruction polynomial, so the kernels emit ``lg2.approx`` as
+inline PTX; the interpreter, which cannot run PTX, uses numpy's log2 in that mode.) The error, about
+2^-22 in log2, is amplified by k (or 1/k) <= 16 in the exponent: at most about 2^-16 relative,
+2^-12 of an E4M3 step. A code differs from the reference's only when the value lies that close to a
+rounding midpoint (about 1 in 10^4 codes), and then by one step; k differs (by 1/16) only in a
+group whose ratio ``k_target / log2 R`` lies within that error of an integer. The stored metadata
+is what dequantization uses, so a fast-math state is self-consistent. Under the interpreter the
+default is exact.
 """
 
 from __future__ import annotations
@@ -41,12 +46,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import use_triton
+from .backend import interpreter_enabled, use_triton
 from .formats import FP32_MIN_NORMAL, fp8_format
 from .scaling import (
     NonFiniteInputError,
     abs_or_inf,
-    encode_fp8,
+    fp8_bits,
     abs_or_inf_reference,
     quantize_with_inverse,
     quantize_with_inverse_reference,
@@ -160,27 +165,66 @@ def pow_ieee(a, k):
 
 
 @triton.jit
-def pow_fast(a, k):
-    """a^k for a >= 0 and k > 0 with the hardware's exp2 and log2 (NVIDIA: ex2.approx / lg2.approx,
-    about 2^-22 relative and absolute error). Three instructions: 0 needs no case of its own
-    (log2 0 = -inf, exp2 -inf = 0), and k = 1 is not special-cased (a^1 within 2^-22 of a)."""
-    return tl.exp2(k * tl.log2(a))
+def log2_fast(x, PTX: tl.constexpr):
+    """log2 of x >= 0, fast: with PTX (compiled for NVIDIA) ``lg2.approx.f32`` (about 2^-22 absolute
+    error, subnormal inputs handled, log2 0 = -inf); ``tl.log2`` itself compiles to a
+    20-instruction polynomial. Without (the interpreter, which cannot run PTX): ``tl.log2``."""
+    if PTX:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(x)
+
+
+@triton.jit
+def log2_fast_ftz(x, PTX: tl.constexpr):
+    """``log2_fast`` for the per-element powers: ``lg2.approx.ftz.f32``, one instruction (the
+    subnormal handling of the plain form costs three more). A subnormal x (below 2^-126) counts as
+    0 (log2 = -inf), so it encodes to, or decodes from, code 0: below any Adam state that matters."""
+    if PTX:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.log2(tl.where(x < MIN_NORMAL, 0.0, x))
+
+
+@triton.jit
+def copy_sign(mag, x):
+    """mag (>= 0) with the sign bit of x: one bitwise instruction instead of compare, negate, select."""
+    bits = mag.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def quantize_expanded_tile(
-    x, FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, FAST: tl.constexpr
+    x, FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, FAST: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """Quantize a (groups, G) FP32 tile (padding lanes hold 0) group by group.
 
-    Returns (y, scale, k, center): y is the clamped FP32 value to cast to FP8 (y / scale already
-    applied), scale/k/center are (groups,) FP32. Without EXPAND, k and center are 1.
-    The per-group metadata is computed with IEEE operations only (one per group: cheap); FAST
-    computes the per-element power with the hardware's exp2/log2 (see the module docstring).
+    Returns (y, scale, k, center): y is the FP32 value to convert with ``fp8_bits`` (y / scale
+    already applied, NaN made 0, clamped to the format's range unless PTX, whose conversion saturates), scale/k/center are (groups,) FP32. Without EXPAND, k and center are 1.
+    FAST computes the metadata and the per-element powers with approximate log2/exp2 (see the
+    module docstring), otherwise the exact IEEE-only functions; PTX: compiled for NVIDIA.
     """
     ax = abs_or_inf(x)
     amax = tl.max(ax, axis=1)
-    if EXPAND:
+    if EXPAND and FAST:
+        amin = tl.min(tl.where(ax > 0.0, ax, float("inf")), axis=1)
+        plain = (amax == 0.0) | (amax == float("inf")) | (amin == amax)
+        log2_hi = log2_fast(tl.where(plain, 1.0, amax), PTX)
+        log2_lo = log2_fast(tl.where(plain, 1.0, amin), PTX)
+        log2_range = log2_hi - log2_lo
+        plain = plain | (log2_range <= 0.0)
+        k16 = tl.floor(K_TARGET / tl.where(plain, 1.0, log2_range))
+        k16 = tl.minimum(tl.maximum(k16, K_MIN16), K_MAX16)
+        k = tl.where(plain, 1.0, k16 * (1.0 / 16.0))
+        log2_center = 0.5 * (log2_hi + log2_lo)
+        center = tl.where(plain, 1.0, tl.maximum(tl.exp2(log2_center), MIN_NORMAL))
+        # a plain group has k = 1 and log2 c = 0: mag is |x| to within the approximation, so no
+        # per-element select; inf (and NaN, as inf) stays inf and becomes code 0 below
+        mag = tl.exp2(log2_fast_ftz(ax, PTX) * k[:, None] - (k * log2_center)[:, None])
+        y = copy_sign(mag, x)
+        ymax = tl.where(plain, amax, tl.exp2(k * (log2_hi - log2_center)))
+    elif EXPAND:
         amin = tl.min(tl.where(ax > 0.0, ax, float("inf")), axis=1)
         # zero, non-finite or single-magnitude groups: plain absmax (COAT's kernel gives NaN here)
         plain = (amax == 0.0) | (amax == float("inf")) | (amin == amax)
@@ -192,10 +236,7 @@ def quantize_expanded_tile(
         k16 = tl.minimum(tl.maximum(k16, K_MIN16), K_MAX16)
         k = tl.where(plain, 1.0, k16 * (1.0 / 16.0))
         center = tl.where(plain, 1.0, tl.sqrt_rn(hi) * tl.sqrt_rn(lo))
-        if FAST:
-            mag = pow_fast(ax * tl.div_rn(1.0, center)[:, None], k[:, None])
-        else:
-            mag = pow_ieee(tl.div_rn(ax, center[:, None]), k[:, None])
+        mag = pow_ieee(tl.div_rn(ax, center[:, None]), k[:, None])
         y = tl.where(plain[:, None], x, tl.where(x < 0.0, -mag, mag))
         ymax = tl.where(plain, amax, pow_ieee(tl.div_rn(hi, center), k))
     else:
@@ -204,21 +245,33 @@ def quantize_expanded_tile(
         y = x
         ymax = amax
     scale = scale_from_amax(ymax, FMAX)
-    y = quantize_with_inverse(y, tl.div_rn(1.0, scale)[:, None], FMAX)
+    if FAST:
+        inv_scale = (1.0 / scale)[:, None]
+    else:
+        inv_scale = tl.div_rn(1.0, scale)[:, None]
+    if PTX:  # the conversion (cvt.rn.satfinite, scaling.fp8_bits) saturates: no clamp needed
+        y = y * inv_scale
+        y = tl.where(y != y, 0.0, y)
+    else:
+        y = quantize_with_inverse(y, inv_scale, FMAX)
     return y, scale, k, center
 
 
 @triton.jit
-def dequantize_expanded_tile(q, scale, k, center, EXPAND: tl.constexpr, FAST: tl.constexpr):
+def dequantize_expanded_tile(q, scale, k, center, EXPAND: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr):
     """FP32 values of a (groups, G) tile of FP8 codes ``q`` (as FP32) with (groups,) metadata."""
     if EXPAND:
-        a = tl.abs(q) * scale[:, None]
-        inv_k = tl.div_rn(1.0, k)[:, None]
         if FAST:
-            mag = pow_fast(a, inv_k) * center[:, None]
+            # (|q| s)^(1/k) c = 2^(log2|q| / k + (log2 s / k + log2 c)): one FMA and two MUFU
+            # operations per element, the rest per group
+            inv_k = 1.0 / k
+            offset = log2_fast(scale, PTX) * inv_k + log2_fast(center, PTX)
+            mag = tl.exp2(log2_fast_ftz(tl.abs(q), PTX) * inv_k[:, None] + offset[:, None])
+            return copy_sign(mag, q)
         else:
-            mag = pow_ieee(a, inv_k) * center[:, None]
-        return tl.where(q < 0.0, -mag, mag)
+            a = tl.abs(q) * scale[:, None]
+            mag = pow_ieee(a, tl.div_rn(1.0, k)[:, None]) * center[:, None]
+            return tl.where(q < 0.0, -mag, mag)
     return q * scale[:, None]
 
 
@@ -372,17 +425,14 @@ class ExpandedFp8:
 def _quantize_expanded_kernel(
     x_ptr, q_ptr, s_ptr, k_ptr, c_ptr, n,
     FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
-    FAST: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    FAST: tl.constexpr, PTX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
 ):
     groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST)
-    if FMAX == 448.0:  # the byte by integer arithmetic: see scaling.encode_fp8
-        code = encode_fp8(y, 3, 7)
-    else:
-        code = encode_fp8(y, 2, 15)
+    y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST, PTX)
+    code = fp8_bits(y, FMAX != 448.0, PTX)
     tl.store(q_ptr + offs, code.to(q_ptr.dtype.element_ty, bitcast=True), mask=mask)
     gmask = groups * GROUP < n
     tl.store(s_ptr + groups, scale, mask=gmask)
@@ -393,7 +443,8 @@ def _quantize_expanded_kernel(
 
 @triton.jit
 def _dequantize_expanded_kernel(
-    q_ptr, s_ptr, k_ptr, c_ptr, out_ptr, n, EXPAND: tl.constexpr, FAST: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr
+    q_ptr, s_ptr, k_ptr, c_ptr, out_ptr, n, EXPAND: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr, GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -407,13 +458,18 @@ def _dequantize_expanded_kernel(
     else:
         k = scale
         center = scale
-    x = dequantize_expanded_tile(q, scale, k, center, EXPAND, FAST)
+    x = dequantize_expanded_tile(q, scale, k, center, EXPAND, FAST, PTX)
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def use_exact_math(x: torch.Tensor, exact_math: bool | None) -> bool:
     """The kernels' math mode: exact (IEEE-only, bit-identical to the reference) unless on CUDA."""
     return not x.is_cuda if exact_math is None else bool(exact_math)
+
+
+def compiled_for_nvidia() -> bool:
+    """The kernels' PTX constexpr: inline PTX is usable (not under the interpreter)."""
+    return not interpreter_enabled()
 
 
 def _groups_per_program(group_size: int) -> int:
@@ -514,7 +570,7 @@ def quantize_expanded(
             _quantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
                 x, state.codes, state.scale, state.k if expansion else state.scale, state.center if expansion else state.scale, n,
                 FMAX=f.max, EXPAND=expansion, K_TARGET=k_target(f.max), K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION,
-                FAST=fast, GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
+                FAST=fast, PTX=compiled_for_nvidia(), GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
             )
     if check_finite and state.n_groups and not bool(torch.isfinite(state.scale).all()):
         bad = int((~torch.isfinite(state.scale)).sum())
@@ -547,6 +603,6 @@ def dequantize_expanded(
         meta = state.scale
         _dequantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
             state.codes.contiguous(), state.scale, state.k if state.expansion else meta, state.center if state.expansion else meta, out, n,
-            EXPAND=state.expansion, FAST=fast, GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=False,
+            EXPAND=state.expansion, FAST=fast, PTX=compiled_for_nvidia(), GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
         )
     return out

@@ -95,3 +95,29 @@ def encode_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
     subnormal = (r * subnormal_unit).to(tl.int32)
     code = tl.where(er >= 1 - BIAS, normal, subnormal) | ((bits >> 24) & 0x80)
     return code.to(tl.uint8)
+
+
+@triton.jit
+def fp8_bits(y, E5M2: tl.constexpr, PTX: tl.constexpr):
+    """The FP8 (E4M3 or E5M2) bits (uint8) of y, finite and already clamped to the format's range.
+
+    PTX (compiled for NVIDIA): the hardware conversion written as inline PTX, two values per
+    ``cvt.rn.satfinite`` (half an instruction per element). It is not ``y.to(fp8)``: Triton 3.6's own
+    lowering of that cast on Hopper writes garbage into half of the bytes in some register layouts
+    (see ``encode_fp8``), while the instruction itself is correct. Otherwise (the interpreter, which
+    cannot run PTX): ``encode_fp8``, the same rounding by integer arithmetic.
+    """
+    if PTX:
+        if E5M2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4,
+            )
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4,
+        )
+    elif E5M2:
+        return encode_fp8(y, 2, 15)
+    else:
+        return encode_fp8(y, 3, 7)

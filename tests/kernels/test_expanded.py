@@ -207,19 +207,30 @@ def code_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["m", "v", "wide"])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fast_math_stays_within_its_tolerance(device, kind, fmt, seed):
-    """The CUDA default: per-element powers with the hardware's exp2/log2 (numpy's under the
-    interpreter). Their error is at most about 2^-16 relative, 2^-12 of an E4M3 step (module docstring), so:
-    metadata identical (computed exactly per group), codes identical but for values within that
-    distance of a rounding midpoint (<= 0.1%, one step apart), dequantized values within 2^-15."""
+    """The CUDA default: logarithms and powers with the hardware's lg2/ex2 (numpy's under the
+    interpreter), per element and for the per-group metadata. Their error, about 2^-22 in log2,
+    moves the metadata slightly: k (a floor of a ratio) differs by one step of 1/16 in a group whose
+    ratio lies within that error of an integer (rare), centre and scale by about 2^-17 relative. In
+    groups with the same k, codes match the reference's but for values near a rounding midpoint
+    (one step, rarely); the fast state dequantizes as close to x as the exact one does."""
     n = 100_000 if device.type == "cuda" else 8_000
     x = adam_like(kind, n, seed)
     signed = kind != "v"
     fast = off(quantize_expanded(x.to(device), 128, fmt, signed, exact_math=False, backend="triton"))
     ref = quantize_expanded_reference(x, 128, fmt, signed=signed)
-    for name in ("scale", "k", "center"):
-        assert torch.equal(getattr(fast, name), getattr(ref, name)), name
-    steps = code_steps(fast.codes, ref.codes)
-    assert steps.max() <= 1 and (steps > 0).float().mean() <= 1e-3, ((steps > 0).sum(), steps.max())
+    same_k = fast.k == ref.k
+    assert same_k.float().mean() >= 0.98, (~same_k).sum()
+    assert ((fast.k - ref.k).abs() <= 1 / 16).all()
+    for name in ("scale", "center"):
+        a, b = getattr(fast, name)[same_k], getattr(ref, name)[same_k]
+        assert ((a - b).abs() <= 2.0**-14 * b.abs()).all(), name
+    elements_same_k = same_k.repeat_interleave(128)[:n]
+    steps = code_steps(fast.codes, ref.codes)[elements_same_k]
+    assert steps.max() <= 1 and (steps > 0).float().mean() <= 2e-3, ((steps > 0).sum(), steps.max())
+    nonzero = x != 0
+    err_fast = ((dequantize_expanded_reference(fast) - x).abs() / x.abs())[nonzero].mean()
+    err_ref = ((dequantize_expanded_reference(ref) - x).abs() / x.abs())[nonzero].mean()
+    assert err_fast <= 1.02 * err_ref, (err_fast, err_ref)
     y_fast = dequantize_expanded(on(device, ref), exact_math=False, backend="triton").cpu()
     y_ref = dequantize_expanded_reference(ref)
     assert ((y_fast - y_ref).abs() <= 2.0**-15 * y_ref.abs()).all()
