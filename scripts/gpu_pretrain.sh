@@ -8,6 +8,8 @@
 #   scripts/gpu_pretrain.sh                 # on the GPUs of this machine (GPUS=all of them)
 #   SIZE=tiny scripts/gpu_pretrain.sh       # a tiny model: a smoke test, also on a CPU
 #
+# (--no-gradient-accumulation-fusion: Megatron's default needs apex's fused wgrad kernel, absent on a
+# plain torch + TE install; COAT accumulates into main_grad itself either way.)
 # Environment: OUT (default ./out: logs, --coat-report JSONs, comparison.md), SIZE (1b | tiny),
 # GPUS (processes; default: the visible GPUs, or 1), ITERS (default 50), PYTHON (default python).
 # Megatron prints the loss, iteration time and TFLOP/s every 5 iterations (--log-throughput) and
@@ -38,7 +40,7 @@ if "$PYTHON" -c "import transformer_engine.pytorch" >/dev/null 2>&1; then IMPL=t
 COMMON=(
     "${MODEL[@]}" --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
     --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
-    --transformer-impl "$IMPL" --use-distributed-optimizer
+    --transformer-impl "$IMPL" --use-distributed-optimizer --no-gradient-accumulation-fusion
     --micro-batch-size "$MICRO_BATCH" --global-batch-size $((MICRO_BATCH * GPUS)) --train-iters "$ITERS"
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters $(( ITERS >= 20 ? ITERS / 10 : 1 )) --weight-decay 0.1 --clip-grad 1.0
     --adam-beta2 0.95 --seed 1234
