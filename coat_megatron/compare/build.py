@@ -27,10 +27,11 @@ TE_NAMES = {
 }
 
 
-def transformer_config(preset: Preset, mode: Mode, tp: int = 1):
+def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = True):
     """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
-    the layer benchmark used (bias-SwiGLU, masked softmax; weight-gradient accumulation into
-    main_grad where apex provides it); on a CPU every fusion off (they need CUDA)."""
+    the layer benchmark used (bias-SwiGLU, masked softmax) and, under DDP (``ddp``: parameters
+    have a ``main_grad``), weight-gradient accumulation into main_grad where apex provides it (the
+    local output layer needs apex's kernel for it); on a CPU every fusion off (they need CUDA)."""
     from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.transformer import TransformerConfig
 
@@ -53,7 +54,7 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1):
         tensor_model_parallel_size=tp,
         perform_initialization=False,  # init_weights_by_name sets every weight
         use_cpu_initialization=not cuda,
-        gradient_accumulation_fusion=cuda and tp_layers._grad_accum_fusion_available,
+        gradient_accumulation_fusion=cuda and ddp and tp_layers._grad_accum_fusion_available,
         bias_activation_fusion=cuda,
         apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
@@ -129,7 +130,7 @@ def build_layer(preset: Preset, mode: Mode, seed: int):
     """One TransformerLayer (layer number 1) on this device, and its config."""
     from megatron.core.transformer.spec_utils import build_module
 
-    config = transformer_config(preset, mode)
+    config = transformer_config(preset, mode, ddp=False)
     layer = build_module(layer_spec(mode), config=config, layer_number=1)
     layer = layer.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     init_weights_by_name(layer, seed, num_layers=1)

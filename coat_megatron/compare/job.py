@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch tp x dp processes with torchrun)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="report directory (default $OUT or ./out)")
+    p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
     p.add_argument("--no-plots", action="store_true")
     search = p.add_argument_group("micro-batch search (end-to-end presets)")
     search.add_argument("--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)")
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     modes = parse_modes(args.modes)
     if args.search:
         rows = search_all(args, preset, modes)
-        name = f"{preset.name}-search"
+        name = args.name or f"{preset.name}-search"
     else:
         with contextlib.ExitStack() as stack:
             parallel.initialize(args.tp, args.dp, stack)
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
         if args.probe:
             print(PROBE_MARK + json.dumps(rows[0]), flush=True)
             return 0
-        name = preset.name
+        name = args.name or preset.name
     if parallel.is_main_rank():
         report(args.out, name, preset, rows, plots=not args.no_plots)
     return 0
@@ -122,6 +123,8 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
 
 def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
     """The largest micro-batch of each mode (end-to-end presets), each try a fresh process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("run --search with plain python, not under torchrun: each try starts its own --tp x --dp processes")
     if preset.kind != "train":
         raise SystemExit(f"--search finds the largest micro-batch of an end-to-end preset; {preset.name} is a per-layer preset")
     rows = []
