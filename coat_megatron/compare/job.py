@@ -90,11 +90,8 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
     from .layer import measure_layer
     from .train import train
 
-    row = {"kind": preset.kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-           "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed}
-    reason = unavailable_reason(mode, preset.kind)
-    if reason is None and preset.needs_gpu and not torch.cuda.is_available():
-        reason = f"preset {preset.name} needs a CUDA GPU; on a CPU run --preset tiny (or tiny-layer)"
+    row = new_row(preset.kind, preset, mode, args.seed)
+    reason = why_not_here(preset, mode)
     if reason is not None:
         return {**row, "status": "skipped", "reason": reason}
     parallel.free_memory()
@@ -129,22 +126,17 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
         raise SystemExit(f"--search finds the largest micro-batch of an end-to-end preset; {preset.name} is a per-layer preset")
     rows = []
     for mode in modes:
-        row = {"kind": "search", "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-               "shape": shape(preset), "device": parallel.device_name()}
-        reason = unavailable_reason(mode, "train")
-        if reason is None and preset.needs_gpu and not torch.cuda.is_available():
-            reason = f"preset {preset.name} needs a CUDA GPU"
+        row = new_row("search", preset, mode, args.seed)
+        reason = why_not_here(preset, mode)
         if reason is not None:
             rows.append({**row, "status": "skipped", "reason": reason})
             continue
         probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
                       "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp)]
         fits = probe_fits(probe_args, args.tp * args.dp, args.fit_memory)
-        done = []
 
-        def reporting(n, fits=fits, done=done):
+        def reporting(n, fits=fits, mode=mode):
             t = fits(n)
-            done.append(t)
             print(f"{preset.name} {mode.name}: micro-batch {n} {'fits' if t.fits else 'does not fit: ' + t.reason} ({t.seconds:.0f} s)", file=sys.stderr, flush=True)
             return t
 
@@ -156,6 +148,19 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
                    step_ms=top.result.get("step_ms") if top else None)
         rows.append(row)
     return rows
+
+
+def new_row(kind: str, preset: Preset, mode: Mode, seed: int) -> dict:
+    return {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
+            "shape": shape(preset), "device": parallel.device_name(), "seed": seed}
+
+
+def why_not_here(preset: Preset, mode: Mode) -> str | None:
+    """Why ``mode`` cannot run ``preset`` on this machine, or None."""
+    reason = unavailable_reason(mode, preset.kind)
+    if reason is None and preset.needs_gpu and not torch.cuda.is_available():
+        reason = f"preset {preset.name} needs a CUDA GPU; on a CPU run --preset tiny (or tiny-layer)"
+    return reason
 
 
 def shape(preset: Preset) -> str:

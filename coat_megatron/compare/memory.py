@@ -20,24 +20,32 @@ from torch.autograd.graph import saved_tensors_hooks
 MIB = 2**20
 
 
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor holds, looking inside wrapper subclasses (TE's Float8Tensor, COAT's
-    Fp8Tensor) at the tensors they carry."""
-    if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+    Fp8Tensor) at the tensors they carry; an unknown wrapper counts its logical size."""
+    if _plain(t):
         return t.numel() * t.element_size()
-    return sum(p.numel() * p.element_size() for p in _inner_tensors(t))
+    inner = _inner_tensors(t)
+    return sum(p.numel() * p.element_size() for p in inner) if inner else t.numel() * t.element_size()
+
+
+# where tensor subclasses without __tensor_flatten__ keep their data (TE's FP8 tensors)
+_WRAPPED = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv", "_columnwise_scale_inv")
 
 
 def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside a wrapper subclass ([] when it is not one we can see into)."""
     flatten = getattr(t, "__tensor_flatten__", None)
-    names = flatten()[0] if flatten is not None else [n for n in ("_data", "_transpose", "_scale_inv", "data_fp8", "scale", "transposed") if isinstance(getattr(t, n, None), torch.Tensor)]
+    names = flatten()[0] if flatten is not None else _WRAPPED
     out = []
     for name in names:
         inner = getattr(t, name, None)
         if isinstance(inner, torch.Tensor):
-            out += [inner] if type(inner) is torch.Tensor else _inner_tensors(inner)
-    if not out and not names:  # an unknown wrapper: its logical size is the best estimate
-        return [t.detach()]
+            out += [inner] if _plain(inner) else _inner_tensors(inner)
     return out
 
 
@@ -62,8 +70,11 @@ def optimizer_bytes(optimizers: list) -> int:
     seen: dict[tuple, int] = {}
 
     def add(t):
-        for inner in [t] if type(t) in (torch.Tensor, torch.nn.Parameter) else _inner_tensors(t):
-            seen.setdefault((*_storage_key(inner), inner.data_ptr(), inner.numel()), tensor_bytes(inner))
+        inner = [t] if _plain(t) else _inner_tensors(t)
+        if not inner:  # a wrapper we cannot see into: its logical size, once
+            seen.setdefault((id(t),), tensor_bytes(t))
+        for p in inner:
+            seen.setdefault((*_storage_key(p), p.data_ptr(), p.numel()), tensor_bytes(p))
 
     for opt in optimizers:
         inner = getattr(opt, "optimizer", None)
@@ -93,13 +104,16 @@ class SavedTensors:
     """
 
     def __init__(self, exclude=()):
-        self._exclude = {_storage_key(t) for t in exclude if type(t) in (torch.Tensor, torch.nn.Parameter)}
+        self._exclude = {_storage_key(t) for t in exclude if _plain(t)}
         self._seen: dict[tuple[int, int], int] = {}
         self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        for inner in [t] if type(t) in (torch.Tensor, torch.nn.Parameter) else _inner_tensors(t):
-            key = _storage_key(inner)
+        inner = [t] if _plain(t) else _inner_tensors(t)
+        if not inner:  # a wrapper we cannot see into: its logical size
+            self._seen[(id(t), 0)] = tensor_bytes(t)
+        for p in inner:
+            key = _storage_key(p)
             if key not in self._exclude:
                 self._seen[key] = key[1]
         return t

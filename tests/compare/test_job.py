@@ -154,3 +154,30 @@ def test_one_search_try_in_a_fresh_process(monkeypatch):
     assert all(math.isfinite(x) for x in t.result["losses"]) and t.result["tokens_per_s"] > 0
     assert not t.fits and "--fit-memory" in t.reason  # it trained, but above the memory we allowed
     json.dumps(t.result)
+
+
+def test_search_rows_and_their_report(tmp_path, monkeypatch):
+    """--search end to end with a fake try (the real one: test_one_search_try_in_a_fresh_process):
+    bf16 fits up to 5, coat up to 12; the rows, the table and the tokens/s goal follow."""
+    from coat_megatron.compare import job
+    from coat_megatron.compare.search import Try
+
+    limits = {"bf16": 5, "coat": 12}
+
+    def fake_probe_fits(args, world_size, fit_memory_gib):
+        mode = args[args.index("--modes") + 1]
+        return lambda n: Try(n, n <= limits[mode], "" if n <= limits[mode] else "OOM", {"tokens_per_s": 1000.0 * min(n, 4), "peak_MiB": 10.0 * n})
+
+    monkeypatch.setattr(job, "probe_fits", fake_probe_fits)
+    assert job.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"]) == 0
+    rows = read_jsonl(tmp_path / "tiny-search.jsonl")
+    by = {r["mode"]: r for r in rows if r["kind"] == "search"}
+    assert (by["bf16"]["largest_micro_batch"], by["coat"]["largest_micro_batch"]) == (5, 12)
+    assert [t["micro_batch"] for t in by["bf16"]["tries"]] == [1, 2, 4, 8, 6, 5]
+    assert by["coat"]["tokens_per_s"] == 4000.0 and by["coat"]["peak_MiB"] == 120.0
+    if not TE:
+        assert by["te-fp8-current"]["status"] == "skipped"
+    md = (tmp_path / "tiny-search.md").read_text()
+    assert "| coat | 12 | 4000 | 1.00 | - | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
+    goal = next(r for r in rows if r["kind"] == "goal" and r["goal"] == "tokens/s at each mode's largest micro-batch vs BF16")
+    assert (goal["measured"], goal["met"], goal["missed_by"]) == (1.0, False, "33.3% below the target")
