@@ -50,13 +50,14 @@ def draw(out: str, name: str, rows: list[dict]) -> tuple[list[str], str]:
         save(fig, "loss")
 
         fig, ax = plt.subplots(figsize=(7, 4))
+        gib = max(r["peak_MiB"] for r in train) >= 1024
         bottoms = [0.0] * len(train)
         for part in PARTS:
-            values = [(r.get(f"{part}_MiB") or 0.0) / 1024 for r in train]
+            values = [(r.get(f"{part}_MiB") or 0.0) / (1024 if gib else 1) for r in train]
             if any(values):
                 ax.bar([r["mode"] for r in train], values, bottom=bottoms, label=part)
                 bottoms = [b + v for b, v in zip(bottoms, values)]
-        ax.set(ylabel="GiB", title=f"{name}: memory by part (peak = top of the bar)")
+        ax.set(ylabel="GiB" if gib else "MiB", title=f"{name}: memory by part (top of the bar: peak in a step)")
         ax.legend()
         ax.tick_params(axis="x", rotation=30)
         save(fig, "memory")
