@@ -1,0 +1,17 @@
+"""Comparison jobs: BF16, TransformerEngine FP8 and COAT on the same model, data and seed (DESIGN 6).
+
+One module per concept, in the order the job (``job.py``, the ``coat-compare`` command) uses them:
+
+    presets.py   the model shapes (one layer, or a GPT trained end to end)
+    modes.py     the recipes compared (bf16, te-fp8-*, coat) and why one cannot run here
+    parallel.py  device, torch.distributed and Megatron's parallel state
+    build.py     the layer / GPTModel + DDP + optimizer of a mode, same weights for every mode
+    layer.py     per-layer measurement: fwd+bwd time, activation memory
+    train.py     end-to-end training: loss, step time, tokens/s, memory by part
+    memory.py    what weights, gradients, optimizer states and activations occupy
+    search.py    the largest micro-batch that fits (doubling, bisection, a process per try)
+    progress.py  a progress line on stderr
+    goals.py     the issue's goals judged on the rows
+    report.py    JSON lines and markdown tables with ratios
+    plots.py     PNG plots (optional matplotlib)
+"""

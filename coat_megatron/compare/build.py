@@ -1,0 +1,199 @@
+"""Build what a mode measures with Megatron-Core: one TransformerLayer, or a GPTModel wrapped in
+Megatron's DDP with its distributed optimizer (or COAT's).
+
+The same preset gives every mode the same TransformerConfig shape and fusions; a mode changes only
+the layer spec (TE / local / COAT), the TE FP8 fields and the optimizer. Weights are drawn per
+parameter from a generator seeded by (seed, name), with TE's fused-norm names mapped onto the
+local spec's, so every mode starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+
+from ..config import CoatConfig
+from .modes import Mode
+from .presets import Preset
+
+LR_WARMUP_FRACTION = 0.1
+# TE's layer spec fuses each norm into the next linear; its weights are the local spec's norms.
+TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = True):
+    """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
+    the layer benchmark used (bias-SwiGLU, masked softmax) and, under DDP (``ddp``: parameters
+    have a ``main_grad``), weight-gradient accumulation into main_grad where apex provides it (the
+    local output layer needs apex's kernel for it); on a CPU every fusion off (they need CUDA)."""
+    from megatron.core.tensor_parallel import layers as tp_layers
+    from megatron.core.transformer import TransformerConfig
+
+    cuda = torch.cuda.is_available()
+    fields = dict(
+        num_layers=preset.layers,
+        hidden_size=preset.hidden,
+        ffn_hidden_size=preset.ffn,
+        num_attention_heads=preset.heads,
+        num_query_groups=preset.kv_heads,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        perform_initialization=False,  # init_weights_by_name sets every weight
+        use_cpu_initialization=not cuda,
+        gradient_accumulation_fusion=cuda and ddp and tp_layers._grad_accum_fusion_available,
+        bias_activation_fusion=cuda,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+    if not cuda:
+        fields.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
+    if mode.fp8_recipe is not None:
+        fields.update(fp8="hybrid", fp8_recipe=mode.fp8_recipe, activation_func_fp8_input_store=mode.fp8_input_store)
+    return TransformerConfig(**fields)
+
+
+def coat_config(mode: Mode) -> CoatConfig:
+    return CoatConfig(recompute_norm_output=mode.recompute_norm_output)
+
+
+def layer_spec(mode: Mode):
+    """The ModuleSpec of one TransformerLayer for ``mode``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+
+    from ..spec import get_gpt_layer_coat_spec
+
+    spec = mode.resolved_spec()
+    if spec == "te":
+        return get_gpt_layer_with_transformer_engine_spec()
+    if spec == "coat":
+        return get_gpt_layer_coat_spec(coat_config(mode))
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def block_spec(mode: Mode, config):
+    """The GPT block: the TE spec's own (with TE's final norm); the local spec with its own norm
+    class as the final norm (Megatron would otherwise want apex); COAT's block."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from ..spec import get_gpt_block_coat_spec
+
+    spec = mode.resolved_spec()
+    if spec == "coat":
+        return get_gpt_block_coat_spec(config, coat_config(mode))
+    layer = layer_spec(mode)
+    if spec == "te":
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=layer.submodules.input_layernorm)
+
+
+def parameter_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes, TE's fused-norm names mapped to the local spec's."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    for te, local in TE_NAMES.items():
+        if name.endswith(te):
+            return name[: -len(te)] + local
+    return name
+
+
+@torch.no_grad()
+def init_weights_by_name(model: torch.nn.Module, seed: int, num_layers: int) -> None:
+    """Norm weights 1; output projections (linear_proj, linear_fc2) N(0, 0.02 / sqrt(2 layers)),
+    Megatron's scaled init; every other weight N(0, 0.02); each drawn from a generator seeded by
+    (seed, name) on the parameter's device, so any spec (and any rank's TP shard shape) gets
+    weights that depend only on the seed and the name."""
+    for name, param in model.named_parameters():
+        name = parameter_name(name)
+        if param.dim() == 1:
+            param.fill_(1.0)
+            continue
+        std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0.02
+        g = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        param.copy_(torch.randn(param.shape, generator=g, device=param.device, dtype=torch.float32).mul_(std))
+
+
+def build_layer(preset: Preset, mode: Mode, seed: int):
+    """One TransformerLayer (layer number 1) on this device, and its config."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    config = transformer_config(preset, mode, ddp=False)
+    layer = build_module(layer_spec(mode), config=config, layer_number=1)
+    layer = layer.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    init_weights_by_name(layer, seed, num_layers=1)
+    return layer, config
+
+
+def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1):
+    """(DDP-wrapped GPTModel, optimizer) for ``mode``: Megatron's distributed optimizer with Adam
+    (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant with FP8
+    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, FP32 gradient buffers."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from ..optimizer import coat_param_layout, get_coat_optimizer
+
+    config = transformer_config(preset, mode, tp)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(mode, config),
+        vocab_size=preset.vocab,
+        max_sequence_length=preset.seq,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    if torch.cuda.is_available():
+        gpt = gpt.cuda()
+    init_weights_by_name(gpt, seed, preset.layers)
+    module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
+    layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)
+    config.finalize_model_grads_func = finalize_model_grads
+    fields = dict(
+        optimizer="adam", lr=preset.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
+        bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True, fp8_recipe=mode.fp8_recipe,
+    )
+    if mode.precision_aware:
+        fields.update(use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+                      main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+    opt_config = OptimizerConfig(**fields)
+    if mode.coat_optimizer:
+        optimizer = get_coat_optimizer(opt_config, [model], coat_config(mode))
+    else:
+        optimizer = get_megatron_optimizer(opt_config, [model])
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer
+
+
+def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
+    """Linear warm-up over the first 10% of the steps, then constant."""
+    warmup = max(1, int(LR_WARMUP_FRACTION * preset.steps))
+    lr = preset.lr * min(1.0, (step + 1) / warmup)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def unwrap_optimizers(optimizer) -> list:
+    """The DistributedOptimizers inside what get_megatron_optimizer / get_coat_optimizer returned."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+

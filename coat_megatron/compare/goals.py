@@ -1,0 +1,133 @@
+"""The goals of the comparison (the project's issue 7), judged on measured rows.
+
+Each goal names the measured ratio, the target, whether it is met and, if not, by how much it is
+missed (relative to the target). A goal whose rows are missing is listed as not measured, with the
+command that measures it. Ratios use the ``coat`` mode; "best BF16" / "best TE FP8" are the best
+row of that family in the same preset (least memory, least time, most tokens/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+COAT = "coat"
+
+
+@dataclass
+class Goal:
+    goal: str
+    preset: str
+    target: str
+    measured: float | str | None
+    met: bool | None
+    missed_by: str = ""
+    note: str = ""
+
+    def as_row(self) -> dict:
+        return {"kind": "goal", **asdict(self)}
+
+
+def _ok(rows, preset, kind):
+    return [r for r in rows if r.get("kind") == kind and r.get("preset") == preset and r.get("status") == "ok"]
+
+
+def _by_mode(rows) -> dict[str, dict]:
+    return {r["mode"]: r for r in rows}
+
+
+def best(rows: list[dict], family: str, key: str, lowest: bool = True) -> dict | None:
+    """The best ``family`` row by ``key`` (lowest, or highest when ``lowest`` is False)."""
+    candidates = [r for r in rows if r.get("family") == family and r.get(key) is not None]
+    if not candidates:
+        return None
+    return (min if lowest else max)(candidates, key=lambda r: r[key])
+
+
+def _ratio_goal(goal, preset, num, den, key, target, at_most, reference) -> Goal:
+    """num[key] / den[key] against ``target`` (at most, or at least); ``reference`` names den."""
+    if num is None or den is None:
+        missing = "coat row" if num is None else f"{reference} row"
+        return Goal(goal, preset, f"{'<=' if at_most else '>='} {target}", None, None, note=f"not measured: no {missing}")
+    ratio = num[key] / den[key]
+    met = ratio <= target if at_most else ratio >= target
+    missed = "" if met else f"{abs(ratio - target) / target:.1%} {'above' if at_most else 'below'} the target"
+    where = f"{den.get('device', '?')}, memory from {den['memory_source']}" if "memory_source" in den else den.get("device", "?")
+    return Goal(goal, preset, f"{'<=' if at_most else '>='} {target}", round(ratio, 4), met, missed, f"vs {den['mode']}; {where}")
+
+
+def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
+    """The goals measurable from ``rows``; with ``every_goal`` (the summary) also those that are
+    not, each with the command that measures it."""
+    goals = []
+    presets = list(dict.fromkeys(r["preset"] for r in rows if "preset" in r))
+    for preset in presets:
+        layer = _ok(rows, preset, "layer")
+        if layer:
+            coat = _by_mode(layer).get(COAT)
+            goals += [
+                _ratio_goal("per-layer activation memory vs the best BF16", preset, coat, best(layer, "bf16", "activation_MiB"), "activation_MiB", 0.61, True, "BF16"),
+                _ratio_goal("per-layer activation memory vs the best TE FP8 mode", preset, coat, best(layer, "te-fp8", "activation_MiB"), "activation_MiB", 0.92, True, "TE FP8"),
+                _ratio_goal("per-layer fwd+bwd time vs TE FP8 current scaling", preset, coat, _by_mode(layer).get("te-fp8-current"), "ms", 0.95, True, "te-fp8-current"),
+            ]
+        train = _ok(rows, preset, "train")
+        if train:
+            by = _by_mode(train)
+            coat = by.get(COAT)
+            mb = coat["micro_batch"] if coat else None
+            same = [r for r in train if r["micro_batch"] == mb]
+            goals += [
+                _ratio_goal("end-to-end peak memory vs BF16, equal micro-batch", preset, coat, best(same, "bf16", "peak_MiB"), "peak_MiB", 0.65, True, "BF16"),
+                _ratio_goal("end-to-end peak memory vs te-fp8-pa, equal micro-batch", preset, coat, _by_mode(same).get("te-fp8-pa"), "peak_MiB", 0.85, True, "te-fp8-pa"),
+            ]
+        search = _ok(rows, preset, "search")
+        if search:
+            fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
+            coat = _by_mode(fitted).get(COAT)
+            goals += [
+                _ratio_goal("tokens/s at each mode's largest micro-batch vs BF16", preset, coat, best(fitted, "bf16", "tokens_per_s", lowest=False), "tokens_per_s", 1.5, False, "BF16"),
+                _ratio_goal("tokens/s at each mode's largest micro-batch vs the best TE mode", preset, coat, best(fitted, "te-fp8", "tokens_per_s", lowest=False), "tokens_per_s", 1.15, False, "TE FP8"),
+            ]
+    if every_goal:
+        measured = {g.goal for g in goals}
+        goals += [Goal(goal, preset, target, None, None, note=f"not measured: {command}")
+                  for goal, preset, target, command in UNMEASURED if goal not in measured]
+    if every_goal or any(r.get("preset") == "llama2-7b" for r in rows):
+        goals.append(_llama2_7b_fits(rows))
+    return goals
+
+
+UNMEASURED = [
+    ("per-layer activation memory vs the best BF16", "llama2-7b-layer", "<= 0.61", "coat-compare --preset llama2-7b-layer --modes all"),
+    ("per-layer activation memory vs the best TE FP8 mode", "llama2-7b-layer", "<= 0.92", "coat-compare --preset llama2-7b-layer --modes all"),
+    ("per-layer fwd+bwd time vs TE FP8 current scaling", "llama2-7b-layer", "<= 0.95", "coat-compare --preset llama2-7b-layer --modes all"),
+    ("end-to-end peak memory vs BF16, equal micro-batch", "gpt-1b", "<= 0.65", "coat-compare --preset gpt-1b"),
+    ("end-to-end peak memory vs te-fp8-pa, equal micro-batch", "gpt-1b", "<= 0.85", "coat-compare --preset gpt-1b"),
+    ("tokens/s at each mode's largest micro-batch vs BF16", "gpt-1b", ">= 1.5", "coat-compare --preset gpt-1b --search"),
+    ("tokens/s at each mode's largest micro-batch vs the best TE mode", "gpt-1b", ">= 1.15", "coat-compare --preset gpt-1b --search"),
+]
+
+
+def _llama2_7b_fits(rows: list[dict]) -> Goal:
+    """COAT trains llama2-7b (micro-batch >= 1) on the GPU where BF16 does not fit, from the search
+    rows or from end-to-end rows (BF16 out of memory)."""
+    goal = "llama2-7b trains on one GPU with COAT where BF16 does not fit"
+    coat = bf16 = None
+    for r in rows:
+        if r.get("preset") != "llama2-7b" or r.get("mode") not in (COAT, "bf16"):
+            continue
+        if r.get("kind") == "search" and r.get("status") == "ok":
+            fits = r["largest_micro_batch"] > 0
+        elif r.get("kind") == "train" and r.get("status") in ("ok", "oom"):
+            fits = r["status"] == "ok"
+        else:
+            continue
+        if r["mode"] == COAT:
+            coat = fits
+        else:
+            bf16 = fits
+    if coat is None or bf16 is None:
+        return Goal(goal, "llama2-7b", "coat fits, bf16 does not", None, None,
+                    note="not measured: coat-compare --preset llama2-7b --modes bf16,coat --search --search-max-micro-batch 1")
+    met = coat and not bf16
+    missed = "" if met else ("COAT does not fit" if not coat else "BF16 fits too")
+    return Goal(goal, "llama2-7b", "coat fits, bf16 does not", f"coat {'fits' if coat else 'OOM'}, bf16 {'fits' if bf16 else 'OOM'}", met, missed)

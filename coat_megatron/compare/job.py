@@ -1,0 +1,208 @@
+"""coat-compare: BF16, TransformerEngine FP8 and COAT on the same model, data and seed.
+
+    coat-compare --preset tiny                                   # CPU: bf16 and coat, TE rows skipped
+    coat-compare --preset llama2-7b-layer --modes all            # one layer: time, activation memory
+    coat-compare --preset gpt-1b --steps 30 --micro-batch 4      # end to end, equal micro-batch
+    coat-compare --preset llama2-7b --modes bf16,coat --search   # largest micro-batch that fits
+    coat-compare --summarize --out out                           # every report in out/ -> summary.md
+
+Writes ``{out}/{preset}.jsonl`` (one JSON object per row), ``{out}/{preset}.md`` (tables with
+ratios, the goals) and PNG plots (with matplotlib), and prints the markdown. ``--search`` writes
+``{preset}-search.*``. A mode that cannot run here (no TransformerEngine, no GPU, out of memory) is
+a row with the reason. Under ``torchrun``, ``--tp`` x ``--dp`` processes share the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+from . import parallel
+from .goals import evaluate
+from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
+from .plots import draw
+from .presets import PRESETS, Preset, get_preset
+from .progress import Progress
+from .report import read_jsonl, write_report
+from .search import PROBE_MARK, largest_micro_batch, probe_fits
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current)")
+    p.add_argument("--steps", type=int, help="optimizer steps (end-to-end presets; default: the preset's)")
+    p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch tp x dp processes with torchrun)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"), help="report directory (default $OUT or ./out)")
+    p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
+    p.add_argument("--no-plots", action="store_true")
+    search = p.add_argument_group("micro-batch search (end-to-end presets)")
+    search.add_argument("--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)")
+    search.add_argument("--search-start", type=int, default=1)
+    search.add_argument("--search-max-micro-batch", type=int, help="do not try beyond this micro-batch")
+    search.add_argument("--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed")
+    search.add_argument("--search-steps", type=int, default=6, help="steps per try (default 6: 3 warm-up + 3 timed)")
+    search.add_argument("--fit-memory", type=float, help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one try of --search, in its own process
+    p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
+    args = p.parse_args(argv)
+    if args.probe and args.search:
+        p.error("--probe is one try of --search; give one of them")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.summarize:
+        return summarize(args.out)
+    preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, seq=args.seq)
+    modes = parse_modes(args.modes)
+    if args.search:
+        rows = search_all(args, preset, modes)
+        name = args.name or f"{preset.name}-search"
+    else:
+        with contextlib.ExitStack() as stack:
+            parallel.initialize(args.tp, args.dp, stack)
+            rows = [run_mode(preset, mode, args) for mode in modes]
+        if args.probe:
+            print(PROBE_MARK + json.dumps(rows[0]), flush=True)
+            return 0
+        name = args.name or preset.name
+    if parallel.is_main_rank():
+        report(args.out, name, preset, rows, plots=not args.no_plots)
+    return 0
+
+
+def run_mode(preset: Preset, mode: Mode, args) -> dict:
+    """One mode of one preset: a measurement row, or a row saying why there is none."""
+    from .layer import measure_layer
+    from .train import train
+
+    row = new_row(preset.kind, preset, mode, args.seed)
+    reason = why_not_here(preset, mode)
+    if reason is not None:
+        return {**row, "status": "skipped", "reason": reason}
+    parallel.free_memory()
+    parallel.seed_everything(args.seed)
+    start = time.perf_counter()
+    try:
+        if preset.kind == "layer":
+            result = measure_layer(preset, mode, args.seed)
+        else:
+            label = f"{preset.name} {mode.name}"
+            progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
+            result = train(preset, mode, args.seed, tp=args.tp, dp=args.dp, progress=progress)
+        row.update(status="ok", **result)
+    except torch.OutOfMemoryError as e:
+        row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300])
+    except Exception as e:  # noqa: BLE001 - one mode failing is a row of the report, not the end of the job
+        if "out of memory" in str(e).lower():
+            row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {type(e).__name__}: {e}"[:300])
+        else:
+            traceback.print_exc(file=sys.stderr)
+            row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:300])
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    parallel.free_memory()
+    return row
+
+
+def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
+    """The largest micro-batch of each mode (end-to-end presets), each try a fresh process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise SystemExit("run --search with plain python, not under torchrun: each try starts its own --tp x --dp processes")
+    if preset.kind != "train":
+        raise SystemExit(f"--search finds the largest micro-batch of an end-to-end preset; {preset.name} is a per-layer preset")
+    rows = []
+    for mode in modes:
+        row = new_row("search", preset, mode, args.seed)
+        reason = why_not_here(preset, mode)
+        if reason is not None:
+            rows.append({**row, "status": "skipped", "reason": reason})
+            continue
+        probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
+                      "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp)]
+        fits = probe_fits(probe_args, args.tp * args.dp, args.fit_memory)
+
+        def reporting(n, fits=fits, mode=mode):
+            t = fits(n)
+            print(f"{preset.name} {mode.name}: micro-batch {n} {'fits' if t.fits else 'does not fit: ' + t.reason} ({t.seconds:.0f} s)", file=sys.stderr, flush=True)
+            return t
+
+        result = largest_micro_batch(reporting, start=args.search_start, limit=args.search_max_micro_batch, time_limit_s=args.search_time_limit)
+        top = result.best()
+        row.update(status="ok", largest_micro_batch=result.largest, smallest_failure=result.smallest_failure, stopped=result.stopped,
+                   tries=[{"micro_batch": t.micro_batch, "fits": t.fits, "reason": t.reason, "seconds": round(t.seconds, 1)} for t in result.tries],
+                   tokens_per_s=top.result.get("tokens_per_s") if top else None, peak_MiB=top.result.get("peak_MiB") if top else None,
+                   step_ms=top.result.get("step_ms") if top else None)
+        rows.append(row)
+    return rows
+
+
+def new_row(kind: str, preset: Preset, mode: Mode, seed: int) -> dict:
+    return {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
+            "shape": shape(preset), "device": parallel.device_name(), "seed": seed}
+
+
+def why_not_here(preset: Preset, mode: Mode) -> str | None:
+    """Why ``mode`` cannot run ``preset`` on this machine, or None."""
+    reason = unavailable_reason(mode, preset.kind)
+    if reason is None and preset.needs_gpu and not torch.cuda.is_available():
+        reason = f"preset {preset.name} needs a CUDA GPU; on a CPU run --preset tiny (or tiny-layer)"
+    return reason
+
+
+def shape(preset: Preset) -> str:
+    kv = f", {preset.kv_heads} KV heads" if preset.kv_heads else ""
+    layers = f"{preset.layers} layers, " if preset.kind == "train" else ""
+    return f"{layers}hidden {preset.hidden}, FFN {preset.ffn}, {preset.heads} heads{kv}, seq {preset.seq} x micro-batch {preset.micro_batch}"
+
+
+def versions() -> str:
+    import megatron.core
+
+    from ..optional import transformer_engine_available
+
+    te = "not installed"
+    if transformer_engine_available():
+        import transformer_engine
+
+        te = transformer_engine.__version__
+    return f"torch {torch.__version__}, megatron-core {megatron.core.__version__}, TransformerEngine {te}"
+
+
+def report(out: str, name: str, preset: Preset, rows: list[dict], plots: bool = True) -> None:
+    os.makedirs(out, exist_ok=True)
+    notes = []
+    if plots:
+        _, note = draw(out, name, rows)
+        notes.append(note)
+    header = [f"{preset.description}. {versions()}. Command: `coat-compare {' '.join(sys.argv[1:])}`"]
+    _, md = write_report(out, name, f"coat-compare: {name}", header, rows, evaluate(rows), notes)
+    with open(md) as f:
+        print(f.read())
+    print(f"report: {md} (and {name}.jsonl)", file=sys.stderr)
+
+
+def summarize(out: str) -> int:
+    """Every report in ``out`` in one markdown file, with the goals judged on all of them."""
+    paths = sorted(p for p in glob.glob(os.path.join(out, "*.jsonl")) if os.path.basename(p) != "summary.jsonl")
+    if not paths:
+        raise SystemExit(f"no *.jsonl reports in {out}: run coat-compare --out {out} first")
+    rows = [r for p in paths for r in read_jsonl(p) if r.get("kind") != "goal"]
+    header = [f"Combined from {', '.join(os.path.basename(p) for p in paths)}."]
+    _, md = write_report(out, "summary", "coat-compare summary", header, rows, evaluate(rows, every_goal=True), [])
+    with open(md) as f:
+        print(f.read())
+    return 0

@@ -1,0 +1,89 @@
+"""One transformer layer, fwd+bwd: time and the activation memory it keeps for backward.
+
+On a GPU (what ``benchmarks/layer.py`` reported before this module): the median of CUDA-event
+timings of fwd+bwd (``triton.testing.do_bench``) after warm-up, and activation memory = allocated
+after the forward minus before, minus the output, measured after warm-up so FP8 weight copies and
+workspaces already exist (they are not activations). On a CPU: the median wall time of a few
+fwd+bwd, and the bytes of the tensors saved for backward (``memory.SavedTensors``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from .build import build_layer
+from .memory import MIB, SavedTensors
+from .modes import Mode
+from .presets import Preset
+
+CPU_REPEATS = 5
+
+
+def measure_layer(preset: Preset, mode: Mode, seed: int) -> dict:
+    """{"ms", "activation_MiB", "memory_source"} of one fwd+bwd of ``mode``'s layer on a
+    (seq, micro_batch, hidden) BF16 input with RoPE, as in GPTModel."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    layer, config = build_layer(preset, mode, seed)
+    device = next(layer.parameters()).device
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).to(device)(preset.seq)
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(preset.seq, preset.micro_batch, preset.hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)
+    params = list(layer.parameters())
+    fp8_context = contextlib.nullcontext
+    if config.fp8:
+        from megatron.core.fp8_utils import get_fp8_context
+
+        fp8_context = lambda: get_fp8_context(config)  # noqa: E731
+
+    def forward():
+        with fp8_context():
+            out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+        return out
+
+    def step():
+        forward().backward(dy)
+
+    for _ in range(3):
+        step()
+    x.grad = None
+    for p in params:
+        p.grad = None
+    if device.type == "cuda":
+        result = _measure_cuda(forward, step, dy, [x] + params)
+    else:
+        result = _measure_cpu(forward, step, dy, [x, rope] + params)
+    del layer
+    return result
+
+
+def _measure_cuda(forward, step, dy, inputs) -> dict:
+    import triton
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = forward()
+    torch.cuda.synchronize()
+    activation = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
+    out.backward(dy)
+    del out
+    ms = triton.testing.do_bench(step, warmup=5, rep=50, grad_to_none=inputs, return_mode="median")
+    return {"ms": ms, "activation_MiB": activation / MIB, "memory_source": "cuda-allocator"}
+
+
+def _measure_cpu(forward, step, dy, inputs) -> dict:
+    with SavedTensors(exclude=inputs) as saved:
+        out = forward()
+    out.backward(dy)
+    del out
+    times = []
+    for _ in range(CPU_REPEATS):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"ms": statistics.median(times), "activation_MiB": saved.bytes / MIB, "memory_source": "saved-tensors"}

@@ -1,0 +1,130 @@
+"""Memory accounting: what the weights, gradients, optimizer states and activations occupy.
+
+On a GPU the caching allocator is the truth: activation memory is what is allocated after the
+forward minus before (minus the output), and peak is ``max_memory_allocated``. A CPU has no
+allocator statistics, so there activations are the bytes of the tensors autograd saves for
+backward (distinct storages, parameters and inputs excluded; ``SavedTensors``), and the peak is
+the sum of the parts. Every result says which (``memory_source``).
+
+Weights, gradients and optimizer states are counted from the tensors themselves on either device:
+weights are the model's parameters (BF16), gradients DDP's FP32 gradient buffers, optimizer states
+everything the distributed optimizers hold per parameter (FP32 main parameters, Adam moments in
+whatever format: FP32, TE's FP8 tensors with their scales, COAT's codes and per-group metadata).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+MIB = 2**20
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds, looking inside wrapper subclasses (TE's Float8Tensor, COAT's
+    Fp8Tensor) at the tensors they carry; an unknown wrapper counts its logical size."""
+    if _plain(t):
+        return t.numel() * t.element_size()
+    inner = _inner_tensors(t)
+    return sum(p.numel() * p.element_size() for p in inner) if inner else t.numel() * t.element_size()
+
+
+# where tensor subclasses without __tensor_flatten__ keep their data (TE's FP8 tensors)
+_WRAPPED = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv", "_columnwise_scale_inv")
+
+
+def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside a wrapper subclass ([] when it is not one we can see into)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    names = flatten()[0] if flatten is not None else _WRAPPED
+    out = []
+    for name in names:
+        inner = getattr(t, name, None)
+        if isinstance(inner, torch.Tensor):
+            out += [inner] if _plain(inner) else _inner_tensors(inner)
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    return sum(tensor_bytes(p) for p in model.parameters())
+
+
+def gradient_bytes(model) -> int:
+    """DDP's gradient buffers (FP32 here: grad_reduce_in_fp32)."""
+    buffers = list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", []))
+    return sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+
+
+def optimizer_bytes(optimizers: list) -> int:
+    """Everything the inner optimizers of Megatron's distributed optimizers hold: main parameters
+    and per-parameter states (moments, TE's FP8 scales and master-weight remainders, COAT's codes
+    and metadata); each storage counted once."""
+    seen: dict[tuple, int] = {}
+
+    def add(t):
+        inner = [t] if _plain(t) else _inner_tensors(t)
+        if not inner:  # a wrapper we cannot see into: its logical size, once
+            seen.setdefault((id(t),), tensor_bytes(t))
+        for p in inner:
+            seen.setdefault((*_storage_key(p), p.data_ptr(), p.numel()), tensor_bytes(p))
+
+    for opt in optimizers:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                add(p)
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    add(value)
+        for scales in getattr(inner, "_scales", {}).values():  # TE FusedAdam's FP8 state scales
+            for value in scales.values() if isinstance(scales, dict) else []:
+                if isinstance(value, torch.Tensor):
+                    add(value)
+    return sum(seen.values())
+
+
+class SavedTensors:
+    """Counts the bytes autograd saves for backward inside the ``with`` block: distinct storages,
+    those of ``exclude`` (parameters, inputs) left out.
+
+        with SavedTensors(exclude=params) as saved:
+            out = model(x)
+        saved.bytes
+    """
+
+    def __init__(self, exclude=()):
+        self._exclude = {_storage_key(t) for t in exclude if _plain(t)}
+        self._seen: dict[tuple[int, int], int] = {}
+        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        inner = [t] if _plain(t) else _inner_tensors(t)
+        if not inner:  # a wrapper we cannot see into: its logical size
+            self._seen[(id(t), 0)] = tensor_bytes(t)
+        for p in inner:
+            key = _storage_key(p)
+            if key not in self._exclude:
+                self._seen[key] = key[1]
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedTensors":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

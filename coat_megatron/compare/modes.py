@@ -1,0 +1,132 @@
+"""The training recipes a comparison runs side by side, as plain data.
+
+=================  ===========================================================================
+mode               what it is
+=================  ===========================================================================
+bf16               BF16 with TransformerEngine's layer spec where TE is installed (Megatron's
+                   fastest BF16), else Megatron's local spec
+bf16-local         BF16, Megatron's local spec (no TE; unfused attention)
+te-fp8-delayed     TE FP8, delayed scaling (amax history)
+te-fp8-current     TE FP8, current (per-tensor, just-in-time) scaling; ``te-fp8`` is this one
+te-fp8-block       TE FP8, 1x128 / 128x128 block scaling (DeepSeek-V3 style; TE >= 2.3, Hopper)
+te-fp8-store       te-fp8-current + Megatron's ``activation_func_fp8_input_store`` (the SwiGLU
+                   input saved as FP8)
+te-fp8-pa          te-fp8-current + Megatron's precision-aware optimizer with FP8 Adam states
+                   (TE FusedAdam, ``exp_avg_dtype = exp_avg_sq_dtype = torch.uint8``, FP32 main
+                   params)
+coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimizer``)
+coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
+=================  ===========================================================================
+
+Every mode trains with the same TransformerConfig shape, data, seed, optimizer hyper-parameters
+and DDP settings (FP32 gradient buffers, the distributed optimizer); only the fields below differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..optional import transformer_engine_available
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Attributes:
+        name: what ``--modes`` takes.
+        spec: "te" (TE's layer spec), "local" (Megatron's), "coat", or "best-bf16" (te if TE
+            imports, else local).
+        fp8_recipe: Megatron's ``TransformerConfig.fp8_recipe`` for TE FP8 ("delayed",
+            "tensorwise", "blockwise"), None for no TE FP8.
+        fp8_input_store: Megatron's ``activation_func_fp8_input_store``.
+        precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
+        coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
+        recompute_norm_output: ``CoatConfig.recompute_norm_output``.
+        family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
+    """
+
+    name: str
+    spec: str
+    family: str
+    fp8_recipe: str | None = None
+    fp8_input_store: bool = False
+    precision_aware: bool = False
+    coat_optimizer: bool = False
+    recompute_norm_output: bool = False
+
+    @property
+    def needs_transformer_engine(self) -> bool:
+        return self.spec == "te" or self.fp8_recipe is not None or self.precision_aware
+
+    def resolved_spec(self) -> str:
+        """The layer spec this mode builds here ("best-bf16" resolved by whether TE imports)."""
+        if self.spec == "best-bf16":
+            return "te" if transformer_engine_available() else "local"
+        return self.spec
+
+
+MODES: dict[str, Mode] = {
+    m.name: m
+    for m in [
+        Mode("bf16", "best-bf16", "bf16"),
+        Mode("bf16-local", "local", "bf16"),
+        Mode("te-fp8-delayed", "te", "te-fp8", fp8_recipe="delayed"),
+        Mode("te-fp8-current", "te", "te-fp8", fp8_recipe="tensorwise"),
+        Mode("te-fp8-block", "te", "te-fp8", fp8_recipe="blockwise"),
+        Mode("te-fp8-store", "te", "te-fp8", fp8_recipe="tensorwise", fp8_input_store=True),
+        Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
+        Mode("coat", "coat", "coat", coat_optimizer=True),
+        Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
+    ]
+}
+ALIASES = {"te-fp8": "te-fp8-current"}
+DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat"]
+
+
+def parse_modes(text: str) -> list[Mode]:
+    """``"bf16,te-fp8,coat"`` -> Modes, aliases resolved, duplicates dropped, order kept; ``"all"``
+    is every mode."""
+    if text.strip() == "all":
+        return list(MODES.values())
+    names = []
+    for raw in text.split(","):
+        name = ALIASES.get(raw.strip(), raw.strip())
+        if name not in MODES:
+            raise ValueError(f"unknown mode {raw.strip()!r}; choose from {', '.join([*MODES, *ALIASES])} (comma-separated) or 'all'")
+        if name not in names:
+            names.append(name)
+    return [MODES[n] for n in names]
+
+
+def unavailable_reason(mode: Mode, kind: str) -> str | None:
+    """Why ``mode`` cannot run here for a preset of ``kind`` ("layer" or "train"), or None."""
+    if kind == "layer" and mode.precision_aware:
+        return "the precision-aware optimizer changes optimizer states only: measured by the end-to-end presets"
+    if mode.needs_transformer_engine and not transformer_engine_available():
+        return f"{mode.name} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
+    fp8 = mode.fp8_recipe is not None or mode.spec == "coat"
+    if fp8 and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        return f"{mode.name} needs FP8 tensor cores (compute capability >= 8.9); this GPU is {torch.cuda.get_device_name()}"
+    if mode.fp8_recipe is not None and not torch.cuda.is_available():
+        return f"{mode.name} runs TransformerEngine's FP8 GEMMs, which need a CUDA GPU"
+    if mode.fp8_recipe == "blockwise":
+        return _block_scaling_unsupported()
+    return None
+
+
+def _block_scaling_unsupported() -> str | None:
+    from megatron.core.utils import is_te_min_version
+
+    if not is_te_min_version("2.3.0.dev0"):
+        return "te-fp8-block needs TransformerEngine >= 2.3 (blockwise FP8 recipe)"
+    try:  # TE's own check (Hopper only in TE 2.x); its module moved between releases
+        from transformer_engine.pytorch import fp8 as te_fp8
+    except ImportError:
+        return None
+    check = getattr(te_fp8, "check_fp8_block_scaling_support", None)
+    if check is not None:
+        ok, reason = check()
+        if not ok:
+            return f"te-fp8-block: {reason}"
+    return None

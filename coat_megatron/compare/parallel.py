@@ -1,0 +1,99 @@
+"""Where a comparison runs: the device, torch.distributed and Megatron's model-parallel state.
+
+One process per GPU. Under ``torchrun`` the process group comes from its environment (RANK,
+WORLD_SIZE, MASTER_ADDR/PORT) and ``--tp`` x ``--dp`` must equal the world size; started plainly,
+the job is a world of one (a TCP rendezvous on a port the OS picks). NCCL on a GPU, gloo on a CPU.
+
+On a CPU, Megatron-Core still names CUDA in a few places; ``coat_patches.cpu.megatron_on_cpu()``
+redirects those for the life of the job. (The comparison job is an application of the plugin, so
+this is the one place ``coat_megatron`` reaches into ``coat_patches``, and only without CUDA.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def is_main_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
+    """Join (or make) the process group and set Megatron's TP x DP state; CPU redirects are
+    entered on ``stack`` and undone when it closes."""
+    from megatron.core import parallel_state
+
+    if not torch.cuda.is_available():
+        from coat_patches.cpu import megatron_on_cpu
+
+        stack.enter_context(megatron_on_cpu())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if tp * dp != world:
+        raise ValueError(
+            f"--tp {tp} x --dp {dp} = {tp * dp} processes, but this job has {world}: "
+            f"launch with torchrun --nproc-per-node {tp * dp} -m coat_megatron.compare ..."
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        if "RANK" in os.environ:
+            torch.distributed.init_process_group(backend)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+    stack.callback(_shutdown)
+
+
+def _shutdown() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """torch's generators and Megatron's CUDA RNG tracker (attention forks it even at dropout 0)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    """Return what a finished (or failed) mode held, so the next one starts clean."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:  # TE keeps FP8 scaling state (amax histories) in a process-wide manager
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    except Exception:
+        return
+    FP8GlobalStateManager.reset()

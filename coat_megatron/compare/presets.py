@@ -1,0 +1,81 @@
+"""The model shapes a comparison runs: one transformer layer, or a whole GPT trained end to end.
+
+A per-layer preset (``kind="layer"``) measures one ``TransformerLayer``'s fwd+bwd time and the
+activation memory it keeps for backward. An end-to-end preset (``kind="train"``) builds a
+``GPTModel`` with Megatron's DDP and distributed optimizer and trains it for ``steps`` steps.
+
+llama3-8b-layer runs at sequence 8192 x micro-batch 1 (Llama 3's training context), the same
+8192 tokens per step as llama2-7b-layer at 2048 x 4, so the two rows differ by the FFN width and
+grouped-query attention only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Attributes:
+        name: what ``--preset`` takes.
+        kind: "layer" (one transformer layer) or "train" (a GPT trained end to end).
+        layers, hidden, ffn, heads: the Llama-style shape (RMSNorm, SwiGLU, RoPE, no biases).
+        kv_heads: query groups for grouped-query attention; None = one per head.
+        seq, micro_batch: tokens of one micro-batch per data-parallel rank.
+        vocab: vocabulary size (train presets; the built-in corpus uses byte tokens below 256).
+        steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
+            left out of the timing and memory statistics (allocation, FP8 scale start-up).
+        lr: peak learning rate (linear warm-up over the first 10% of the steps).
+        needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
+    """
+
+    name: str
+    kind: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    seq: int
+    micro_batch: int
+    kv_heads: int | None = None
+    vocab: int = 32000
+    steps: int = 200
+    warmup_steps: int = 3
+    lr: float = 3e-4
+    needs_gpu: bool = True
+    description: str = ""
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq * self.micro_batch
+
+    def with_overrides(self, **overrides) -> "Preset":
+        """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``, ``--seq``)."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset("tiny", "train", layers=2, hidden=64, ffn=128, heads=4, seq=64, micro_batch=8, vocab=256, steps=40,
+               warmup_steps=2, lr=3e-3, needs_gpu=False,
+               description="2-layer Llama-shaped GPT on the standard library's docstrings (byte tokens); runs on a CPU"),
+        Preset("tiny-layer", "layer", layers=1, hidden=64, ffn=128, heads=4, seq=64, micro_batch=8, vocab=256, needs_gpu=False,
+               description="one tiny layer: exercises the per-layer measurement on a CPU"),
+        Preset("llama2-7b-layer", "layer", layers=1, hidden=4096, ffn=11008, heads=32, seq=2048, micro_batch=4,
+               description="one Llama-2-7B layer, seq 2048 x micro-batch 4"),
+        Preset("llama3-8b-layer", "layer", layers=1, hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=8192, micro_batch=1,
+               description="one Llama-3-8B layer (GQA, 8 KV heads), seq 8192 x micro-batch 1"),
+        Preset("gpt-1b", "train", layers=16, hidden=2048, ffn=5632, heads=16, seq=2048, micro_batch=4,
+               description="Llama-style 1.1B GPT, seq 2048, vocab 32000"),
+        Preset("llama2-7b", "train", layers=32, hidden=4096, ffn=11008, heads=32, seq=2048, micro_batch=1, lr=1.5e-4,
+               description="Llama-2-7B, seq 2048, vocab 32000"),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None

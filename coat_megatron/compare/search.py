@@ -1,0 +1,126 @@
+"""The largest micro-batch that fits: doubling, then bisection, each try in a fresh process.
+
+``largest_micro_batch(fits)`` is the search alone: ``fits(n)`` says whether micro-batch ``n``
+trains (and may carry measurements); it doubles n from ``start`` until a try fails, then bisects
+between the last success and the first failure. A time limit or a largest micro-batch worth trying
+stops it early; the answer then says what is known (``largest`` fits, ``smallest_failure`` does
+not, or is None when nothing failed).
+
+``probe_fits`` is the real ``fits``: it runs ``coat-compare --probe`` in a new process (a few
+steps at one micro-batch), so that an out-of-memory error, and whatever state it leaves in the
+CUDA caching allocator, TE or Megatron, dies with that process. ``--fit-memory GIB`` makes a try
+fail when its peak memory exceeds that many GiB, which emulates a smaller GPU (and lets the search
+run on a CPU, where nothing runs out of memory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+PROBE_MARK = "COAT-COMPARE-PROBE "
+
+
+@dataclass
+class Try:
+    micro_batch: int
+    fits: bool
+    reason: str = ""
+    result: dict = field(default_factory=dict)  # the probe's measurements when it fit
+    seconds: float = 0.0
+
+
+@dataclass
+class SearchResult:
+    largest: int  # 0: micro-batch `start` does not fit
+    smallest_failure: int | None
+    tries: list[Try]
+    stopped: str = ""  # why the search stopped before pinning the answer down, if it did
+
+    @property
+    def exact(self) -> bool:
+        return not self.stopped
+
+    def best(self) -> Try | None:
+        return next((t for t in self.tries if t.fits and t.micro_batch == self.largest), None)
+
+
+def largest_micro_batch(
+    fits: Callable[[int], Try], *, start: int = 1, limit: int | None = None, time_limit_s: float | None = None, clock=time.monotonic
+) -> SearchResult:
+    """Doubling from ``start``, then bisection: the largest n <= ``limit`` with ``fits(n).fits``.
+
+    Assumes fitting is monotone (if n fits, every smaller n does). Stops early, saying so in
+    ``stopped``, when ``time_limit_s`` has passed before a new try would start.
+    """
+    if start < 1:
+        raise ValueError(f"the search starts at a micro-batch >= 1, not {start}")
+    deadline = None if time_limit_s is None else clock() + time_limit_s
+    tries: list[Try] = []
+    lo, hi = 0, None  # lo fits (0: nothing known to fit), hi does not (None: nothing failed)
+
+    def attempt(n: int) -> bool:
+        t = fits(n)
+        tries.append(t)
+        return t.fits
+
+    n = start
+    while True:
+        if deadline is not None and clock() >= deadline:
+            return SearchResult(lo, hi, tries, stopped=f"time limit of {time_limit_s:.0f} s")
+        if attempt(n):
+            lo = n
+            if limit is not None and n >= limit:
+                return SearchResult(lo, hi, tries, stopped=f"reached the limit of micro-batch {limit}" if n == limit else "")
+            n = min(2 * n, limit) if limit is not None else 2 * n
+        else:
+            hi = n
+            break
+    while hi - lo > 1 and lo >= start:
+        if deadline is not None and clock() >= deadline:
+            return SearchResult(lo, hi, tries, stopped=f"time limit of {time_limit_s:.0f} s")
+        mid = (lo + hi) // 2
+        if attempt(mid):
+            lo = mid
+        else:
+            hi = mid
+    return SearchResult(lo, hi, tries)
+
+
+def probe_command(args: list[str], micro_batch: int, world_size: int) -> list[str]:
+    """The command that runs one try: this job's own arguments plus ``--probe --micro-batch n``;
+    under torchrun when the try needs more than one process."""
+    job = ["-m", "coat_megatron.compare", *args, "--probe", "--micro-batch", str(micro_batch)]
+    if world_size > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *job]
+    return [sys.executable, *job]
+
+
+def probe_fits(args: list[str], world_size: int, fit_memory_gib: float | None, timeout_s: float = 600) -> Callable[[int], Try]:
+    """``fits`` for ``largest_micro_batch``: one fresh process per try (see the module docstring)."""
+
+    def fits(micro_batch: int) -> Try:
+        start = time.monotonic()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        try:
+            proc = subprocess.run(probe_command(args, micro_batch, world_size), capture_output=True, text=True, timeout=timeout_s, env=env)
+        except subprocess.TimeoutExpired:
+            return Try(micro_batch, False, f"the try ran past {timeout_s:.0f} s", seconds=time.monotonic() - start)
+        seconds = time.monotonic() - start
+        lines = [line[len(PROBE_MARK):] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
+        if not lines:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return Try(micro_batch, False, f"the try exited with {proc.returncode} and no result: {' | '.join(tail)}"[:400], seconds=seconds)
+        row = json.loads(lines[-1])
+        if row.get("status") != "ok":
+            return Try(micro_batch, False, row.get("reason", row.get("status", "")), seconds=seconds)
+        if fit_memory_gib is not None and row["peak_MiB"] > fit_memory_gib * 1024:
+            return Try(micro_batch, False, f"peak {row['peak_MiB']:.1f} MiB > --fit-memory {fit_memory_gib} GiB ({fit_memory_gib * 1024:.1f} MiB)", row, seconds)
+        return Try(micro_batch, True, "", row, seconds)
+
+    return fits

@@ -1,0 +1,100 @@
+"""The comparison job's parts on their own: mode parsing and availability, memory accounting,
+goals on hand-made rows, the progress line."""
+
+import io
+
+import pytest
+import torch
+
+from coat_kernels import quantize_per_group
+from coat_megatron.compare.goals import evaluate
+from coat_megatron.compare.memory import SavedTensors, tensor_bytes
+from coat_megatron.compare.modes import DEFAULT_MODES, MODES, parse_modes, unavailable_reason
+from coat_megatron.compare.presets import PRESETS, get_preset
+from coat_megatron.compare.progress import Progress
+from coat_megatron.fp8 import Fp8Tensor
+from coat_megatron.optional import transformer_engine_available
+
+
+def test_parse_modes():
+    assert [m.name for m in parse_modes("bf16, te-fp8 ,coat,te-fp8-current")] == ["bf16", "te-fp8-current", "coat"]
+    assert [m.name for m in parse_modes("all")] == list(MODES)
+    assert all(name in MODES for name in DEFAULT_MODES)
+    with pytest.raises(ValueError, match="unknown mode 'fp8'; choose from bf16, bf16-local"):
+        parse_modes("bf16,fp8")
+
+
+@pytest.mark.skipif(transformer_engine_available(), reason="TransformerEngine is installed here")
+def test_te_modes_name_the_fix_without_te():
+    for mode in parse_modes("all"):
+        reason = unavailable_reason(mode, "train")
+        if mode.needs_transformer_engine:
+            assert reason == f"{mode.name} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
+        else:
+            assert reason is None, mode
+    assert "end-to-end presets" in unavailable_reason(MODES["te-fp8-pa"], "layer")
+
+
+def test_presets_are_the_issue_shapes():
+    assert (PRESETS["gpt-1b"].layers, PRESETS["gpt-1b"].hidden, PRESETS["gpt-1b"].ffn, PRESETS["gpt-1b"].heads) == (16, 2048, 5632, 16)
+    assert (PRESETS["llama2-7b"].layers, PRESETS["llama2-7b"].ffn, PRESETS["llama2-7b"].vocab) == (32, 11008, 32000)
+    l3 = PRESETS["llama3-8b-layer"]
+    assert (l3.ffn, l3.kv_heads, l3.seq * l3.micro_batch) == (14336, 8, 8192)
+    assert get_preset("tiny").with_overrides(steps=7, micro_batch=None).steps == 7
+    with pytest.raises(ValueError, match="choose one of tiny"):
+        get_preset("llama-70b")
+
+
+def test_tensor_bytes_looks_inside_fp8_tensors():
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    q, scales = quantize_per_group(x, 16)
+    t = Fp8Tensor(q, scales, group_size=16)
+    assert tensor_bytes(x) == 8 * 64 * 2
+    assert tensor_bytes(t) == 8 * 64 + 8 * 4 * 4  # 1-byte codes + FP32 scale per 1x16 group
+
+
+def test_saved_tensors_counts_activations_not_parameters():
+    w = torch.nn.Parameter(torch.randn(32, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    with SavedTensors(exclude=[w, x]) as saved:
+        h = torch.tanh(x @ w.t())  # saves x, w (excluded) and tanh's output (4 x 32 FP32)
+        h.sum().backward()
+    assert saved.bytes == 4 * 32 * 4
+
+
+def _row(kind, preset, mode, family, **values):
+    return {"kind": kind, "preset": preset, "mode": mode, "family": family, "status": "ok", "device": "GPU", **values}
+
+
+def test_goals_judge_ratios_and_say_by_how_much_they_miss():
+    rows = [
+        _row("layer", "L", "bf16", "bf16", ms=18.0, activation_MiB=1000.0),
+        _row("layer", "L", "bf16-local", "bf16", ms=34.0, activation_MiB=4600.0),
+        _row("layer", "L", "te-fp8-current", "te-fp8", ms=12.0, activation_MiB=800.0),
+        _row("layer", "L", "te-fp8-store", "te-fp8", ms=13.0, activation_MiB=640.0),
+        _row("layer", "L", "coat", "coat", ms=12.6, activation_MiB=620.0),
+        _row("search", "llama2-7b", "bf16", "bf16", largest_micro_batch=0, tokens_per_s=None),
+        _row("search", "llama2-7b", "coat", "coat", largest_micro_batch=2, tokens_per_s=900.0),
+    ]
+    goals = {g.goal: g for g in evaluate(rows)}
+    bf16 = goals["per-layer activation memory vs the best BF16"]
+    assert (bf16.measured, bf16.met, bf16.missed_by) == (0.62, False, "1.6% above the target")
+    te = goals["per-layer activation memory vs the best TE FP8 mode"]
+    assert te.measured == pytest.approx(620 / 640, abs=1e-4) and te.met is False and "te-fp8-store" in te.note
+    time_goal = goals["per-layer fwd+bwd time vs TE FP8 current scaling"]
+    assert time_goal.measured == pytest.approx(1.05) and time_goal.missed_by == "10.5% above the target"
+    fit = goals["llama2-7b trains on one GPU with COAT where BF16 does not fit"]
+    assert fit.met is True and fit.measured == "coat fits, bf16 OOM"
+    # throughput needs a BF16 row that fits: none here
+    assert goals["tokens/s at each mode's largest micro-batch vs BF16"].met is None
+
+
+def test_progress_writes_a_line_per_tenth_into_a_log():
+    stream = io.StringIO()
+    p = Progress(40, "tiny coat", stream=stream)
+    for i in range(1, 41):
+        p.update(i, loss=3.25)
+    p.close()
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("tiny coat [########################] 40/40")
+    assert lines[0].startswith("tiny coat [") and "loss 3.25" in lines[0]
