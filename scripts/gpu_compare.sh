@@ -41,4 +41,6 @@ if [ "${FULL:-0}" = 1 ]; then  # one command per mode: each stays under 10 minut
 fi
 
 python3 -m coat_megatron.compare --summarize --out "$out" 2>/dev/null
-echo "total $SECONDS s; reports, logs and plots in $out/"
+# the device machine hands back only a few files from $OUT: pack everything into one
+tar czf /tmp/compare.tgz -C "$out" . && mv /tmp/compare.tgz "$out/compare.tgz"
+echo "total $SECONDS s; reports, logs and plots in $out/ (and all of them in $out/compare.tgz)"

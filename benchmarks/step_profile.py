@@ -1,0 +1,118 @@
+"""Where one end-to-end training step spends its time: GPU kernels vs the host, per mode.
+
+    python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--out DIR]
+
+Builds the model and optimizer exactly as ``coat-compare`` does (``coat_megatron.compare``), runs a
+few warm-up steps, then profiles ``--steps`` steps with ``torch.profiler``. Per mode: the wall time
+of a step, the time the GPU was busy (the union of kernel intervals: a step whose GPU is busy far
+less than its wall time is bound by the host: Python, launches), the number of kernel launches,
+the kernels that take the most GPU time and the host functions that take the most CPU time.
+Writes step_profile.md and step_profile.jsonl to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+
+
+def busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (microseconds in, milliseconds out)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def profile_mode(preset, mode, seed: int, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from coat_megatron.compare.build import build_gpt, set_learning_rate
+    from coat_megatron.compare.train import corpus, train_step
+    from coat_megatron.corpus import ByteBatches
+
+    model, optimizer = build_gpt(preset, mode, seed)
+    data = ByteBatches(corpus(), preset.seq, preset.micro_batch, vocab_size=preset.vocab)
+    generator = torch.Generator().manual_seed(seed)
+
+    def step(i):
+        batch = {k: v.cuda() for k, v in data.batch(generator).items()}
+        set_learning_rate(optimizer, preset, i)
+        return train_step(model, optimizer, batch, preset, None)
+
+    for i in range(preset.warmup_steps + 1):
+        step(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(preset.warmup_steps + 1 + i)
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) * 1e3 / steps
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
+    table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+    table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return {
+        "mode": mode.name, "preset": preset.name, "wall_ms_per_step": wall, "gpu_busy_ms_per_step": gpu,
+        "gpu_busy_fraction": gpu / wall, "kernel_launches_per_step": len(kernels) / steps,
+        "top_gpu": table_gpu, "top_cpu": table_cpu,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="gpt-1b")
+    p.add_argument("--modes", default="bf16,coat")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/step_profile.py profiles GPU steps: run it on a CUDA machine")
+
+    from coat_megatron.compare import parallel
+    from coat_megatron.compare.modes import parse_modes
+    from coat_megatron.compare.presets import get_preset
+
+    preset = get_preset(args.preset).with_overrides(micro_batch=args.micro_batch, steps=100)
+    rows = []
+    with contextlib.ExitStack() as stack:
+        parallel.initialize(1, 1, stack)
+        for mode in parse_modes(args.modes):
+            rows.append(profile_mode(preset, mode, args.seed, args.steps))
+            r = rows[-1]
+            print(f"{r['mode']}: {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
+                  f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step_profile.jsonl"), "w") as f:
+        for r in rows:
+            f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("top_")}) + "\n")
+    lines = [f"# One training step, {args.preset} (micro-batch {preset.micro_batch}), {torch.cuda.get_device_name()}", "",
+             f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps}`", "",
+             "| mode | wall ms/step | GPU busy ms/step | busy fraction | kernel launches/step |", "|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['wall_ms_per_step']:.1f} | {r['gpu_busy_ms_per_step']:.1f} | {r['gpu_busy_fraction']:.2f} | {r['kernel_launches_per_step']:.0f} |" for r in rows]
+    for r in rows:
+        lines += ["", f"## {r['mode']}: GPU time by kernel", "", "```", r["top_gpu"], "```", "", f"## {r['mode']}: host time by function", "", "```", r["top_cpu"], "```"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(args.out, "step_profile.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
