@@ -157,6 +157,30 @@ def resume_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def same_batch_table(rows: list[dict]) -> list[str]:
+    """End-to-end runs of one preset and mode at DP > 1 and at DP 1 with the same global batch
+    (micro-batch x DP), seq, steps and TP: how far apart their losses are. Empty when there are none."""
+    def key(r):
+        return (r["preset"], r["mode"], r.get("tp", 1), r["seq"], r["steps"], r.get("first_step", 0), r["micro_batch"] * r.get("dp", 1))
+
+    train = [r for r in rows if r.get("kind") == "train" and r.get("status") == "ok"]
+    single = {key(r): r for r in train if r.get("dp", 1) == 1}
+    lines = []
+    for r in train:
+        one = single.get(key(r))
+        if r.get("dp", 1) == 1 or one is None:
+            continue
+        diffs = [abs(a - b) for a, b in zip(r["losses"], one["losses"])]
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        lines.append(f"| {r['preset']} | {r['mode']} | {r.get('tp', 1)} | {key(r)[-1]} x {r['seq']} | {r['dp']} x {r['micro_batch']} | "
+                     f"{diffs[worst]:.1e} (step {r.get('first_step', 0) + worst + 1}) | {one['losses'][0]:.4f} / {r['losses'][0]:.4f} | "
+                     f"{one['losses'][-1]:.4f} / {r['losses'][-1]:.4f} |")
+    if not lines:
+        return []
+    head = ["preset", "mode", "TP", "global batch (sequences x seq)", "DP x micro-batch", "max loss difference to DP 1", "first loss DP 1 / DP n", "last loss DP 1 / DP n"]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]
+
+
 def goals_table(goals: list[Goal]) -> list[str]:
     lines = ["| goal | preset | target | measured | met | missed by | note |", "|---|---|---|---|---|---|---|"]
     for g in goals:
@@ -199,6 +223,11 @@ def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal],
                 notes_for = [COLUMNS[kind]] + ([SEVERAL_GPUS] if tp * dp > 1 and kind in ("layer", "train") else [])
                 lines += [f"## {TITLES[kind]}: {group_name(preset, tp, dp)} ({shape}) on {gpus}{first.get('device', '?')}", "",
                           *table(chosen), "", *notes_for, ""]
+    same = same_batch_table(rows)
+    if same:
+        lines += ["## The same global batch at DP n and at DP 1", "", *same, "",
+                  "Each rank of DP n trains on its micro-batch of the global batch; DP 1 trains on all of it. The math is the same; "
+                  "the order of reductions differs, and for FP8 modes which micro-batch sets each per-tensor scale.", ""]
     lines += ["## Goals", "", *goals_table(goals), ""]
     lines += list(notes)
     return "\n".join(lines).rstrip() + "\n"
