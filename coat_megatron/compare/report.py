@@ -67,7 +67,7 @@ def layer_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_t, te_t = best(ok, "bf16", "ms"), best(ok, "te-fp8", "ms")
     bf16_m, te_m = best(ok, "bf16", "activation_MiB"), best(ok, "te-fp8", "activation_MiB")
-    bf16_g = best(ok, "bf16", "sp_all_gather_bytes", lowest=False)
+    bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     current = next((r for r in ok if r["mode"] == "te-fp8-current"), None)
     several = _several_gpus(rows)
     head = ["mode", "spec", "fwd+bwd ms", "vs BF16", "vs TE FP8 current", "vs best TE", "activation MiB", "vs BF16", "vs best TE"]
@@ -90,7 +90,7 @@ def train_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
     bf16_m, te_m = best(ok, "bf16", "peak_MiB"), best(ok, "te-fp8", "peak_MiB")
-    bf16_g = best(ok, "bf16", "sp_all_gather_bytes", lowest=False)
+    bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     several = _several_gpus(rows)
     head = ["mode", "micro-batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "peak MiB", "vs BF16", "vs best TE",
             "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last"]
