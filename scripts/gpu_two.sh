@@ -8,7 +8,9 @@
 #
 # Each part's reports accumulate in $RES (default /tmp/coat-two-gpu: it survives between calls on a
 # machine that stays warm); every call ends by packing all of $RES into ONE file, $OUT/two-gpu.tgz,
-# and printing the combined summary (summary.md). Each command is capped with `timeout`.
+# and printing the combined summary (summary.md). Each command is capped with `timeout`; the exact
+# commands are in commands.txt. To commit: tar xzf two-gpu.tgz, copy coat-two-gpu/*.{md,jsonl,png,txt}
+# to benchmarks/results/two-gpu-h200/.
 #
 # layer   llama2-7b-layer at --tp 2: bf16, te-fp8-current, te-fp8-store, coat (time, activation
 #         memory per GPU, sequence-parallel all-gather bytes per fwd+bwd)                  ~1 min
