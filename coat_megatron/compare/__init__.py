@@ -4,12 +4,16 @@ One module per concept, in the order the job (``job.py``, the ``coat-compare`` c
 
     presets.py   the model shapes (one layer, or a GPT trained end to end)
     modes.py     the recipes compared (bf16, te-fp8-*, coat) and why one cannot run here
-    parallel.py  device, torch.distributed and Megatron's parallel state
+    parallel.py  device, torch.distributed and Megatron's parallel state (TP x DP processes)
     build.py     the layer / GPTModel + DDP + optimizer of a mode, same weights for every mode
     layer.py     per-layer measurement: fwd+bwd time, activation memory
     train.py     end-to-end training: loss, step time, tokens/s, memory by part
     memory.py    what weights, gradients, optimizer states and activations occupy
+    comm.py      bytes moved by all-gathers, by process group (sequence parallel, DP) and width
+    checkpoint.py  Megatron dist checkpoints of the model and its distributed optimizer
+    probe.py     one run of the job in fresh processes (torchrun for several)
     search.py    the largest micro-batch that fits (doubling, bisection, a process per try)
+    resume.py    a checkpoint written at DP n resumed at DP 1 and DP n, against the uninterrupted run
     progress.py  a progress line on stderr
     goals.py     the issue's goals judged on the rows
     report.py    JSON lines and markdown tables with ratios

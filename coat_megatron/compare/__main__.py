@@ -4,4 +4,5 @@ import sys
 
 from .job import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the checkpoint writer's worker processes re-import __main__
+    sys.exit(main())

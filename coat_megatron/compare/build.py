@@ -31,7 +31,12 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
     """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
     the layer benchmark used (bias-SwiGLU, masked softmax) and, under DDP (``ddp``: parameters
     have a ``main_grad``), weight-gradient accumulation into main_grad where apex provides it (the
-    local output layer needs apex's kernel for it); on a CPU every fusion off (they need CUDA)."""
+    local output layer needs apex's kernel for it); on a CPU every fusion off (they need CUDA).
+
+    Sequence parallel is on whenever ``tp`` > 1. Megatron-Core 0.19 does not require it (not even
+    for TE FP8), but without it each TP rank keeps the whole sequence's norm and residual
+    activations and the linears all-reduce BF16; with it they gather their inputs, which TE's FP8
+    recipes and COAT gather in FP8: the communication this job measures (``comm``)."""
     from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.transformer import TransformerConfig
 
@@ -52,6 +57,7 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
         perform_initialization=False,  # init_weights_by_name sets every weight
         use_cpu_initialization=not cuda,
         gradient_accumulation_fusion=cuda and ddp and tp_layers._grad_accum_fusion_available,
@@ -70,8 +76,22 @@ def coat_config(mode: Mode) -> CoatConfig:
     return CoatConfig(recompute_norm_output=mode.recompute_norm_output)
 
 
-def layer_spec(mode: Mode):
-    """The ModuleSpec of one TransformerLayer for ``mode``."""
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm behind Megatron's norm constructor, usable under sequence parallelism: the
+    local spec's norm when sequence parallel is on.
+
+    Megatron's own torch norm (what the local spec uses without apex) refuses sequence parallel.
+    Under SP each TP rank sees a slice of the sequence, so the weight's gradient is partial:
+    marking it ``sequence_parallel`` makes ``finalize_model_grads`` all-reduce it over TP.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def layer_spec(mode: Mode, config):
+    """The ModuleSpec of one TransformerLayer for ``mode`` (``config``: sequence parallel or not)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 
     from ..spec import get_gpt_layer_coat_spec
@@ -81,7 +101,10 @@ def layer_spec(mode: Mode):
         return get_gpt_layer_with_transformer_engine_spec()
     if spec == "coat":
         return get_gpt_layer_coat_spec(coat_config(mode))
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if config.sequence_parallel:
+        local.submodules.input_layernorm = local.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    return local
 
 
 def block_spec(mode: Mode, config):
@@ -94,7 +117,7 @@ def block_spec(mode: Mode, config):
     spec = mode.resolved_spec()
     if spec == "coat":
         return get_gpt_block_coat_spec(config, coat_config(mode))
-    layer = layer_spec(mode)
+    layer = layer_spec(mode, config)
     if spec == "te":
         return layer
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=layer.submodules.input_layernorm)
@@ -126,12 +149,12 @@ def init_weights_by_name(model: torch.nn.Module, seed: int, num_layers: int) -> 
         param.copy_(torch.randn(param.shape, generator=g, device=param.device, dtype=torch.float32).mul_(std))
 
 
-def build_layer(preset: Preset, mode: Mode, seed: int):
-    """One TransformerLayer (layer number 1) on this device, and its config."""
+def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
+    """One TransformerLayer (layer number 1) on this device, this rank's TP shard, and its config."""
     from megatron.core.transformer.spec_utils import build_module
 
-    config = transformer_config(preset, mode, ddp=False)
-    layer = build_module(layer_spec(mode), config=config, layer_number=1)
+    config = transformer_config(preset, mode, tp, ddp=False)
+    layer = build_module(layer_spec(mode, config), config=config, layer_number=1)
     layer = layer.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     init_weights_by_name(layer, seed, num_layers=1)
     return layer, config

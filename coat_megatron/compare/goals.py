@@ -27,8 +27,24 @@ class Goal:
         return {"kind": "goal", **asdict(self)}
 
 
-def _ok(rows, preset, kind):
-    return [r for r in rows if r.get("kind") == kind and r.get("preset") == preset and r.get("status") == "ok"]
+def layout(row: dict) -> tuple[int, int]:
+    """(TP, DP) of a row; rows written before the job took --tp/--dp ran on one GPU."""
+    return row.get("tp", 1), row.get("dp", 1)
+
+
+def group_name(preset: str, tp: int, dp: int) -> str:
+    """What a table or a goal is about: the preset, and its layout when it is not one GPU."""
+    return preset if tp * dp == 1 else f"{preset} at TP {tp} x DP {dp}"
+
+
+def groups(rows: list[dict]) -> list[tuple[str, int, int]]:
+    """(preset, TP, DP) of the rows, in order of appearance: rows compare within one group only."""
+    return list(dict.fromkeys((r["preset"], *layout(r)) for r in rows if "preset" in r))
+
+
+def _ok(rows, group, kind):
+    preset, tp, dp = group
+    return [r for r in rows if r.get("kind") == kind and r.get("preset") == preset and layout(r) == (tp, dp) and r.get("status") == "ok"]
 
 
 def _by_mode(rows) -> dict[str, dict]:
@@ -59,9 +75,9 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
     """The goals measurable from ``rows``; with ``every_goal`` (the summary) also those that are
     not, each with the command that measures it."""
     goals = []
-    presets = list(dict.fromkeys(r["preset"] for r in rows if "preset" in r))
-    for preset in presets:
-        layer = _ok(rows, preset, "layer")
+    for group in groups(rows):
+        preset = group_name(*group)
+        layer = _ok(rows, group, "layer")
         if layer:
             coat = _by_mode(layer).get(COAT)
             goals += [
@@ -69,7 +85,7 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
                 _ratio_goal("per-layer activation memory vs the best TE FP8 mode", preset, coat, best(layer, "te-fp8", "activation_MiB"), "activation_MiB", 0.92, True, "TE FP8"),
                 _ratio_goal("per-layer fwd+bwd time vs TE FP8 current scaling", preset, coat, _by_mode(layer).get("te-fp8-current"), "ms", 0.95, True, "te-fp8-current"),
             ]
-        train = _ok(rows, preset, "train")
+        train = _ok(rows, group, "train")
         if train:
             by = _by_mode(train)
             coat = by.get(COAT)
@@ -79,7 +95,7 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
                 _ratio_goal("end-to-end peak memory vs BF16, equal micro-batch", preset, coat, best(same, "bf16", "peak_MiB"), "peak_MiB", 0.65, True, "BF16"),
                 _ratio_goal("end-to-end peak memory vs te-fp8-pa, equal micro-batch", preset, coat, _by_mode(same).get("te-fp8-pa"), "peak_MiB", 0.85, True, "te-fp8-pa"),
             ]
-        search = _ok(rows, preset, "search")
+        search = _ok(rows, group, "search")
         if search:
             fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
             coat = _by_mode(fitted).get(COAT)
@@ -91,7 +107,7 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
         measured = {g.goal for g in goals}
         goals += [Goal(goal, preset, target, None, None, note=f"not measured: {command}")
                   for goal, preset, target, command in UNMEASURED if goal not in measured]
-    if every_goal or any(r.get("preset") == "llama2-7b" for r in rows):
+    if every_goal or any(r.get("preset") == "llama2-7b" and layout(r) == (1, 1) for r in rows):
         goals.append(_llama2_7b_fits(rows))
     return goals
 
@@ -113,7 +129,7 @@ def _llama2_7b_fits(rows: list[dict]) -> Goal:
     goal = "llama2-7b trains on one GPU with COAT where BF16 does not fit"
     coat = bf16 = None
     for r in rows:
-        if r.get("preset") != "llama2-7b" or r.get("mode") not in (COAT, "bf16"):
+        if r.get("preset") != "llama2-7b" or r.get("mode") not in (COAT, "bf16") or layout(r) != (1, 1):
             continue
         if r.get("kind") == "search" and r.get("status") == "ok":
             fits = r["largest_micro_batch"] > 0

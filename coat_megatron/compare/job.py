@@ -5,11 +5,16 @@
     coat-compare --preset gpt-1b --steps 30 --micro-batch 4      # end to end, equal micro-batch
     coat-compare --preset llama2-7b --modes bf16,coat --search   # largest micro-batch that fits
     coat-compare --summarize --out out                           # every report in out/ -> summary.md
+    torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --tp 2   # TP 2, sequence parallel
+    torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --dp 2   # DP 2, distributed optimizer
+    coat-compare --preset gpt-1b --modes coat --dp 2 --resume-check   # DP 2 checkpoint -> DP 1 and DP 2
 
 Writes ``{out}/{preset}.jsonl`` (one JSON object per row), ``{out}/{preset}.md`` (tables with
 ratios, the goals) and PNG plots (with matplotlib), and prints the markdown. ``--search`` writes
-``{preset}-search.*``. A mode that cannot run here (no TransformerEngine, no GPU, out of memory) is
-a row with the reason. Under ``torchrun``, ``--tp`` x ``--dp`` processes share the model.
+``{preset}-search.*``, ``--resume-check`` ``{preset}-resume.*``. A mode that cannot run here (no
+TransformerEngine, no GPU, out of memory) is a row with the reason. Under ``torchrun``, ``--tp`` x
+``--dp`` processes share the model (sequence parallel on when ``--tp`` > 1) and rank 0 writes the
+report; ``--search`` and ``--resume-check`` start their own processes (run them with plain python).
 """
 
 from __future__ import annotations
@@ -30,9 +35,11 @@ from .goals import evaluate
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
 from .plots import draw
 from .presets import PRESETS, Preset, get_preset
+from .probe import PROBE_MARK
 from .progress import Progress
 from .report import read_jsonl, write_report
-from .search import PROBE_MARK, largest_micro_batch, probe_fits
+from .resume import resume_check
+from .search import largest_micro_batch, probe_fits
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,11 +62,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     search.add_argument("--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed")
     search.add_argument("--search-steps", type=int, default=6, help="steps per try (default 6: 3 warm-up + 3 timed)")
     search.add_argument("--fit-memory", type=float, help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)")
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one try of --search, in its own process
+    ckpt = p.add_argument_group("checkpoints (end-to-end presets)")
+    ckpt.add_argument("--save", metavar="DIR", help="write a dist checkpoint (dp_reshardable) into DIR after --save-step steps, and go on")
+    ckpt.add_argument("--save-step", type=int, help="steps before --save writes (default: half of --steps)")
+    ckpt.add_argument("--load", metavar="DIR", help="start from the checkpoint in DIR, at its step (any --dp; the same --tp)")
+    ckpt.add_argument("--resume-check", action="store_true",
+                      help="save at --dp after --save-step steps, resume at DP 1 and at --dp, compare the losses with the uninterrupted run")
+    ckpt.add_argument("--checkpoint-dir", help="where --resume-check writes its checkpoint (a temporary directory inside; default: the system's)")
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one run of --search / --resume-check, in its own processes
     p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
     args = p.parse_args(argv)
-    if args.probe and args.search:
-        p.error("--probe is one try of --search; give one of them")
+    if args.probe and (args.search or args.resume_check):
+        p.error("--probe is one run of --search or --resume-check; give one of them")
+    if args.search and args.resume_check:
+        p.error("--search and --resume-check are separate jobs; run one, then the other")
+    if args.resume_check and args.dp < 2:
+        p.error("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
     return args
 
 
@@ -69,15 +87,20 @@ def main(argv=None) -> int:
         return summarize(args.out)
     preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, seq=args.seq)
     modes = parse_modes(args.modes)
-    if args.search:
-        rows = search_all(args, preset, modes)
-        name = args.name or f"{preset.name}-search"
+    check_layout(preset, args)
+    if args.search or args.resume_check:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise SystemExit(f"run {'--search' if args.search else '--resume-check'} with plain python, not under torchrun: "
+                             "it starts its own --tp x --dp processes for each run")
+        rows = search_all(args, preset, modes) if args.search else resume_all(args, preset, modes)
+        name = args.name or f"{preset.name}-{'search' if args.search else 'resume'}"
     else:
         with contextlib.ExitStack() as stack:
             parallel.initialize(args.tp, args.dp, stack)
             rows = [run_mode(preset, mode, args) for mode in modes]
         if args.probe:
-            print(PROBE_MARK + json.dumps(rows[0]), flush=True)
+            if parallel.is_main_rank():
+                print(PROBE_MARK + json.dumps(rows[0]), flush=True)
             return 0
         name = args.name or preset.name
     if parallel.is_main_rank():
@@ -90,7 +113,7 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
     from .layer import measure_layer
     from .train import train
 
-    row = new_row(preset.kind, preset, mode, args.seed)
+    row = new_row(preset.kind, preset, mode, args)
     reason = why_not_here(preset, mode)
     if reason is not None:
         return {**row, "status": "skipped", "reason": reason}
@@ -99,11 +122,12 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
     start = time.perf_counter()
     try:
         if preset.kind == "layer":
-            result = measure_layer(preset, mode, args.seed)
+            result = measure_layer(preset, mode, args.seed, tp=args.tp)
         else:
             label = f"{preset.name} {mode.name}"
             progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
-            result = train(preset, mode, args.seed, tp=args.tp, dp=args.dp, progress=progress)
+            save_step = preset.steps // 2 if args.save_step is None else args.save_step
+            result = train(preset, mode, args.seed, tp=args.tp, dp=args.dp, progress=progress, save=args.save, save_step=save_step, load=args.load)
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300])
@@ -118,15 +142,40 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
     return row
 
 
+def check_layout(preset: Preset, args) -> None:
+    """Refuse, naming the fix, what --tp / --dp and the checkpoint options cannot do with ``preset``."""
+    if args.tp < 1 or args.dp < 1:
+        raise SystemExit(f"--tp {args.tp} --dp {args.dp}: both must be 1 or more")
+    if preset.seq % args.tp:
+        raise SystemExit(f"sequence parallel splits the sequence over --tp {args.tp} ranks; --seq {preset.seq} is not a multiple: use --seq {preset.seq - preset.seq % args.tp}")
+    if preset.kind == "layer" and args.dp > 1:
+        raise SystemExit(f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: --dp {args.dp} would measure "
+                         f"the same layer {args.dp} times; use --tp, or an end-to-end preset (tiny, gpt-1b, llama2-7b) for --dp")
+    if preset.kind == "layer" and (args.save or args.load or args.resume_check):
+        raise SystemExit(f"{preset.name} is a per-layer preset: checkpoints need an end-to-end preset (tiny, gpt-1b, llama2-7b)")
+
+
+def resume_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
+    """The checkpoint-resume check (``resume``) of each mode."""
+    rows = []
+    for mode in modes:
+        row = new_row("resume", preset, mode, args)
+        reason = why_not_here(preset, mode)
+        if reason is not None:
+            rows.append({**row, "status": "skipped", "reason": reason})
+            continue
+        print(f"{preset.name} {mode.name}: checkpoint at DP {args.dp}, resumed at DP 1 and DP {args.dp}", file=sys.stderr, flush=True)
+        rows.append(resume_check(args, preset, mode, row))
+    return rows
+
+
 def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
     """The largest micro-batch of each mode (end-to-end presets), each try a fresh process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit("run --search with plain python, not under torchrun: each try starts its own --tp x --dp processes")
     if preset.kind != "train":
         raise SystemExit(f"--search finds the largest micro-batch of an end-to-end preset; {preset.name} is a per-layer preset")
     rows = []
     for mode in modes:
-        row = new_row("search", preset, mode, args.seed)
+        row = new_row("search", preset, mode, args)
         reason = why_not_here(preset, mode)
         if reason is not None:
             rows.append({**row, "status": "skipped", "reason": reason})
@@ -145,14 +194,15 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
         row.update(status="ok", largest_micro_batch=result.largest, smallest_failure=result.smallest_failure, stopped=result.stopped,
                    tries=[{"micro_batch": t.micro_batch, "fits": t.fits, "reason": t.reason, "seconds": round(t.seconds, 1)} for t in result.tries],
                    tokens_per_s=top.result.get("tokens_per_s") if top else None, peak_MiB=top.result.get("peak_MiB") if top else None,
+                   tokens_per_s_per_gpu=top.result.get("tokens_per_s_per_gpu") if top else None,
                    step_ms=top.result.get("step_ms") if top else None)
         rows.append(row)
     return rows
 
 
-def new_row(kind: str, preset: Preset, mode: Mode, seed: int) -> dict:
+def new_row(kind: str, preset: Preset, mode: Mode, args) -> dict:
     return {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-            "shape": shape(preset), "device": parallel.device_name(), "seed": seed}
+            "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp}
 
 
 def why_not_here(preset: Preset, mode: Mode) -> str | None:

@@ -5,6 +5,11 @@ timings of fwd+bwd (``triton.testing.do_bench``) after warm-up, and activation m
 after the forward minus before, minus the output, measured after warm-up so FP8 weight copies and
 workspaces already exist (they are not activations). On a CPU: the median wall time of a few
 fwd+bwd, and the bytes of the tensors saved for backward (``memory.SavedTensors``).
+
+Under ``torchrun --tp N`` every rank measures its shard of the layer with sequence parallel on
+(input: its seq/N slice), and the all-gather bytes of one fwd+bwd (``comm``) come with the row;
+on GPUs the timing then takes a fixed number of repeats on every rank (the collectives must
+match), each a CUDA-event pair around one fwd+bwd.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import time
 
 import torch
 
+from . import parallel
 from .build import build_layer
+from .comm import AllGatherBytes, all_gather_fields
 from .memory import MIB, SavedTensors
 from .modes import Mode
 from .presets import Preset
@@ -23,16 +30,17 @@ from .presets import Preset
 CPU_REPEATS = 5
 
 
-def measure_layer(preset: Preset, mode: Mode, seed: int) -> dict:
-    """{"ms", "activation_MiB", "memory_source"} of one fwd+bwd of ``mode``'s layer on a
-    (seq, micro_batch, hidden) BF16 input with RoPE, as in GPTModel."""
+def measure_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1) -> dict:
+    """{"ms", "activation_MiB", "memory_source", all-gather bytes} of one fwd+bwd of ``mode``'s
+    layer on a (seq, micro_batch, hidden) BF16 input with RoPE, as in GPTModel; at ``tp`` > 1 this
+    rank's TP shard of the layer on its (seq / tp, micro_batch, hidden) slice (sequence parallel)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    layer, config = build_layer(preset, mode, seed)
+    layer, config = build_layer(preset, mode, seed, tp)
     device = next(layer.parameters()).device
     rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).to(device)(preset.seq)
     g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(preset.seq, preset.micro_batch, preset.hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(preset.seq // tp, preset.micro_batch, preset.hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)
     params = list(layer.parameters())
     fp8_context = contextlib.nullcontext
@@ -54,17 +62,21 @@ def measure_layer(preset: Preset, mode: Mode, seed: int) -> dict:
     x.grad = None
     for p in params:
         p.grad = None
+    with AllGatherBytes() as counter:
+        step()
+    gathered = all_gather_fields(counter.snapshot())
+    x.grad = None
+    for p in params:
+        p.grad = None
     if device.type == "cuda":
         result = _measure_cuda(forward, step, dy, [x] + params)
     else:
         result = _measure_cpu(forward, step, dy, [x, rope] + params)
     del layer
-    return result
+    return {**result, "tp": tp, **gathered}
 
 
 def _measure_cuda(forward, step, dy, inputs) -> dict:
-    import triton
-
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     out = forward()
@@ -72,8 +84,31 @@ def _measure_cuda(forward, step, dy, inputs) -> dict:
     activation = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes()
     out.backward(dy)
     del out
-    ms = triton.testing.do_bench(step, warmup=5, rep=50, grad_to_none=inputs, return_mode="median")
+    if parallel.world_size() == 1:
+        import triton
+
+        ms = triton.testing.do_bench(step, warmup=5, rep=50, grad_to_none=inputs, return_mode="median")
+    else:
+        ms = _time_in_step(step, inputs)
     return {"ms": ms, "activation_MiB": activation / MIB, "memory_source": "cuda-allocator"}
+
+
+def _time_in_step(step, inputs, warmup: int = 5, repeats: int = 20) -> float:
+    """The median of ``repeats`` CUDA-event timings of ``step``: a fixed count on every rank, as the
+    layer's collectives need (``do_bench`` picks its count from each rank's own first timings)."""
+    times = []
+    parallel.barrier()
+    for i in range(warmup + repeats):
+        for t in inputs:
+            t.grad = None
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        step()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(begin.elapsed_time(end))
+    return statistics.median(times)
 
 
 def _measure_cpu(forward, step, dy, inputs) -> dict:

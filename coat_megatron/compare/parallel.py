@@ -28,8 +28,27 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
 
 
+# this process's rank and the world size, kept after the process group is gone (the report is
+# written after the job has left it)
+_WORLD = {"rank": 0, "size": 1}
+
+
 def is_main_rank() -> bool:
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    """Rank 0 (or a plain process): the one that prints progress and writes the report."""
+    return _WORLD["rank"] == 0
+
+
+def world_size() -> int:
+    return _WORLD["size"]
+
+
+def per_rank(value) -> list:
+    """``value`` of every rank, indexed by rank (a collective: call it on every rank)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [value]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, value)
+    return out
 
 
 def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
@@ -58,6 +77,7 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    _WORLD.update(rank=torch.distributed.get_rank(), size=torch.distributed.get_world_size())
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
     stack.callback(_shutdown)
@@ -82,6 +102,12 @@ def seed_everything(seed: int) -> None:
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def barrier() -> None:
+    """All ranks here before any goes on (timings that start together)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def free_memory() -> None:

@@ -1,11 +1,13 @@
 """The report: JSON lines (one object per measurement), markdown tables with ratios, the goals.
 
 Row kinds (the ``kind`` field): ``layer`` (one transformer layer), ``train`` (end to end at one
-micro-batch), ``search`` (the largest micro-batch that fits), ``goal``. Every measurement row has
-``preset``, ``mode``, ``family`` (bf16 / te-fp8 / coat), ``status`` ("ok", "skipped", "oom",
-"failed") and, unless ok, ``reason``. Ratios in the tables are this row / the reference row:
-"vs BF16" the best BF16 row, "vs best TE" the best TE FP8 row of the same table (least time or
-memory, most tokens/s), so below 1 is better for time and memory and above 1 for tokens/s.
+micro-batch), ``search`` (the largest micro-batch that fits), ``resume`` (the checkpoint-resume
+check), ``goal``. Every measurement row has ``preset``, ``mode``, ``family`` (bf16 / te-fp8 /
+coat), ``tp``, ``dp``, ``status`` ("ok", "skipped", "oom", "failed") and, unless ok, ``reason``.
+One table per preset, kind and layout (TP x DP). Ratios in the tables are this row / the
+reference row: "vs BF16" the best BF16 row, "vs best TE" the best TE FP8 row of the same table
+(least time or memory, most tokens/s), so below 1 is better for time and memory and above 1 for
+tokens/s. Tables of runs on several GPUs add the per-GPU columns and the all-gather bytes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from .goals import Goal, best
+from .goals import Goal, best, group_name, groups, layout
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
@@ -46,21 +48,41 @@ def _not_ok(row: dict, columns: int) -> str:
     return f"| {row['mode']} | {row['status']}: {reason} |" + " |" * (columns - 2)
 
 
+def _several_gpus(rows: list[dict]) -> bool:
+    tp, dp = layout(rows[0])
+    return tp * dp > 1
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f}"
+
+
+def _gathers(r: dict, bf16: dict | None) -> str:
+    """SP all-gather MiB (FP8 part) | vs BF16."""
+    return (f"{_mib(r.get('sp_all_gather_bytes'))} ({_mib(r.get('sp_all_gather_fp8_bytes'))}) | "
+            f"{_ratio(r, bf16, 'sp_all_gather_bytes')}")
+
+
 def layer_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_t, te_t = best(ok, "bf16", "ms"), best(ok, "te-fp8", "ms")
     bf16_m, te_m = best(ok, "bf16", "activation_MiB"), best(ok, "te-fp8", "activation_MiB")
+    bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     current = next((r for r in ok if r["mode"] == "te-fp8-current"), None)
+    several = _several_gpus(rows)
     head = ["mode", "spec", "fwd+bwd ms", "vs BF16", "vs TE FP8 current", "vs best TE", "activation MiB", "vs BF16", "vs best TE"]
+    if several:
+        head += ["SP all-gather MiB (FP8)", "vs BF16"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
             lines.append(_not_ok(r, len(head)))
             continue
-        lines.append(
+        line = (
             f"| {r['mode']} | {r['spec']} | {_fmt(r['ms'])} | {_ratio(r, bf16_t, 'ms')} | {_ratio(r, current, 'ms')} | {_ratio(r, te_t, 'ms')} | "
             f"{_fmt(r['activation_MiB'], 1)} | {_ratio(r, bf16_m, 'activation_MiB')} | {_ratio(r, te_m, 'activation_MiB')} |"
         )
+        lines.append(line + (f" {_gathers(r, bf16_g)} |" if several else ""))
     return lines
 
 
@@ -68,26 +90,39 @@ def train_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
     bf16_m, te_m = best(ok, "bf16", "peak_MiB"), best(ok, "te-fp8", "peak_MiB")
+    bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
+    several = _several_gpus(rows)
     head = ["mode", "micro-batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "peak MiB", "vs BF16", "vs best TE",
             "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last"]
+    if several:
+        head += ["tokens/s per GPU", "peak MiB per GPU", "optimizer MiB per GPU", "SP all-gather MiB/step (FP8)", "vs BF16", "DP all-gather MiB/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
             lines.append(_not_ok(r, len(head)))
             continue
-        lines.append(
+        line = (
             f"| {r['mode']} | {r['micro_batch']} | {_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
             f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |"
         )
+        if several:
+            line += (
+                f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} | {' / '.join(_fmt(v, 1) for v in r.get('peak_MiB_per_rank', []))} | "
+                f"{' / '.join(_fmt(v, 1) for v in r.get('optimizer_MiB_per_rank', []))} | {_gathers(r, bf16_g)} | {_mib(r.get('dp_all_gather_bytes'))} |"
+            )
+        lines.append(line)
     return lines
 
 
 def search_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s") is not None]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
+    several = _several_gpus(rows)
     head = ["mode", "largest micro-batch", "tokens/s there", "vs BF16", "vs best TE", "peak MiB there", "tries", "note"]
+    if several:
+        head.insert(3, "tokens/s per GPU")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r["status"] != "ok":
@@ -95,11 +130,55 @@ def search_table(rows: list[dict]) -> list[str]:
             continue
         tries = ", ".join(f"{t['micro_batch']}{'+' if t['fits'] else 'x'}" for t in r["tries"])
         note = r.get("stopped") or ("does not fit at micro-batch 1" if r["largest_micro_batch"] == 0 else "")
+        per_gpu = f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} |" if several else ""
         lines.append(
-            f"| {r['mode']} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
+            f"| {r['mode']} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} |{per_gpu} {_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('peak_MiB'), 1)} | {tries} | {note} |"
         )
     return lines
+
+
+def resume_table(rows: list[dict]) -> list[str]:
+    """One line per step after the checkpoint: the uninterrupted loss and the resumed ones."""
+    dp = rows[0].get("dp", 2)
+    names = ["resumed_dp1", f"resumed_dp{dp}"]
+    head = ["mode", "step", f"uninterrupted (DP {dp})", "resumed at DP 1", "difference", f"resumed at DP {dp}", "difference"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(_not_ok(r, len(head)))
+            continue
+        after = r["losses_uninterrupted"][r["save_step"]:]
+        for i, loss in enumerate(after):
+            cells = [f"{r['losses_' + n][i]:.5f} | {r['losses_' + n][i] - loss:+.1e}" for n in names]
+            lines.append(f"| {r['mode']} | {r['save_step'] + i + 1} | {loss:.5f} | {' | '.join(cells)} |")
+        summary = [f"max {r['max_abs_diff_' + n]:.1e}" + (" (bit-exact)" if r["exact_" + n] else "") for n in names]
+        lines.append(f"| {r['mode']} | all | saved after step {r['save_step']} | | {summary[0]} | | {summary[1]} |")
+    return lines
+
+
+def same_batch_table(rows: list[dict]) -> list[str]:
+    """End-to-end runs of one preset and mode at DP > 1 and at DP 1 with the same global batch
+    (micro-batch x DP), seq, steps and TP: how far apart their losses are. Empty when there are none."""
+    def key(r):
+        return (r["preset"], r["mode"], r.get("tp", 1), r["seq"], r["steps"], r.get("first_step", 0), r["micro_batch"] * r.get("dp", 1))
+
+    train = [r for r in rows if r.get("kind") == "train" and r.get("status") == "ok"]
+    single = {key(r): r for r in train if r.get("dp", 1) == 1}
+    lines = []
+    for r in train:
+        one = single.get(key(r))
+        if r.get("dp", 1) == 1 or one is None:
+            continue
+        diffs = [abs(a - b) for a, b in zip(r["losses"], one["losses"])]
+        worst = max(range(len(diffs)), key=diffs.__getitem__)
+        lines.append(f"| {r['preset']} | {r['mode']} | {r.get('tp', 1)} | {key(r)[-1]} x {r['seq']} | {r['dp']} x {r['micro_batch']} | "
+                     f"{diffs[worst]:.1e} (step {r.get('first_step', 0) + worst + 1}) | {one['losses'][0]:.4f} / {r['losses'][0]:.4f} | "
+                     f"{one['losses'][-1]:.4f} / {r['losses'][-1]:.4f} |")
+    if not lines:
+        return []
+    head = ["preset", "mode", "TP", "global batch (sequences x seq)", "DP x micro-batch", "max loss difference to DP 1", "first loss DP 1 / DP n", "last loss DP 1 / DP n"]
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]
 
 
 def goals_table(goals: list[Goal]) -> list[str]:
@@ -119,21 +198,36 @@ COLUMNS = {
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter.",
     "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process); "
     "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
+    "resume": "A dist checkpoint (dp_reshardable) written after the step named, by the uninterrupted run; the resumed runs load it at "
+    "DP 1 (micro-batch x DP: the same global batch) and at the saving DP size, and train the same steps on the same batches. "
+    "difference: resumed minus uninterrupted loss.",
 }
-TABLES = {"layer": layer_table, "train": train_table, "search": search_table}
-TITLES = {"layer": "Per-layer", "train": "End to end", "search": "Largest micro-batch"}
+SEVERAL_GPUS = ("On several GPUs: memory columns are rank 0's, except the per-GPU lists (rank 0 / rank 1 / ...) and peak MiB "
+                "(the fullest GPU's); tokens/s is global. SP all-gather: bytes each rank sends per step (per fwd+bwd for a layer) "
+                "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "
+                "DP all-gather: the distributed optimizer's parameter gather.")
+TABLES = {"layer": layer_table, "train": train_table, "search": search_table, "resume": resume_table}
+TITLES = {"layer": "Per-layer", "train": "End to end", "search": "Largest micro-batch", "resume": "Checkpoint resume"}
 
 
 def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal], notes: list[str] = ()) -> str:
     """The report: a title, run facts, one table per (preset, kind), the goals, notes (plots)."""
     lines = [f"# {title}", "", *header, ""]
-    for preset in dict.fromkeys(r["preset"] for r in rows if "preset" in r):
+    for preset, tp, dp in groups(rows):
         for kind, table in TABLES.items():
-            chosen = [r for r in rows if r.get("preset") == preset and r.get("kind") == kind]
+            chosen = [r for r in rows if r.get("preset") == preset and layout(r) == (tp, dp) and r.get("kind") == kind]
             if chosen:
                 first = chosen[0]
                 shape = first.get("shape", "")
-                lines += [f"## {TITLES[kind]}: {preset} ({shape}) on {first.get('device', '?')}", "", *table(chosen), "", COLUMNS[kind], ""]
+                gpus = f"{tp * dp} x " if tp * dp > 1 and kind != "resume" else ""
+                notes_for = [COLUMNS[kind]] + ([SEVERAL_GPUS] if tp * dp > 1 and kind in ("layer", "train") else [])
+                lines += [f"## {TITLES[kind]}: {group_name(preset, tp, dp)} ({shape}) on {gpus}{first.get('device', '?')}", "",
+                          *table(chosen), "", *notes_for, ""]
+    same = same_batch_table(rows)
+    if same:
+        lines += ["## The same global batch at DP n and at DP 1", "", *same, "",
+                  "Each rank of DP n trains on its micro-batch of the global batch; DP 1 trains on all of it. The math is the same; "
+                  "the order of reductions differs, and for FP8 modes which micro-batch sets each per-tensor scale.", ""]
     lines += ["## Goals", "", *goals_table(goals), ""]
     lines += list(notes)
     return "\n".join(lines).rstrip() + "\n"

@@ -7,23 +7,19 @@ stops it early; the answer then says what is known (``largest`` fits, ``smallest
 not, or is None when nothing failed).
 
 ``probe_fits`` is the real ``fits``: it runs ``coat-compare --probe`` in a new process (a few
-steps at one micro-batch), so that an out-of-memory error, and whatever state it leaves in the
-CUDA caching allocator, TE or Megatron, dies with that process. ``--fit-memory GIB`` makes a try
+steps at one micro-batch; ``probe``), so that an out-of-memory error, and whatever state it
+leaves in the CUDA caching allocator, TE or Megatron, dies with that process. ``--fit-memory GIB`` makes a try
 fail when its peak memory exceeds that many GiB, which emulates a smaller GPU (and lets the search
 run on a CPU, where nothing runs out of memory).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-PROBE_MARK = "COAT-COMPARE-PROBE "
+from .probe import run_probe
 
 
 @dataclass
@@ -92,31 +88,14 @@ def largest_micro_batch(
     return SearchResult(lo, hi, tries)
 
 
-def probe_command(args: list[str], micro_batch: int, world_size: int) -> list[str]:
-    """The command that runs one try: this job's own arguments plus ``--probe --micro-batch n``;
-    under torchrun when the try needs more than one process."""
-    job = ["-m", "coat_megatron.compare", *args, "--probe", "--micro-batch", str(micro_batch)]
-    if world_size > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *job]
-    return [sys.executable, *job]
-
-
 def probe_fits(args: list[str], world_size: int, fit_memory_gib: float | None, timeout_s: float = 600) -> Callable[[int], Try]:
     """``fits`` for ``largest_micro_batch``: one fresh process per try (see the module docstring)."""
 
     def fits(micro_batch: int) -> Try:
-        start = time.monotonic()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        try:
-            proc = subprocess.run(probe_command(args, micro_batch, world_size), capture_output=True, text=True, timeout=timeout_s, env=env)
-        except subprocess.TimeoutExpired:
-            return Try(micro_batch, False, f"the try ran past {timeout_s:.0f} s", seconds=time.monotonic() - start)
-        seconds = time.monotonic() - start
-        lines = [line[len(PROBE_MARK):] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
-        if not lines:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            return Try(micro_batch, False, f"the try exited with {proc.returncode} and no result: {' | '.join(tail)}"[:400], seconds=seconds)
-        row = json.loads(lines[-1])
+        probe = run_probe([*args, "--micro-batch", str(micro_batch)], world_size, timeout_s)
+        row, seconds = probe.row, probe.seconds
+        if row is None:
+            return Try(micro_batch, False, probe.error.replace("the run", "the try"), seconds=seconds)
         if row.get("status") != "ok":
             return Try(micro_batch, False, row.get("reason", row.get("status", "")), seconds=seconds)
         if fit_memory_gib is not None and row["peak_MiB"] > fit_memory_gib * 1024:

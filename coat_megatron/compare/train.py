@@ -4,20 +4,29 @@ Reads like the training loop it is: build the model and optimizer, then per step
 batch every mode draws (the built-in docstring corpus, byte tokens, one generator seeded by the
 job's seed), run Megatron's forward-backward schedule, step the optimizer. The first
 ``preset.warmup_steps`` steps (allocation of optimizer states, FP8 scale start-up, autotuning) are
-left out of the timing and activation statistics.
+left out of the timing, activation and communication statistics.
+
+Under ``torchrun`` every rank trains its shard (``tp``) on its slice of the global batch (``dp``:
+micro-batch x dp sequences per step, drawn whole by every rank, so the global batch does not depend
+on the DP size). Memory is measured on every rank: the row has rank 0's parts, the fullest GPU's
+peak and every rank's peak and optimizer bytes. All-gather bytes per step (``comm``) are rank 0's.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
+from collections import Counter
 
 import torch
 
 from ..corpus import ByteBatches, stdlib_docstrings
 from . import parallel
 from .build import build_gpt, set_learning_rate, unwrap_optimizers
+from .checkpoint import load_checkpoint, save_checkpoint
+from .comm import AllGatherBytes, all_gather_fields, per_step
 from .memory import MIB, SavedTensors, gradient_bytes, optimizer_bytes, weights_bytes
 from .modes import Mode
 from .presets import Preset
@@ -30,43 +39,66 @@ def corpus() -> bytes:
     return stdlib_docstrings(CORPUS_BYTES)
 
 
-def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, progress=None) -> dict:
-    """Train ``preset.steps`` steps of ``mode``; returns the measurements (see ``coat_megatron.compare``)."""
+def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, progress=None,
+          save: str | None = None, save_step: int | None = None, load: str | None = None) -> dict:
+    """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_megatron.compare``).
+
+    ``save``: write a dist checkpoint into this directory after ``save_step`` steps (and go on).
+    ``load``: start from the checkpoint in this directory, at the step it was written after: the
+    learning rate and the batches continue from there (the batches of the steps before are drawn
+    and dropped), so a resumed run sees what the uninterrupted one saw.
+    """
     from megatron.core import parallel_state
 
-    if preset.steps <= preset.warmup_steps:
-        raise ValueError(f"--steps {preset.steps} leaves nothing to measure after {preset.warmup_steps} warm-up steps; use --steps {preset.warmup_steps + 5} or more")
     model, optimizer = build_gpt(preset, mode, seed, tp)
+    if save is not None:
+        os.makedirs(save, exist_ok=True)
+    first = 0
+    if load is not None:
+        first = load_checkpoint(load, model, optimizer)
+        if first is None:
+            raise ValueError(f"the checkpoint in {load} has no step: write it with coat-compare --save")
+    if preset.steps - first <= preset.warmup_steps:
+        raise ValueError(f"--steps {preset.steps} leaves nothing to measure after step {first} and {preset.warmup_steps} warm-up steps; "
+                         f"use --steps {first + preset.warmup_steps + 5} or more")
     device = parallel.device()
     data = ByteBatches(corpus(), preset.seq, preset.micro_batch * dp, vocab_size=preset.vocab)
     rank = parallel_state.get_data_parallel_rank()
     generator = torch.Generator().manual_seed(seed)
+    for _ in range(first):
+        data.batch(generator)
     cuda = device.type == "cuda"
 
     losses, step_ms, skipped = [], [], 0
+    gathered = Counter()
     activations = static = warmup_peak = None
-    for step in range(preset.steps):
-        batch = {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in data.batch(generator).items()}
-        set_learning_rate(optimizer, preset, step)
-        measure = step == preset.warmup_steps
-        if measure and cuda:
-            torch.cuda.synchronize()
-            static = torch.cuda.memory_allocated()
-            warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
-            torch.cuda.reset_peak_memory_stats()
-        saved = SavedTensors(exclude=[*model.parameters(), *batch.values()]) if measure and not cuda else None
-        parallel.synchronize()
-        start = time.perf_counter()
-        loss, ok = train_step(model, optimizer, batch, preset, saved)
-        parallel.synchronize()
-        if step >= preset.warmup_steps:
-            step_ms.append((time.perf_counter() - start) * 1e3)
-        if saved is not None:
-            activations = saved.bytes
-        skipped += not ok
-        losses.append(loss)
-        if progress is not None:
-            progress.update(step + 1, loss=loss)
+    with AllGatherBytes() as counter:
+        for step in range(first, preset.steps):
+            batch = {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in data.batch(generator).items()}
+            if save is not None and step == save_step:
+                save_checkpoint(save, model, optimizer, step=step)
+            set_learning_rate(optimizer, preset, step)
+            measure = step == first + preset.warmup_steps
+            if measure and cuda:
+                torch.cuda.synchronize()
+                static = torch.cuda.memory_allocated()
+                warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
+                torch.cuda.reset_peak_memory_stats()
+            saved = SavedTensors(exclude=[*model.parameters(), *batch.values()]) if measure and not cuda else None
+            before = counter.snapshot()
+            parallel.synchronize()
+            start = time.perf_counter()
+            loss, ok = train_step(model, optimizer, batch, preset, saved)
+            parallel.synchronize()
+            if step >= first + preset.warmup_steps:
+                step_ms.append((time.perf_counter() - start) * 1e3)
+                gathered.update(per_step(before, counter.snapshot(), 1))
+            if saved is not None:
+                activations = saved.bytes
+            skipped += not ok
+            losses.append(loss)
+            if progress is not None:
+                progress.update(step + 1, loss=loss)
     if progress is not None:
         progress.close()
 
@@ -83,20 +115,27 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
     else:
         peak, source = sum(parts.values()) + activations, "saved-tensors"
     parts["activations"] = activations
+    ranks = parallel.per_rank({"peak": peak, "optimizer": parts["optimizer"]})
     median_ms = statistics.median(step_ms)
+    tokens_per_s = preset.micro_batch * dp * preset.seq / (median_ms / 1e3)
     result = {
         "micro_batch": preset.micro_batch,
         "seq": preset.seq,
         "steps": preset.steps,
+        "first_step": first,
         "tp": tp,
         "dp": dp,
         "params": params,  # of this rank's tensor-parallel shard
         "step_ms": median_ms,
         "step_ms_per_step": step_ms,
-        "tokens_per_s": preset.micro_batch * dp * preset.seq / (median_ms / 1e3),
-        "peak_MiB": peak / MIB,
-        **{f"{k}_MiB": v / MIB for k, v in parts.items()},
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / (tp * dp),
+        "peak_MiB": max(r["peak"] for r in ranks) / MIB,  # the fullest GPU's
+        "peak_MiB_per_rank": [r["peak"] / MIB for r in ranks],
+        **{f"{k}_MiB": v / MIB for k, v in parts.items()},  # rank 0's
+        "optimizer_MiB_per_rank": [r["optimizer"] / MIB for r in ranks],
         "optimizer_bytes_per_param": parts["optimizer"] * dp / params,
+        **all_gather_fields({k: v / len(step_ms) for k, v in gathered.items()}),
         "losses": losses,
         "skipped_steps": skipped,
         "memory_source": source,

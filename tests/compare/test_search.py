@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from coat_megatron.compare.search import Try, largest_micro_batch, probe_command
+from coat_megatron.compare.probe import probe_command
+from coat_megatron.compare.search import Try, largest_micro_batch
 
 
 def fits_up_to(threshold: int, calls: list):
@@ -71,8 +72,8 @@ def test_time_limit_keeps_what_is_known():
 
 
 def test_a_try_runs_this_job_in_a_fresh_process():
-    single = probe_command(["--preset", "tiny", "--modes", "coat"], 8, world_size=1)
-    assert single == [sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--modes", "coat", "--probe", "--micro-batch", "8"]
-    multi = probe_command(["--tp", "2"], 4, world_size=2)
+    single = probe_command(["--preset", "tiny", "--modes", "coat", "--micro-batch", "8"], world_size=1)
+    assert single == [sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--modes", "coat", "--micro-batch", "8", "--probe"]
+    multi = probe_command(["--tp", "2", "--micro-batch", "4"], world_size=2)
     assert multi[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    assert multi[-4:] == ["--tp", "2", "--probe", "--micro-batch", "4"][-4:]
+    assert multi[5:] == ["-m", "coat_megatron.compare", "--tp", "2", "--micro-batch", "4", "--probe"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -30,6 +30,9 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from coat_megatron.compare.build import SequenceParallelRMSNorm
+from coat_megatron.compare.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: F401 (the tests' helpers)
 
 VOCAB = 128
 SEQ = 32
@@ -72,19 +75,6 @@ def tiny_config(*, sequence_parallel: bool = False, params_dtype: torch.dtype = 
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
-
-
-class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm behind Megatron's norm constructor, usable under sequence parallelism.
-
-    Megatron's own torch norm (what the local spec uses without apex) refuses sequence parallel.
-    Under SP each TP rank sees a slice of the sequence, so the weight's gradient is partial:
-    marking it ``sequence_parallel`` makes ``finalize_model_grads`` all-reduce it over TP.
-    """
-
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def local_layer_spec(sequence_parallel_norms: bool = False) -> ModuleSpec:
@@ -328,55 +318,3 @@ def train_step(model: DistributedDataParallel, optimizer, batches: list[dict]) -
     if not ok:
         raise RuntimeError("the optimizer skipped the step (non-finite gradients)")
     return loss
-
-
-def checkpoint_state(model: DistributedDataParallel, optimizer, sharding_type: str, is_loading: bool) -> dict:
-    """The sharded state dict of model and optimizer, as ``megatron.training`` builds it."""
-    metadata = dict(
-        distrib_optim_sharding_type=sharding_type,
-        # fully_reshardable gathers over gloo on the CPU (the default gathers CUDA tensors)
-        distrib_optim_fully_reshardable_mem_efficient=True,
-        singleton_local_shards=False,
-        chained_optim_avoid_prefix=True,
-        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-    )
-    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading, metadata=metadata)
-    return state
-
-
-def save_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sharding_type: str = "dp_reshardable") -> None:
-    """Save model and optimizer as a Megatron dist checkpoint (``torch_dist``), the way
-    ``megatron.training`` does. A script that calls this must guard its entry point with
-    ``if __name__ == "__main__":`` (the checkpoint writer's workers re-import ``__main__``)."""
-    dist_checkpointing.save(checkpoint_state(model, optimizer, sharding_type, is_loading=False), str(directory))
-
-
-def load_checkpoint(directory, model: DistributedDataParallel, optimizer, *, sharding_type: str = "dp_reshardable") -> None:
-    """Load what ``save_checkpoint`` wrote into ``model`` and its distributed optimizer, built
-    with the same TP/PP/DP layout.
-
-    Works around three faults of megatron-core 0.19's DistributedOptimizer with torch's Adam
-    (no apex or TE, so Adam keeps a ``step`` tensor per parameter):
-    - ``state_dict()`` asserts on a new optimizer, which has no per-parameter states yet;
-    - ``load_state_dict`` hands every parameter one shared step tensor, which Adam's foreach step
-      then increments once per parameter (measured: step 2 became 17 after one step, 15 params);
-    - the ``dp_reshardable`` load then overwrites that step with the one the optimizer had before
-      the load.
-    The checkpoint's step does arrive in the param groups: each parameter gets its own step tensor
-    from there.
-    """
-    distributed = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in distributed:
-        if not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
-    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
-    model.module.load_state_dict(state["model"])
-    # With FP32 params the distributed optimizer's main params are views of the parameters, which
-    # its load copies into in place: that needs autograd off.
-    with torch.no_grad():
-        optimizer.load_state_dict(state["optimizer"])
-        for opt in distributed:
-            for group in opt.optimizer.param_groups:
-                for param in group["params"]:
-                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))  # Adam's dtype

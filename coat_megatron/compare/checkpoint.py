@@ -1,0 +1,81 @@
+"""Megatron dist checkpoints of a DDP-wrapped model and its distributed optimizer, the way
+``megatron.training`` writes and reads them (``torch_dist`` format).
+
+``save_checkpoint`` / ``load_checkpoint`` serve COAT's optimizer and Megatron's own alike; a
+checkpoint written at one data-parallel size loads at another (``dp_reshardable``, Megatron's
+default: COAT's states move without requantization, DESIGN 5.3). The optimizer step the
+checkpoint was written after travels with it (``step``), so that a resumed run continues the
+learning-rate schedule and the data where the saved one was.
+
+A script that saves must guard its entry point with ``if __name__ == "__main__":``: the
+checkpoint writer's worker processes re-import ``__main__``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> dict:
+    """The sharded state dict of model and optimizer, as ``megatron.training`` builds it."""
+    from megatron.core import parallel_state
+
+    metadata = dict(
+        distrib_optim_sharding_type=sharding_type,
+        # fully_reshardable gathers over gloo on the CPU (the default gathers CUDA tensors)
+        distrib_optim_fully_reshardable_mem_efficient=True,
+        singleton_local_shards=False,
+        chained_optim_avoid_prefix=True,
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def save_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None) -> None:
+    """Save model and optimizer (and ``step``, the number of optimizer steps taken) into
+    ``directory``, which must exist and be the same path on every rank."""
+    from megatron.core import dist_checkpointing
+
+    state = checkpoint_state(model, optimizer, sharding_type, is_loading=False)
+    if step is not None:
+        state["step"] = step
+    dist_checkpointing.save(state, str(directory))
+
+
+def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
+    """Load what ``save_checkpoint`` wrote into ``model`` and its distributed optimizer, built with
+    the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was saved).
+
+    COAT's optimizer needs nothing more. Megatron's own with torch's Adam (no apex or TE, so Adam
+    keeps a ``step`` tensor per parameter) has three faults in megatron-core 0.19, worked around here:
+    - ``state_dict()`` asserts on a new optimizer, which has no per-parameter states yet;
+    - ``load_state_dict`` hands every parameter one shared step tensor, which Adam's foreach step
+      then increments once per parameter (measured: step 2 became 17 after one step, 15 params);
+    - the ``dp_reshardable`` load then overwrites that step with the one the optimizer had before
+      the load.
+    The checkpoint's step does arrive in the param groups: each parameter gets its own step tensor
+    from there.
+    """
+    from megatron.core import dist_checkpointing
+
+    from ..optimizer import CoatDistributedOptimizer
+
+    distributed = getattr(optimizer, "chained_optimizers", [optimizer])
+    megatron_adam = [o for o in distributed if not isinstance(o, CoatDistributedOptimizer)]
+    for opt in megatron_adam:
+        if not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
+    model.module.load_state_dict(state["model"])
+    # With FP32 params the distributed optimizer's main params are views of the parameters, which
+    # its load copies into in place: that needs autograd off.
+    with torch.no_grad():
+        optimizer.load_state_dict(state["optimizer"])
+    for opt in megatron_adam:
+        if isinstance(opt.optimizer, torch.optim.Adam):  # torch's Adam and AdamW: a step per parameter
+            for group in opt.optimizer.param_groups:
+                for param in group["params"]:
+                    opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))  # Adam's dtype
+    return state.get("step")

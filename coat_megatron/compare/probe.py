@@ -1,0 +1,50 @@
+"""One run of the job in a fresh process: ``coat-compare ... --probe``, under ``torchrun`` when
+it needs more than one process.
+
+The micro-batch search (``search``) and the checkpoint-resume check (``resume``) are made of such
+runs: an out-of-memory error, and whatever state it leaves in the CUDA caching allocator, TE or
+Megatron, dies with its process, and each run can have its own number of processes (a checkpoint
+written by 2 resumes in 1). The probe prints its one row as a line starting with ``PROBE_MARK``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+PROBE_MARK = "COAT-COMPARE-PROBE "
+
+
+@dataclass
+class ProbeResult:
+    row: dict | None  # the probe's row, None when it printed none
+    error: str  # why there is no row ("" when there is one)
+    seconds: float
+
+
+def probe_command(args: list[str], world_size: int) -> list[str]:
+    """The command of one probe: ``coat-compare ARGS --probe``, under torchrun for several processes."""
+    job = ["-m", "coat_megatron.compare", *args, "--probe"]
+    if world_size > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *job]
+    return [sys.executable, *job]
+
+
+def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> ProbeResult:
+    """Run one probe and return its row (or why there is none)."""
+    start = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    try:
+        proc = subprocess.run(probe_command(args, world_size), capture_output=True, text=True, timeout=timeout_s, env=env)
+    except subprocess.TimeoutExpired:
+        return ProbeResult(None, f"the run went past {timeout_s:.0f} s", time.monotonic() - start)
+    seconds = time.monotonic() - start
+    lines = [line[len(PROBE_MARK):] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
+    if not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return ProbeResult(None, f"the run exited with {proc.returncode} and no result: {' | '.join(tail)}"[:400], seconds)
+    return ProbeResult(json.loads(lines[-1]), "", seconds)

@@ -1,0 +1,152 @@
+"""coat-compare on two processes (gloo, CPU), as on two GPUs: ``torchrun --nproc-per-node 2``.
+
+TP = 2 with sequence parallel: the all-gather bytes per step, exactly. Take U = the bytes of one
+rank's BF16 slice of the hidden states, (seq / TP) x micro-batch x hidden x 2. Per step each rank
+sends, over the TP group, in a GPT of L layers:
+
+==================================================  ============  ============
+all-gather                                          BF16          COAT
+==================================================  ============  ============
+inputs of linear_qkv and linear_fc1 (forward)       2L x U        2L x U/2 (FP8)
+the same, gathered again for the weight gradient    2L x U        2L x U/2 (FP8)
+output gradients of linear_proj and linear_fc2      2L x U        2L x U
+output layer input (forward, and again for wgrad)   2 x U         2 x U
+embedding output gradient (scatter's backward)      1 x U         1 x U
+==================================================  ============  ============
+
+so BF16 = (6L + 3) U and COAT = (4L + 3) U, of which 2L U are FP8: the linear inputs move at
+exactly half of BF16's bytes, and no scale bytes travel with them (the scale is shared through a
+4-byte amax all-reduce before quantizing). One layer (the per-layer preset) is the first three
+rows with L = 1 (its input is already a slice): BF16 6U, COAT 4U of which 2U FP8.
+
+DP = 2 with the distributed optimizer at the same global batch as DP = 1: each rank holds half
+of the optimizer bytes, and the losses are DP = 1's up to reduction order (see DP_LOSS_TOL).
+The checkpoint-resume check: a DP = 2 checkpoint resumes at DP = 2 bit for bit and at DP = 1
+within the same tolerance.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coat_megatron.compare import job
+from coat_megatron.compare.report import read_jsonl
+
+SEQ, MICRO_BATCH, HIDDEN, LAYERS = 64, 8, 64, 2  # the tiny presets
+U = (SEQ // 2) * MICRO_BATCH * HIDDEN * 2  # one rank's BF16 slice at TP 2: 32768 bytes
+# A different DP size changes the order of reductions (and for COAT, which micro-batch sets each
+# per-tensor FP8 scale: a rank's own at DP 2, the whole batch's at DP 1), never the math: the first
+# loss agrees to 1e-4 and later ones drift apart by at most ~1.5e-3 over 6 steps here (measured:
+# BF16 2e-4, COAT 1.4e-3), against a loss that falls by ~0.2 per step. 5e-3 stays well below that
+# fall while leaving room for the drift.
+DP_LOSS_TOL = 5e-3
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run(*args, processes: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else [sys.executable]
+    proc = subprocess.run([*launch, "-m", "coat_megatron.compare", *args, "--no-plots"], capture_output=True, text=True, timeout=timeout, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def rows(path, kind="train") -> dict:
+    return {r["mode"]: r for r in read_jsonl(path) if r["kind"] == kind}
+
+
+def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tmp_path):
+    proc = run("--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--tp", "2", "--out", str(tmp_path), processes=2)
+    assert proc.stdout.count("# coat-compare: tiny") == 1  # rank 0 alone reports
+    by = rows(tmp_path / "tiny.jsonl")
+    bf16, coat = by["bf16"], by["coat"]
+    assert bf16["status"] == coat["status"] == "ok"
+    assert (bf16["tp"], bf16["dp"]) == (2, 1)
+    L = LAYERS
+    assert bf16["all_gather_bytes"] == {"tp_wide": (6 * L + 3) * U}  # 491520 bytes per step
+    assert coat["all_gather_bytes"] == {"tp_fp8": 2 * L * U, "tp_wide": (2 * L + 3) * U}  # 131072 + 229376
+    assert coat["sp_all_gather_bytes"] == (4 * L + 3) * U and coat["sp_all_gather_fp8_bytes"] == 2 * L * U
+    # the gathers COAT does in FP8 cost BF16 twice their bytes
+    assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] == coat["sp_all_gather_fp8_bytes"]
+    for r in (bf16, coat):
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
+        assert len(r["peak_MiB_per_rank"]) == len(r["optimizer_MiB_per_rank"]) == 2
+        assert r["peak_MiB"] == max(r["peak_MiB_per_rank"])
+        assert all(math.isfinite(x) for x in r["losses"]) and len(r["losses"]) == 4
+    assert abs(bf16["losses"][0] - coat["losses"][0]) < 0.01  # same weights, same batch
+    md = (tmp_path / "tiny.md").read_text()
+    assert "## End to end: tiny at TP 2 x DP 1" in md and "SP all-gather MiB/step (FP8)" in md
+    assert "| 0.34 (0.12) | 0.73 |" in md  # COAT: 360448 bytes, 131072 FP8; 0.73 of BF16's
+
+
+def test_tp2_one_layer_gathers(tmp_path):
+    run("--preset", "tiny-layer", "--modes", "bf16,coat", "--tp", "2", "--out", str(tmp_path), processes=2)
+    by = rows(tmp_path / "tiny-layer.jsonl", "layer")
+    assert by["bf16"]["all_gather_bytes"] == {"tp_wide": 6 * U}
+    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 2 * U, "tp_wide": 2 * U}
+    assert by["coat"]["activation_MiB"] < by["bf16"]["activation_MiB"]
+    assert "SP all-gather MiB (FP8)" in (tmp_path / "tiny-layer.md").read_text()
+
+
+def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_batch(tmp_path, capsys):
+    run("--preset", "tiny", "--modes", "bf16,coat", "--steps", "6", "--dp", "2", "--micro-batch", "4", "--out", str(tmp_path), "--name", "dp2", processes=2)
+    run("--preset", "tiny", "--modes", "bf16,coat", "--steps", "6", "--micro-batch", "8", "--out", str(tmp_path), "--name", "dp1")
+    two, one = rows(tmp_path / "dp2.jsonl"), rows(tmp_path / "dp1.jsonl")
+    for mode in ("bf16", "coat"):
+        a, b = two[mode], one[mode]
+        assert a["status"] == b["status"] == "ok"
+        # each rank holds its half of the main params and states (buckets padded to DP x 128 elements)
+        for per_rank in a["optimizer_MiB_per_rank"]:
+            assert per_rank / b["optimizer_MiB"] == pytest.approx(0.5, abs=0.005), (mode, a["optimizer_MiB_per_rank"], b["optimizer_MiB"])
+        assert a["optimizer_bytes_per_param"] == pytest.approx(b["optimizer_bytes_per_param"], rel=0.01)
+        assert a["losses"] == pytest.approx(b["losses"], abs=DP_LOSS_TOL), mode
+        assert a["sp_all_gather_bytes"] == 0 and a["dp_all_gather_bytes"] > 0  # the parameter gather
+        assert b["all_gather_bytes"] == {}
+    assert two["bf16"]["losses"][0] == one["bf16"]["losses"][0]  # before any update, BF16 agrees exactly
+    assert job.summarize(str(tmp_path)) == 0
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## The same global batch at DP n and at DP 1" in summary
+    diff = max(abs(x - y) for x, y in zip(two["coat"]["losses"], one["coat"]["losses"]))
+    assert f"| tiny | coat | 1 | 8 x 64 | 2 x 4 | {diff:.1e} (step " in summary
+
+
+def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
+    run("--preset", "tiny", "--modes", "coat", "--steps", "8", "--save-step", "3", "--dp", "2", "--micro-batch", "4",
+        "--resume-check", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path))
+    (r,) = rows(tmp_path / "tiny-resume.jsonl", "resume").values()
+    assert r["status"] == "ok", r
+    after = r["losses_uninterrupted"][3:]
+    assert len(r["losses_uninterrupted"]) == 8 and len(after) == 5
+    assert r["losses_resumed_dp2"] == after and r["exact_resumed_dp2"]  # same layout: bit for bit
+    assert r["losses_resumed_dp1"] == pytest.approx(after, abs=DP_LOSS_TOL)  # resharded, same global batch
+    assert r["max_abs_diff_resumed_dp1"] <= DP_LOSS_TOL
+    assert not any((tmp_path / "ckpt").iterdir())  # the checkpoint is gone with its temporary directory
+    md = (tmp_path / "tiny-resume.md").read_text()
+    assert "## Checkpoint resume: tiny at TP 1 x DP 2" in md and "(bit-exact)" in md
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--preset", "tiny-layer", "--dp", "2"], "has no data-parallel communication"),
+        (["--preset", "tiny", "--tp", "3"], "use --seq 63"),
+        (["--preset", "tiny", "--resume-check"], "give --dp 2 (or more)"),
+        (["--preset", "tiny-layer", "--load", "x"], "checkpoints need an end-to-end preset"),
+    ],
+)
+def test_layouts_the_job_cannot_run_name_the_fix(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        job.main([*args, "--no-plots"])
+    assert message in str(e.value) + capsys.readouterr().err
+
+
+def test_tp_x_dp_must_match_the_processes():
+    proc = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--tp", "2", "--no-plots"],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode != 0
+    assert "launch with torchrun --nproc-per-node 2 -m coat_megatron.compare" in proc.stderr
