@@ -5,7 +5,8 @@
     wgrad  dW = dY^T @ X     A = dY^T (E5M2, transposed)  B = X^T (E4M3, the transposed copy of X)
 
 X arrives as an ``Fp8Tensor`` from a COAT producer (the norm, SwiGLU) with its transposed copy, or
-as a plain BF16 tensor that is quantized here. Saved for backward: X^T (1 byte per element) and
+as a plain BF16 tensor that is quantized here. dY likewise: plain BF16 (quantized here), or a
+per-tensor E5M2 ``Fp8Tensor`` (a sequence-parallel all-gather of dY done in FP8). Saved for backward: X^T (1 byte per element) and
 its scale; or nothing new when the producer can recompute X^T (SwiGLU) or when the caller says
 that the BF16 input is saved anyway (``save_original_input``: X^T is requantized from it in
 backward with the forward's amax, hence bit-identical). The output is BF16, or 1xG FP8 for fc1
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax
+from coat_kernels.formats import fp8_format
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.swiglu import quantize_swiglu_input
 
@@ -69,10 +71,17 @@ class _Fp8Linear(torch.autograd.Function):
         x_t, x_orig, x_amax, x_scale, weight = ctx.saved_tensors
         config, has_bias, x_shape, x_dtype, main_grad = ctx.meta
         w_t, w_scale = ctx.w
-        dy2 = _rows(dy.contiguous())
-        dy_q, dy_scale, dy_t = quantize_per_tensor(
-            dy2, config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
-        )
+        if isinstance(dy, Fp8Tensor) and dy.group_size is None:
+            # already FP8 (a sequence-parallel gather of dY in FP8): its codes and their transpose
+            if dy.data_fp8.dtype != fp8_format(config.backward_format).dtype:
+                raise ValueError(f"dY arrived as {dy.data_fp8.dtype}, but the backward format is {config.backward_format}")
+            dy_q, dy_scale, dy_t = _rows(dy.data_fp8), dy.scale, dy.transposed_codes()
+            dy2 = dy.dequantize().reshape(dy_q.shape) if has_bias and ctx.needs_input_grad[2] else None
+        else:
+            dy2 = _rows(dy.contiguous())
+            dy_q, dy_scale, dy_t = quantize_per_tensor(
+                dy2, config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
+            )
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)

@@ -5,7 +5,8 @@ initialisation, parameter names, TP partitioning and checkpointing are Megatron'
 forward differs. Tensor parallel: the column-parallel linear splits its output (the input
 gradient is all-reduced over the group, BF16); the row-parallel one splits its input and
 all-reduces its output in BF16 (or reduce-scatters it under sequence parallelism). Sequence
-parallel: the column-parallel input is all-gathered in FP8 (see ``sequence_parallel``).
+parallel: the column-parallel input, and the row-parallel output gradient (the backward of the
+reduce-scatter), are all-gathered in FP8 (see ``sequence_parallel``).
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 
 from ..config import CoatConfig
 from ..fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear
-from .sequence_parallel import gather_fp8_from_sequence_parallel
+from .sequence_parallel import gather_fp8_from_sequence_parallel, reduce_scatter_with_fp8_grad
 
 
 def _coat_kwargs(kwargs: dict) -> CoatConfig:
@@ -77,7 +77,7 @@ class CoatRowParallelLinear(RowParallelLinear):
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
         )
         if self.sequence_parallel:
-            out = reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group)
+            out = reduce_scatter_with_fp8_grad(out, self.tp_group, self.coat.backward_format)
         else:
             out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         if self.skip_bias_add:

@@ -9,15 +9,16 @@ all-gather                                          BF16          COAT
 ==================================================  ============  ============
 inputs of linear_qkv and linear_fc1 (forward)       2L x U        2L x U/2 (FP8)
 the same, gathered again for the weight gradient    2L x U        2L x U/2 (FP8)
-output gradients of linear_proj and linear_fc2      2L x U        2L x U
+output gradients of linear_proj and linear_fc2      2L x U        2L x U/2 (FP8)
 output layer input (forward, and again for wgrad)   2 x U         2 x U
 embedding output gradient (scatter's backward)      1 x U         1 x U
 ==================================================  ============  ============
 
-so BF16 = (6L + 3) U and COAT = (4L + 3) U, of which 2L U are FP8: the linear inputs move at
-exactly half of BF16's bytes, and no scale bytes travel with them (the scale is shared through a
-4-byte amax all-reduce before quantizing). One layer (the per-layer preset) is the first three
-rows with L = 1 (its input is already a slice): BF16 6U, COAT 4U of which 2U FP8.
+so BF16 = (6L + 3) U and COAT = (3L + 3) U, of which 3L U are FP8: every gather inside the
+transformer layers moves exactly half of BF16's bytes, and no scale bytes travel with them (the
+scale is shared through a 4-byte amax all-reduce before quantizing). One layer (the per-layer
+preset) is the first three rows with L = 1 (its input is already a slice): BF16 6U, COAT 3U, all
+FP8.
 
 DP = 2 with the distributed optimizer at the same global batch as DP = 1: each rank holds half
 of the optimizer bytes, and the losses are DP = 1's up to reduction order (see DP_LOSS_TOL).
@@ -69,8 +70,8 @@ def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tm
     assert (bf16["tp"], bf16["dp"]) == (2, 1)
     L = LAYERS
     assert bf16["all_gather_bytes"] == {"tp_wide": (6 * L + 3) * U}  # 491520 bytes per step
-    assert coat["all_gather_bytes"] == {"tp_fp8": 2 * L * U, "tp_wide": (2 * L + 3) * U}  # 131072 + 229376
-    assert coat["sp_all_gather_bytes"] == (4 * L + 3) * U and coat["sp_all_gather_fp8_bytes"] == 2 * L * U
+    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U, "tp_wide": 3 * U}  # 196608 + 98304
+    assert coat["sp_all_gather_bytes"] == (3 * L + 3) * U and coat["sp_all_gather_fp8_bytes"] == 3 * L * U
     # the gathers COAT does in FP8 cost BF16 twice their bytes
     assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] == coat["sp_all_gather_fp8_bytes"]
     for r in (bf16, coat):
@@ -81,14 +82,14 @@ def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tm
     assert abs(bf16["losses"][0] - coat["losses"][0]) < 0.01  # same weights, same batch
     md = (tmp_path / "tiny.md").read_text()
     assert "## End to end: tiny at TP 2 x DP 1" in md and "SP all-gather MiB/step (FP8)" in md
-    assert "| 0.34 (0.12) | 0.73 |" in md  # COAT: 360448 bytes, 131072 FP8; 0.73 of BF16's
+    assert "| 0.28 (0.19) | 0.60 |" in md  # COAT: 294912 bytes, 196608 FP8; 0.60 of BF16's
 
 
 def test_tp2_one_layer_gathers(tmp_path):
     run("--preset", "tiny-layer", "--modes", "bf16,coat", "--tp", "2", "--out", str(tmp_path), processes=2)
     by = rows(tmp_path / "tiny-layer.jsonl", "layer")
     assert by["bf16"]["all_gather_bytes"] == {"tp_wide": 6 * U}
-    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 2 * U, "tp_wide": 2 * U}
+    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 3 * U}
     assert by["coat"]["activation_MiB"] < by["bf16"]["activation_MiB"]
     assert "SP all-gather MiB (FP8)" in (tmp_path / "tiny-layer.md").read_text()
 

@@ -91,6 +91,33 @@ def test_sequence_parallel_all_gather_moves_half_the_bytes():
     assert local["fp8"] == 0
 
 
+def _run_with_bf16_dy_gather(dtype) -> dict:
+    """COAT at TP 2 + SP with the row-parallel reduce-scatter's backward gathering dY in BF16
+    (Megatron's own mapping) instead of FP8."""
+    from coat_megatron.layers import linear as coat_linear
+
+    real = coat_linear.reduce_scatter_with_fp8_grad
+    coat_linear.reduce_scatter_with_fp8_grad = lambda out, group, fmt: tp_mappings.reduce_scatter_to_sequence_parallel_region(out, group=group)
+    try:
+        return _run("coat", True, True, dtype)
+    finally:
+        coat_linear.reduce_scatter_with_fp8_grad = real
+
+
+def test_fp8_gather_of_the_output_gradient_is_exact_and_moves_half_the_bytes():
+    """Gathering dY as E5M2 codes with the group's MAX amax gives the codes the linear's backward
+    makes from a BF16-gathered dY: the same losses and gradients, bit for bit, with the dY gathers
+    (one per row-parallel linear per micro-batch) moving half of their BF16 bytes."""
+    fp8 = run_distributed(_run, 2, args=("coat", True, True, torch.bfloat16), tensor_parallel=2)
+    bf16 = run_distributed(_run_with_bf16_dy_gather, 2, args=(torch.bfloat16,), tensor_parallel=2)
+    for a, b in zip(fp8, bf16):
+        assert a["loss"] == b["loss"]
+        for name in a["grads"]:
+            assert torch.equal(a["grads"][name].tensor, b["grads"][name].tensor), name
+    moved = bf16[0]["gathered"]["other"] - fp8[0]["gathered"]["other"]
+    assert moved > 0 and fp8[0]["gathered"]["fp8"] - bf16[0]["gathered"]["fp8"] == moved // 2
+
+
 def _state_dicts():
     config = tiny_config()
     coat, local = coat_gpt(config), tiny_gpt(config, local_layer_spec())
