@@ -1,6 +1,7 @@
 """BF16 vs COAT final loss over several seeds: the accuracy claim, with its loss curves.
 
     python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--tail 0.1] [--out DIR]
+    bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (one seed per command)
 
 For each seed, one ``coat-compare --preset P --modes bf16,coat --steps N --seed S`` job (same
 data, same initial weights for both modes), then per mode the mean loss over the last ``--tail``
@@ -19,17 +20,30 @@ import subprocess
 import sys
 
 
-def run_seed(preset: str, steps: int, seed: int, out: str) -> dict[str, list[float]]:
-    directory = os.path.join(out, f"seed{seed}")
-    cmd = [sys.executable, "-m", "coat_megatron.compare", "--preset", preset, "--modes", "bf16,coat",
-           "--steps", str(steps), "--seed", str(seed), "--out", directory, "--no-plots"]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+def read_losses(path: str, steps: int) -> dict[str, list[float]]:
     losses = {}
-    with open(os.path.join(directory, f"{preset}.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if row.get("status") == "ok" and "losses" in row:
-                losses[row["mode"]] = row["losses"]
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if row.get("status") == "ok" and len(row.get("losses", [])) == steps:
+                    losses[row["mode"]] = row["losses"]
+    return losses
+
+
+def run_seed(preset: str, steps: int, seed: int, out: str) -> dict[str, list[float]]:
+    """The seed's losses per mode; a seed whose report in ``out`` already holds both modes at
+    ``steps`` steps is not run again (so that long runs can be split, one seed per command)."""
+    directory = os.path.join(out, f"seed{seed}")
+    path = os.path.join(directory, f"{preset}.jsonl")
+    losses = read_losses(path, steps)
+    if set(losses) != {"bf16", "coat"}:
+        cmd = [sys.executable, "-m", "coat_megatron.compare", "--preset", preset, "--modes", "bf16,coat",
+               "--steps", str(steps), "--seed", str(seed), "--out", directory, "--no-plots"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        losses = read_losses(path, steps)
+    if set(losses) != {"bf16", "coat"}:
+        raise SystemExit(f"seed {seed}: the report {path} lacks a finished bf16 or coat row; see its .md")
     return losses
 
 
