@@ -7,6 +7,7 @@
 - ``model``: the COAT layer spec in every ``GPTModel`` of a ``--coat-fp8`` run;
 - ``optimizer``: COAT's distributed FP8 optimizer and its group-aligned DDP layout;
 - ``report``: ``--coat-report PATH``;
+- ``telemetry``: COAT's optimizer-state statistics (k, underflow) at every log interval;
 - on a machine without CUDA (or with ``cpu=True``), ``training_cpu``: the training loop on CPU
   and gloo, inside ``coat_patches.cpu.megatron_on_cpu()``.
 
@@ -22,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import arguments, model, optimizer, report, training_cpu, wheel
+from . import arguments, model, optimizer, report, telemetry, training_cpu, wheel
 from .replacements import Replacements
 
 
@@ -40,7 +41,7 @@ def coat_megatron_patches(cpu: bool | None = None) -> Iterator[None]:
     replacements = Replacements()
     try:
         with contextlib.ExitStack() as stack:
-            for patch in (wheel, arguments, model, optimizer, report):
+            for patch in (wheel, arguments, model, optimizer, report, telemetry):
                 patch.install(replacements)
             if cpu:
                 stack.enter_context(training_cpu.install(replacements))

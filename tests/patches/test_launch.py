@@ -22,6 +22,11 @@ TINY = [
     "--byte-corpus", "stdlib_docstrings", "--byte-corpus-bytes", str(1 << 18),
 ]
 LOGGED = re.compile(r"iteration\s+(\d+)/\s+6 .*lm loss: ([\d.E+-]+)")
+NUMBER = r"([\d.e+-]+)"
+TELEMETRY = re.compile(
+    rf"\[coat\] iteration (\d+) \| m k mean/min/max {NUMBER}/{NUMBER}/{NUMBER} \| v k {NUMBER}/{NUMBER}/{NUMBER} "
+    rf"\| underflow m {NUMBER} v {NUMBER}"
+)
 
 
 def launch(*argv: str, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -45,6 +50,13 @@ def test_pretrain_example_trains_with_coat_on_two_processes(tmp_path):
     assert losses[0] == pytest.approx(logged[0][1], rel=1e-5)
     assert losses[-1] < losses[0] - 0.1  # bytes of text: the loss falls from ln(256) at once
     assert report["saved_for_backward_bytes_per_micro_batch"] > 0 and report["optimizer_state_bytes"] > 0
+    # COAT's state telemetry at every log interval (1 here), printed once (by the last rank)
+    stats = TELEMETRY.findall(done.stdout)
+    assert [int(s[0]) for s in stats] == [1, 2, 3, 4, 5, 6]
+    for _, *values in stats:
+        m_mean, m_min, m_max, v_mean, v_min, v_max, m_under, v_under = map(float, values)
+        assert 1 / 16 <= m_min <= m_mean <= m_max <= 16 and 1 / 16 <= v_min <= v_mean <= v_max <= 16
+        assert 0 <= m_under <= 1 and 0 <= v_under <= 1
 
 
 def test_incompatible_flags_stop_with_the_fix():
