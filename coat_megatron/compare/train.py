@@ -156,7 +156,7 @@ def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensor
         saved.__enter__()
     try:
         outputs = get_forward_backward_func()(
-            forward_step_func=_forward_step,
+            forward_step_func=forward_step,
             data_iterator=iter([batch]),
             model=[model],
             num_microbatches=1,
@@ -173,7 +173,9 @@ def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensor
     return (total[0] / total[1]).item(), bool(ok)
 
 
-def _forward_step(data_iterator, model):
+def forward_step(data_iterator, model):
+    """Megatron's ``forward_step_func`` for a GPTModel on {tokens, position_ids, labels} batches:
+    the summed token loss and the token count (Megatron divides), as pretrain_gpt's does."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 

@@ -25,10 +25,6 @@ from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
 
 from ..fp8.tensor import Fp8Tensor
 
-# bytes this process has sent through FP8 sequence-parallel all-gathers (for accounting and tests)
-GATHERED_BYTES = {"fp8": 0}
-
-
 def all_reduce_amax(group):
     """A callable that all-reduces (MAX, in place) a 0-d amax over ``group``: one scale per group."""
 
@@ -45,7 +41,6 @@ def _gather_rows(codes: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     out = torch.empty((world * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
     dist.all_gather_into_tensor(out.view(torch.uint8), codes.contiguous().view(torch.uint8), group=group)
-    GATHERED_BYTES["fp8"] += codes.numel() * codes.element_size()
     return out
 
 

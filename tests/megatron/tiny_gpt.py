@@ -32,6 +32,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from coat_megatron.compare.build import SequenceParallelRMSNorm
+from coat_megatron.compare.train import forward_step
 from coat_megatron.compare.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: F401 (the tests' helpers)
 
 VOCAB = 128
@@ -242,25 +243,12 @@ def synthetic_batches(count: int, *, seed: int = 0, micro_batch_size: int = MICR
     return batches
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(per_token_loss: torch.Tensor):
-        # (sum, token count, report): Megatron divides by the count, as pretrain_gpt's does.
-        loss = per_token_loss.float().sum()
-        num_tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=per_token_loss.device)
-        return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
-
-    return output, loss_func
-
-
 def forward_backward(model: torch.nn.Module, batches: list[dict], *, forward_only: bool = False) -> float:
     """Run ``batches`` as the micro-batches of one global batch through Megatron's schedule
     (``get_forward_backward_func``: 1F1B under PP) and return the mean loss per token, averaged
     over the data-parallel ranks, on every rank. Gradients land in the DDP buffers."""
     losses = get_forward_backward_func()(
-        forward_step_func=_forward_step,
+        forward_step_func=forward_step,
         data_iterator=iter(batches),
         model=[model],
         num_microbatches=len(batches),
