@@ -1,10 +1,11 @@
 """BF16 vs COAT final loss over several seeds: the accuracy claim, with its loss curves.
 
     python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--tail 0.1] [--out DIR]
+                                  [--modes bf16,coat,coat-act,coat-opt]
     bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (one seed per command)
 
 For each seed, one ``coat-compare --preset P --modes bf16,coat --steps N --seed S`` job (same
-data, same initial weights for both modes), then per mode the mean loss over the last ``--tail``
+data, same initial weights for every mode; ``--modes`` adds the ablations), then per mode the mean loss over the last ``--tail``
 fraction of the steps (one step's loss is noisy), averaged over seeds; the gap
 (COAT - BF16) / BF16 of those means, per seed and overall; and a plot of the curves (moving
 average) when matplotlib is installed. Writes accuracy.md, accuracy.jsonl (and accuracy.png).
@@ -20,31 +21,36 @@ import subprocess
 import sys
 
 
-def read_losses(path: str, steps: int) -> dict[str, list[float]]:
+def read_losses(directory: str, steps: int) -> dict[str, list[float]]:
+    """Every finished mode's per-step losses in the reports (``*.jsonl``) of one seed's directory."""
     losses = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                row = json.loads(line)
-                if row.get("status") == "ok" and len(row.get("losses", [])) == steps:
-                    losses[row["mode"]] = row["losses"]
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.endswith(".jsonl"):
+            with open(os.path.join(directory, name)) as f:
+                for line in f:
+                    row = json.loads(line)
+                    if row.get("status") == "ok" and len(row.get("losses", [])) == steps:
+                        losses[row["mode"]] = row["losses"]
     return losses
 
 
-def run_seed(preset: str, steps: int, seed: int, out: str) -> dict[str, list[float]]:
-    """The seed's losses per mode; a seed whose report in ``out`` already holds both modes at
-    ``steps`` steps is not run again (so that long runs can be split, one seed per command)."""
+def run_seed(preset: str, steps: int, seed: int, modes: list[str], out: str) -> dict[str, list[float]]:
+    """The seed's losses per mode. Modes whose finished rows are already in the seed's directory
+    are not run again (so that long runs can be split, one seed per command, and an ablation can
+    be added to finished seeds); the missing ones run in one job, same data and initial weights."""
     directory = os.path.join(out, f"seed{seed}")
-    path = os.path.join(directory, f"{preset}.jsonl")
-    losses = read_losses(path, steps)
-    if set(losses) != {"bf16", "coat"}:
-        cmd = [sys.executable, "-m", "coat_megatron.compare", "--preset", preset, "--modes", "bf16,coat",
-               "--steps", str(steps), "--seed", str(seed), "--out", directory, "--no-plots"]
+    losses = read_losses(directory, steps)
+    missing = [m for m in modes if m not in losses]
+    if missing:
+        name = preset if not losses else f"{preset}-{'+'.join(missing)}"
+        cmd = [sys.executable, "-m", "coat_megatron.compare", "--preset", preset, "--modes", ",".join(missing),
+               "--steps", str(steps), "--seed", str(seed), "--out", directory, "--name", name, "--no-plots"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        losses = read_losses(path, steps)
-    if set(losses) != {"bf16", "coat"}:
-        raise SystemExit(f"seed {seed}: the report {path} lacks a finished bf16 or coat row; see its .md")
-    return losses
+        losses = read_losses(directory, steps)
+    lacking = [m for m in modes if m not in losses]
+    if lacking:
+        raise SystemExit(f"seed {seed}: no finished {', '.join(lacking)} row in {directory}; see its .md reports")
+    return {m: losses[m] for m in modes}
 
 
 def tail_mean(losses: list[float], tail: float) -> float:
@@ -57,32 +63,46 @@ def main():
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--modes", default="bf16,coat",
+                   help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 layers, COAT's AdamW)")
     p.add_argument("--tail", type=float, default=0.1, help="fraction of the last steps whose mean loss is compared")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    if modes[0] != "bf16" or "coat" not in modes:
+        raise SystemExit("--modes: start with bf16 (the reference) and include coat, e.g. bf16,coat,coat-act,coat-opt")
+    others = modes[1:]
     os.makedirs(args.out, exist_ok=True)
 
-    runs = {seed: run_seed(args.preset, args.steps, seed, args.out) for seed in seeds}
+    runs = {seed: run_seed(args.preset, args.steps, seed, modes, args.out) for seed in seeds}
     rows = []
     for seed, losses in runs.items():
-        bf16, coat = tail_mean(losses["bf16"], args.tail), tail_mean(losses["coat"], args.tail)
-        rows.append({"seed": seed, "bf16": bf16, "coat": coat, "gap": (coat - bf16) / bf16})
-    mean_bf16 = statistics.fmean(r["bf16"] for r in rows)
-    mean_coat = statistics.fmean(r["coat"] for r in rows)
-    gap = (mean_coat - mean_bf16) / mean_bf16
+        tails = {m: tail_mean(losses[m], args.tail) for m in modes}
+        rows.append({"seed": seed, **tails, **{f"gap_{m}": (tails[m] - tails["bf16"]) / tails["bf16"] for m in others}})
+    mean = {m: statistics.fmean(r[m] for r in rows) for m in modes}
+    mean_row = {"seed": "mean", **mean, **{f"gap_{m}": (mean[m] - mean["bf16"]) / mean["bf16"] for m in others}}
+    gap = mean_row["gap_coat"]
     with open(os.path.join(args.out, "accuracy.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps({"preset": args.preset, "steps": args.steps, "tail": args.tail, **r}) + "\n")
-        f.write(json.dumps({"preset": args.preset, "steps": args.steps, "tail": args.tail, "seed": "mean", "bf16": mean_bf16, "coat": mean_coat, "gap": gap}) + "\n")
+        for r in [*rows, mean_row]:
+            f.write(json.dumps({"preset": args.preset, "steps": args.steps, "tail": args.tail, **r, "gap": r["gap_coat"]}) + "\n")
 
+    command = f"python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --tail {args.tail}"
+    if modes != ["bf16", "coat"]:
+        command += f" --modes {args.modes}"
+    header = "| seed | " + " | ".join(m.upper() if m in ("bf16", "coat") else m for m in modes) + " | " + " | ".join(f"gap {m}" for m in others) + " |"
     lines = [f"# BF16 vs COAT loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}", "",
-             f"`python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --tail {args.tail}`", "",
-             f"Loss: mean over the last {args.tail:.0%} of the steps.", "",
-             "| seed | BF16 | COAT | gap (COAT - BF16) / BF16 |", "|---|---|---|---|"]
-    lines += [f"| {r['seed']} | {r['bf16']:.4f} | {r['coat']:.4f} | {r['gap']:+.2%} |" for r in rows]
-    lines += [f"| **mean** | {mean_bf16:.4f} | {mean_coat:.4f} | **{gap:+.2%}** |", "",
-              f"Goal (issue 7): gap <= 0.25% of the BF16 loss, averaged over seeds: {'met' if gap <= 0.0025 else 'NOT met'}."]
+             f"`{command}`", "",
+             f"Loss: mean over the last {args.tail:.0%} of the steps; gap: (mode - BF16) / BF16.", ""]
+    if others != ["coat"]:
+        lines += ["Ablations: coat-act = the COAT layer spec with Megatron's Adam (FP32 states); coat-opt = the BF16",
+                  "layer spec with COAT's FP8 AdamW. Same data and initial weights as BF16 and COAT per seed.", ""]
+    lines += [header, "|" + "---|" * (1 + len(modes) + len(others))]
+    for r in [*rows, mean_row]:
+        bold = "**" if r is mean_row else ""
+        lines.append(f"| {bold}{r['seed']}{bold} | " + " | ".join(f"{r[m]:.4f}" for m in modes) + " | "
+                     + " | ".join(f"{bold}{r[f'gap_{m}']:+.2%}{bold}" for m in others) + " |")
+    lines += ["", f"Goal (issue 7): the COAT gap <= 0.25% of the BF16 loss, averaged over seeds: {'met' if gap <= 0.0025 else 'NOT met'}."]
     try:
         import matplotlib
 
@@ -92,7 +112,7 @@ def main():
         fig, ax = plt.subplots(figsize=(7, 4))
         window = max(1, args.steps // 30)
         for seed, losses in runs.items():
-            for mode, style in (("bf16", "-"), ("coat", "--")):
+            for mode, style in zip(modes, ("-", "--", ":", "-.")):
                 y = losses[mode]
                 smooth = [statistics.fmean(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
                 ax.plot(smooth, style, label=f"{mode} seed {seed}", linewidth=1)

@@ -16,6 +16,8 @@ te-fp8-pa          te-fp8-current + Megatron's precision-aware optimizer with FP
                    params)
 coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimizer``)
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
+coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states)
+coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW
 =================  ===========================================================================
 
 Every mode trains with the same TransformerConfig shape, data, seed, optimizer hyper-parameters
@@ -78,17 +80,22 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
         Mode("coat", "coat", "coat", coat_optimizer=True),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
+        Mode("coat-act", "coat", "coat"),
+        Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
     ]
 }
 ALIASES = {"te-fp8": "te-fp8-current"}
+# What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
+# Not in "all": for one layer coat-act is coat and coat-opt is bf16.
+ABLATIONS = ("coat-act", "coat-opt")
 DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat"]
 
 
 def parse_modes(text: str) -> list[Mode]:
     """``"bf16,te-fp8,coat"`` -> Modes, aliases resolved, duplicates dropped, order kept; ``"all"``
-    is every mode."""
+    is every mode but the ablations."""
     if text.strip() == "all":
-        return list(MODES.values())
+        return [m for m in MODES.values() if m.name not in ABLATIONS]
     names = []
     for raw in text.split(","):
         name = ALIASES.get(raw.strip(), raw.strip())
@@ -103,9 +110,11 @@ def unavailable_reason(mode: Mode, kind: str) -> str | None:
     """Why ``mode`` cannot run here for a preset of ``kind`` ("layer" or "train"), or None."""
     if kind == "layer" and mode.precision_aware:
         return "the precision-aware optimizer changes optimizer states only: measured by the end-to-end presets"
+    if kind == "layer" and mode.name in ABLATIONS:
+        return f"{mode.name} separates the layers from the optimizer: an end-to-end ablation (one layer has no optimizer)"
     if mode.needs_transformer_engine and not transformer_engine_available():
         return f"{mode.name} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
-    fp8 = mode.fp8_recipe is not None or mode.spec == "coat"
+    fp8 = mode.fp8_recipe is not None or mode.spec == "coat" or mode.coat_optimizer
     if fp8 and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         return f"{mode.name} needs FP8 tensor cores (compute capability >= 8.9); this GPU is {torch.cuda.get_device_name()}"
     if mode.fp8_recipe is not None and not torch.cuda.is_available():

@@ -25,7 +25,8 @@ class Preset:
         vocab: vocabulary size (train presets; the built-in corpus uses byte tokens below 256).
         steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
             left out of the timing and memory statistics (allocation, FP8 scale start-up).
-        lr: peak learning rate (linear warm-up over the first 10% of the steps).
+        lr: peak learning rate (linear warm-up over 10% of the steps, at least 10 or half of a
+            shorter run: ``build.lr_warmup_steps``).
         needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """
 

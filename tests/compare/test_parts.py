@@ -9,7 +9,7 @@ import torch
 from coat_kernels import quantize_per_group
 from coat_megatron.compare.goals import evaluate
 from coat_megatron.compare.memory import SavedTensors, tensor_bytes
-from coat_megatron.compare.modes import DEFAULT_MODES, MODES, parse_modes, unavailable_reason
+from coat_megatron.compare.modes import ABLATIONS, DEFAULT_MODES, MODES, parse_modes, unavailable_reason
 from coat_megatron.compare.presets import PRESETS, get_preset
 from coat_megatron.compare.progress import Progress
 from coat_megatron.fp8 import Fp8Tensor
@@ -18,7 +18,8 @@ from coat_megatron.optional import transformer_engine_available
 
 def test_parse_modes():
     assert [m.name for m in parse_modes("bf16, te-fp8 ,coat,te-fp8-current")] == ["bf16", "te-fp8-current", "coat"]
-    assert [m.name for m in parse_modes("all")] == list(MODES)
+    assert [m.name for m in parse_modes("all")] == [n for n in MODES if n not in ABLATIONS]
+    assert [m.name for m in parse_modes("coat-act,coat-opt")] == list(ABLATIONS)
     assert all(name in MODES for name in DEFAULT_MODES)
     with pytest.raises(ValueError, match="unknown mode 'fp8'; choose from bf16, bf16-local"):
         parse_modes("bf16,fp8")
@@ -33,6 +34,9 @@ def test_te_modes_name_the_fix_without_te():
         else:
             assert reason is None, mode
     assert "end-to-end presets" in unavailable_reason(MODES["te-fp8-pa"], "layer")
+    for name in ABLATIONS:
+        assert unavailable_reason(MODES[name], "train") is None
+        assert "end-to-end ablation" in unavailable_reason(MODES[name], "layer")
 
 
 def test_presets_are_the_issue_shapes():
