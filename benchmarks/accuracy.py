@@ -14,11 +14,15 @@ average) when matplotlib is installed. Writes accuracy.md, accuracy.jsonl (and a
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import json
 import os
 import statistics
 import subprocess
 import sys
+
+from coat_megatron.compare.presets import get_preset
 
 
 def read_losses(directory: str, steps: int) -> dict[str, list[float]]:
@@ -29,9 +33,19 @@ def read_losses(directory: str, steps: int) -> dict[str, list[float]]:
             with open(os.path.join(directory, name)) as f:
                 for line in f:
                     row = json.loads(line)
-                    if row.get("status") == "ok" and len(row.get("losses", [])) == steps:
-                        losses[row["mode"]] = row["losses"]
+                    if row.get("kind") == "train" and row.get("status") == "ok" and len(row.get("losses", [])) == steps:
+                        losses[mode_key(row["mode"], row.get("dp", 1))] = row["losses"]
     return losses
+
+
+def mode_key(mode: str, dp: int = 1) -> str:
+    """``bf16`` at DP 1; ``bf16@dp2``: the same mode at DP 2 with the same global batch."""
+    return mode if dp == 1 else f"{mode}@dp{dp}"
+
+
+def parse_key(key: str) -> tuple[str, int]:
+    mode, _, dp = key.partition("@dp")
+    return mode, int(dp or 1)
 
 
 def run_seed(preset: str, steps: int, seed: int, modes: list[str], out: str) -> dict[str, list[float]]:
@@ -41,16 +55,31 @@ def run_seed(preset: str, steps: int, seed: int, modes: list[str], out: str) -> 
     directory = os.path.join(out, f"seed{seed}")
     losses = read_losses(directory, steps)
     missing = [m for m in modes if m not in losses]
-    if missing:
-        name = preset if not losses else f"{preset}-{'+'.join(missing)}"
-        cmd = [sys.executable, "-m", "coat_megatron.compare", "--preset", preset, "--modes", ",".join(missing),
+    for dp in sorted({parse_key(m)[1] for m in missing}):
+        names = [parse_key(m)[0] for m in missing if parse_key(m)[1] == dp]
+        name = preset if not losses and dp == 1 else f"{preset}-{'+'.join(names)}" + (f"-dp{dp}" if dp > 1 else "")
+        cmd = ["-m", "coat_megatron.compare", "--preset", preset, "--modes", ",".join(names),
                "--steps", str(steps), "--seed", str(seed), "--out", directory, "--name", name, "--no-plots"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        if dp > 1:  # the same global batch: micro-batch / DP per rank, one process per rank
+            micro_batch = get_preset(preset).micro_batch
+            if micro_batch % dp:
+                raise SystemExit(f"{names[0]}@dp{dp}: the preset's micro-batch {micro_batch} does not split over {dp} ranks")
+            cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", *cmd, "--dp", str(dp), "--micro-batch", str(micro_batch // dp)]
+        subprocess.run([sys.executable, *cmd], check=True, stdout=subprocess.DEVNULL)
+    if missing:
         losses = read_losses(directory, steps)
     lacking = [m for m in modes if m not in losses]
     if lacking:
         raise SystemExit(f"seed {seed}: no finished {', '.join(lacking)} row in {directory}; see its .md reports")
     return {m: losses[m] for m in modes}
+
+
+LEGEND = {
+    "coat-act": "coat-act: the COAT layer spec with Megatron's Adam (FP32 states).",
+    "coat-opt": "coat-opt: the BF16 layer spec with COAT's FP8 AdamW.",
+    "bf16@dp2": ("bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math, only the order "
+                 "of the gradient reduction differs, so its gap is the noise floor of a gap measured this way."),
+}
 
 
 def tail_mean(losses: list[float], tail: float) -> float:
@@ -64,7 +93,9 @@ def main():
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--modes", default="bf16,coat",
-                   help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 layers, COAT's AdamW)")
+                   help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 "
+                        "layers, COAT's AdamW) and noise floors (bf16@dp2: BF16 at DP 2, the same global batch: only the "
+                        "reduction order differs)")
     p.add_argument("--tail", type=float, default=0.1, help="fraction of the last steps whose mean loss is compared")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -95,14 +126,18 @@ def main():
              f"`{command}`", "",
              f"Loss: mean over the last {args.tail:.0%} of the steps; gap: (mode - BF16) / BF16.", ""]
     if others != ["coat"]:
-        lines += ["Ablations: coat-act = the COAT layer spec with Megatron's Adam (FP32 states); coat-opt = the BF16",
-                  "layer spec with COAT's FP8 AdamW. Same data and initial weights as BF16 and COAT per seed.", ""]
+        lines += ["Same data and initial weights in every column of a seed. "
+                  + " ".join(text for key, text in LEGEND.items() if key in others), ""]
     lines += [header, "|" + "---|" * (1 + len(modes) + len(others))]
     for r in [*rows, mean_row]:
         bold = "**" if r is mean_row else ""
         lines.append(f"| {bold}{r['seed']}{bold} | " + " | ".join(f"{r[m]:.4f}" for m in modes) + " | "
                      + " | ".join(f"{bold}{r[f'gap_{m}']:+.2%}{bold}" for m in others) + " |")
-    lines += ["", f"Goal (issue 7): the COAT gap <= 0.25% of the BF16 loss, averaged over seeds: {'met' if gap <= 0.0025 else 'NOT met'}."]
+    if len(rows) > 1:
+        spread = {m: statistics.stdev(r[f"gap_{m}"] for r in rows) for m in others}
+        lines.append("| std over seeds | " + " | ".join("" for _ in modes) + " | " + " | ".join(f"{spread[m]:.2%}" for m in others) + " |")
+    lines += ["", f"Goal (issue 7): the COAT gap <= 0.25% of the BF16 loss, averaged over seeds: {'met' if gap <= 0.0025 else 'NOT met'}"
+              + (f" (standard error of the mean gap over {len(rows)} seeds: {spread['coat'] / math.sqrt(len(rows)):.2%})." if len(rows) > 1 else ".")]
     try:
         import matplotlib
 
@@ -112,7 +147,7 @@ def main():
         fig, ax = plt.subplots(figsize=(7, 4))
         window = max(1, args.steps // 30)
         for seed, losses in runs.items():
-            for mode, style in zip(modes, ("-", "--", ":", "-.")):
+            for mode, style in zip(modes, itertools.cycle(("-", "--", ":", "-."))):
                 y = losses[mode]
                 smooth = [statistics.fmean(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
                 ax.plot(smooth, style, label=f"{mode} seed {seed}", linewidth=1)

@@ -26,18 +26,19 @@ def test_gaps_per_mode_reuse_of_finished_seeds_and_the_ablations(tmp_path):
     assert "tiny.jsonl" in reports
     mtime = os.path.getmtime(tmp_path / "seed1" / "tiny.jsonl")
 
-    # the ablations are added to the finished seed: bf16 and coat are not trained again
-    second = accuracy(tmp_path, "--modes", "bf16,coat,coat-act,coat-opt")
+    # the ablations and the noise floor are added to the finished seed: bf16 and coat are not trained again
+    second = accuracy(tmp_path, "--modes", "bf16,coat,coat-act,coat-opt,bf16@dp2")
     assert second.returncode == 0, second.stderr[-3000:]
     assert os.path.getmtime(tmp_path / "seed1" / "tiny.jsonl") == mtime
     assert (tmp_path / "seed1" / "tiny-coat-act+coat-opt.jsonl").exists()
+    assert (tmp_path / "seed1" / "tiny-bf16-dp2.jsonl").exists()
 
     rows = [json.loads(line) for line in (tmp_path / "accuracy.jsonl").read_text().splitlines()]
     assert [r["seed"] for r in rows] == [1, "mean"]
     for r in rows:
-        for mode in ("bf16", "coat", "coat-act", "coat-opt"):
+        for mode in ("bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"):
             assert 0 < r[mode] < 10, (mode, r)  # a byte-level LM's loss: below ln 256 = 5.5 after a few steps
-        for mode in ("coat", "coat-act", "coat-opt"):
+        for mode in ("coat", "coat-act", "coat-opt", "bf16@dp2"):
             assert r[f"gap_{mode}"] == pytest.approx((r[mode] - r["bf16"]) / r["bf16"])
         assert r["gap"] == r["gap_coat"]
     # the same data and initial weights in every mode: the first step's loss agrees
@@ -47,17 +48,20 @@ def test_gaps_per_mode_reuse_of_finished_seeds_and_the_ablations(tmp_path):
             for line in (tmp_path / "seed1" / name).read_text().splitlines():
                 row = json.loads(line)
                 if row.get("kind") == "train":
-                    losses[row["mode"]] = row["losses"]
-    assert set(losses) == {"bf16", "coat", "coat-act", "coat-opt"}
+                    losses[row["mode"] + ("@dp2" if row["dp"] == 2 else "")] = row["losses"]
+    assert set(losses) == {"bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"}
     assert all(len(v) == STEPS for v in losses.values())
     first_losses = [v[0] for v in losses.values()]
     assert max(first_losses) - min(first_losses) < 0.02
     # coat-opt has BF16's layers: before the first update its loss is BF16's, bit for bit
     assert losses["coat-opt"][0] == losses["bf16"][0]
+    # BF16 at DP 2 on the same global batch: the same math, reduced in another order
+    assert losses["bf16@dp2"] == pytest.approx(losses["bf16"], abs=5e-3)
 
     md = (tmp_path / "accuracy.md").read_text()
-    assert "| seed | BF16 | COAT | coat-act | coat-opt | gap coat | gap coat-act | gap coat-opt |" in md
-    assert "--modes bf16,coat,coat-act,coat-opt" in md and "Ablations:" in md
+    assert "| seed | BF16 | COAT | coat-act | coat-opt | bf16@dp2 | gap coat | gap coat-act | gap coat-opt | gap bf16@dp2 |" in md
+    assert "--modes bf16,coat,coat-act,coat-opt,bf16@dp2" in md
+    assert "coat-act: the COAT layer spec" in md and "the noise floor" in md
     assert "Goal (issue 7): the COAT gap <= 0.25%" in md
 
 
