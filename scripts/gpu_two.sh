@@ -16,12 +16,13 @@
 #         memory per GPU, sequence-parallel all-gather bytes per fwd+bwd)                  ~1 min
 # train   gpt-1b at --tp 2, $STEPS steps: bf16, te-fp8-current, coat (step time, tokens/s total and
 #         per GPU, memory per GPU, all-gather bytes per step)                              ~1 min
-# dp      gpt-1b at --dp 2, $STEPS steps, the same modes (optimizer bytes per rank), and coat at
-#         DP 1 with the same global batch (micro-batch x 2) for the loss comparison        ~1.5 min
+# dp      gpt-1b at --dp 2, $STEPS steps, the same modes (optimizer bytes per rank), and bf16 and
+#         coat at DP 1 with the same global batch (micro-batch x 2) for the loss comparison
+#         (BF16's DP 1 vs DP 2 difference is the control: reduction order alone)           ~2 min
 # resume  gpt-1b coat: checkpoint at DP 2 after 5 steps, resumed at DP 1 and DP 2, 5 more steps
 #         against the uninterrupted run                                                    ~2 min
-# fit     llama2-7b at --tp 2, bf16 and coat: the largest micro-batch up to $FIT_CAP, at most
-#         $FIT_TIME s of tries per mode, tokens/s per GPU there                             ~3 min
+# fit     llama2-7b at --tp 2, bf16, te-fp8-current and coat: the largest micro-batch up to
+#         $FIT_CAP, at most $FIT_TIME s of tries per mode, tokens/s per GPU there            ~5 min
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0        # NVLink multicast off (the device machines' rule)
 export PYTHONUNBUFFERED=1
@@ -58,12 +59,12 @@ for part in "${parts[@]}"; do
       compare 200 gpt-1b-tp2 2 --preset gpt-1b --tp 2 --steps "$steps" --modes bf16,te-fp8-current,coat ;;
     dp)
       compare 200 gpt-1b-dp2 2 --preset gpt-1b --dp 2 --steps "$steps" --micro-batch 4 --modes bf16,te-fp8-current,coat
-      compare 120 gpt-1b-dp1-same-batch 1 --preset gpt-1b --steps "$steps" --micro-batch 8 --modes coat ;;
+      compare 200 gpt-1b-dp1-same-batch 1 --preset gpt-1b --steps "$steps" --micro-batch 8 --modes bf16,coat ;;
     resume)
       compare 300 gpt-1b-resume 1 --preset gpt-1b --modes coat --dp 2 --micro-batch 2 --steps 10 --save-step 5 \
         --resume-check --checkpoint-dir /tmp/coat-two-gpu-checkpoints ;;
     fit)
-      compare $((2 * fit_time + 240)) llama2-7b-tp2-search 1 --preset llama2-7b --tp 2 --modes bf16,coat --search \
+      compare $((3 * fit_time + 300)) llama2-7b-tp2-search 1 --preset llama2-7b --tp 2 --modes bf16,te-fp8-current,coat --search \
         --search-max-micro-batch "$fit_cap" --search-time-limit "$fit_time" --search-steps 5 ;;
     *) echo "unknown part $part: choose from layer train dp resume fit"; exit 2 ;;
   esac
