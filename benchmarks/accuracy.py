@@ -8,7 +8,8 @@ For each seed, one ``coat-compare --preset P --modes bf16,coat --steps N --seed 
 data, same initial weights for every mode; ``--modes`` adds the ablations), then per mode the mean loss over the last ``--tail``
 fraction of the steps (one step's loss is noisy), averaged over seeds; the gap
 (COAT - BF16) / BF16 of those means, per seed and overall; and a plot of the curves (moving
-average) when matplotlib is installed. Writes accuracy.md, accuracy.jsonl (and accuracy.png).
+average, and the gaps per seed) when matplotlib is installed. Writes accuracy.md, accuracy.jsonl, losses.json (every
+curve, 5 decimals) and accuracy.png; the per-seed reports stay in ``--out``/seedN.
 """
 
 from __future__ import annotations
@@ -22,7 +23,19 @@ import statistics
 import subprocess
 import sys
 
+import torch
+
 from coat_megatron.compare.presets import get_preset
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"a CPU ({os.cpu_count()} cores)"
+
+
+def megatron_version() -> str:
+    from importlib.metadata import version
+
+    return version("megatron-core")
 
 
 def read_losses(directory: str, steps: int) -> dict[str, list[float]]:
@@ -82,6 +95,38 @@ LEGEND = {
 }
 
 
+def plot(runs: dict, rows: list[dict], modes: list[str], args, plt) -> None:
+    """Left: each mode's loss averaged over seeds (moving average), from 10% of the steps on.
+    Right: each mode's gap to BF16 per seed (dots), their mean and its standard error (bar)."""
+    others = modes[1:]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    window = max(1, args.steps // 30)
+    start = args.steps // 10
+    for mode, style in zip(modes, itertools.cycle(("-", "--", ":", "-."))):
+        mean = [statistics.fmean(runs[seed][mode][i] for seed in runs) for i in range(args.steps)]
+        smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(args.steps)]
+        left.plot(range(start, args.steps), smooth[start:], style, label=mode, linewidth=1.2)
+    left.set_xlabel("step")
+    left.set_ylabel(f"loss, mean of {len(runs)} seeds (moving average of {window})")
+    left.set_title(f"{args.preset}: loss")
+    left.legend(fontsize=8)
+    for x, mode in enumerate(others):
+        gaps = [100 * r[f"gap_{mode}"] for r in rows]
+        right.scatter([x] * len(gaps), gaps, s=14, alpha=0.6)
+        if len(gaps) > 1:
+            right.errorbar([x + 0.15], [statistics.fmean(gaps)], yerr=[statistics.stdev(gaps) / math.sqrt(len(gaps))],
+                           fmt="o", color="black", capsize=4)
+    right.axhline(0, color="grey", linewidth=0.8)
+    right.axhline(0.25, color="red", linewidth=0.8, linestyle="--", label="goal: +0.25%")
+    right.set_xticks(range(len(others)), others, fontsize=8)
+    right.set_ylabel("gap to BF16, % (per seed; mean +- standard error)")
+    right.set_title("final-loss gap")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "accuracy.png"), dpi=110)
+    plt.close(fig)
+
+
 def tail_mean(losses: list[float], tail: float) -> float:
     n = max(1, int(len(losses) * tail))
     return statistics.fmean(losses[-n:])
@@ -118,12 +163,16 @@ def main():
         for r in [*rows, mean_row]:
             f.write(json.dumps({"preset": args.preset, "steps": args.steps, "tail": args.tail, **r, "gap": r["gap_coat"]}) + "\n")
 
+    with open(os.path.join(args.out, "losses.json"), "w") as f:  # every curve, compact: what the plot draws
+        json.dump({"preset": args.preset, "steps": args.steps, "modes": modes,
+                   "losses": {str(seed): {m: [round(x, 5) for x in losses[m]] for m in modes} for seed, losses in runs.items()}}, f)
+
     command = f"python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --tail {args.tail}"
     if modes != ["bf16", "coat"]:
         command += f" --modes {args.modes}"
     header = "| seed | " + " | ".join(m.upper() if m in ("bf16", "coat") else m for m in modes) + " | " + " | ".join(f"gap {m}" for m in others) + " |"
     lines = [f"# BF16 vs COAT loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}", "",
-             f"`{command}`", "",
+             f"`{command}`", "", f"On {device_name()}, torch {torch.__version__}, megatron-core {megatron_version()}.", "",
              f"Loss: mean over the last {args.tail:.0%} of the steps; gap: (mode - BF16) / BF16.", ""]
     if others != ["coat"]:
         lines += ["Same data and initial weights in every column of a seed. "
@@ -144,19 +193,7 @@ def main():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        window = max(1, args.steps // 30)
-        for seed, losses in runs.items():
-            for mode, style in zip(modes, itertools.cycle(("-", "--", ":", "-."))):
-                y = losses[mode]
-                smooth = [statistics.fmean(y[max(0, i - window + 1) : i + 1]) for i in range(len(y))]
-                ax.plot(smooth, style, label=f"{mode} seed {seed}", linewidth=1)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"loss (moving average of {window})")
-        ax.set_title(f"BF16 vs COAT, {args.preset}")
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "accuracy.png"), dpi=110)
+        plot(runs, rows, modes, args, plt)
         lines += ["", "![loss curves](accuracy.png)"]
     except ImportError:
         lines += ["", "(plots skipped: pip install matplotlib)"]

@@ -58,6 +58,10 @@ def test_gaps_per_mode_reuse_of_finished_seeds_and_the_ablations(tmp_path):
     # BF16 at DP 2 on the same global batch: the same math, reduced in another order
     assert losses["bf16@dp2"] == pytest.approx(losses["bf16"], abs=5e-3)
 
+    curves = json.loads((tmp_path / "losses.json").read_text())
+    assert curves["modes"] == ["bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"]
+    assert curves["losses"]["1"]["coat"] == pytest.approx(losses["coat"], abs=1e-5)
+
     md = (tmp_path / "accuracy.md").read_text()
     assert "| seed | BF16 | COAT | coat-act | coat-opt | bf16@dp2 | gap coat | gap coat-act | gap coat-opt | gap bf16@dp2 |" in md
     assert "--modes bf16,coat,coat-act,coat-opt,bf16@dp2" in md
