@@ -55,6 +55,10 @@ class CoatConfig:
             then carries the 1xG rounding of the norm input as well: measured on the tiny GPT on
             real text (tests/megatron/test_coat_training.py), 300 steps ended 10% above the BF16
             loss instead of within 1%, so it is off by default.
+        cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
+            its FP8 copy between micro-batches: 2 bytes per parameter. False keeps 1 and
+            transposes the codes in every backward (bit-identical gradients: one per-tensor scale
+            serves both layouts), a byte-transpose of each weight per micro-batch.
     """
 
     activations: bool = True
@@ -72,9 +76,11 @@ class CoatConfig:
     optimizer_group_size: int = 128
     fprop_fast_accumulation: bool = True
     recompute_norm_output: bool = False
+    cache_weight_transpose: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation", "recompute_norm_output"):
+        for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation", "recompute_norm_output",
+                     "cache_weight_transpose"):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
             value = getattr(self, name)

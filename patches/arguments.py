@@ -53,6 +53,7 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "optimizer_group_size": (dict(type=int, choices=OPTIMIZER_GROUP_SIZES), "consecutive elements of a parameter sharing one optimizer-state scale (default 128)"),
     "fprop_fast_accumulation": (dict(type=_switch, metavar="on|off"), "Hopper's fast FP8 accumulation in forward GEMMs (default on)"),
     "recompute_norm_output": (dict(type=_switch, metavar="on|off"), "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)"),
+    "cache_weight_transpose": (dict(type=_switch, metavar="on|off"), "keep each weight's transposed FP8 copy between micro-batches (default on; off: 1 byte per parameter less, a transpose per backward)"),
 }
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 

@@ -13,7 +13,7 @@ def test_defaults_are_coats_recipe():
     assert (c.group_size, c.forward_format, c.backward_format, c.weight_format) == (16, "e4m3", "e5m2", "e4m3")
     assert (c.m_format, c.v_format, c.m_expansion, c.v_expansion) == ("e4m3", "e4m3", True, True)
     assert (c.k_min, c.k_max, c.optimizer_group_size, c.fprop_fast_accumulation, c.recompute_norm_output) == (1 / 16, 16.0, 128, True, False)
-    assert c.activations and c.optimizer and c.any_enabled
+    assert c.activations and c.optimizer and c.any_enabled and c.cache_weight_transpose
 
 
 def test_frozen():

@@ -25,7 +25,7 @@ from coat_kernels.swiglu import quantize_swiglu_input
 
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
-from .weights import Fp8WeightCache
+from .weights import Fp8WeightCache, transpose_codes
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,7 @@ class _Fp8Linear(torch.autograd.Function):
         ).view(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
         ctx.x_t_fn = x_t_fn
-        ctx.w = (w_t, w_scale)
+        ctx.w = (w_t, w_q, w_scale)  # w_t None: the cache keeps W's codes only (transposed in backward)
         ctx.meta = (config, bias is not None, x.shape, x.dtype, main_grad)
         if fp8_output == "swiglu":
             y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, fmt)
@@ -70,7 +70,7 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x_t, x_orig, x_amax, x_scale, weight = ctx.saved_tensors
         config, has_bias, x_shape, x_dtype, main_grad = ctx.meta
-        w_t, w_scale = ctx.w
+        w_t, w_q, w_scale = ctx.w
         if isinstance(dy, Fp8Tensor) and dy.group_size is None:
             # already FP8 (a sequence-parallel gather of dY in FP8): its codes and their transpose
             if dy.data_fp8.dtype != fp8_format(config.backward_format).dtype:
@@ -84,6 +84,8 @@ class _Fp8Linear(torch.autograd.Function):
             )
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
+            if w_t is None:
+                w_t = transpose_codes(w_q)
             dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)
         if ctx.needs_input_grad[1]:
             if x_t is None and x_orig is not None:
@@ -123,7 +125,8 @@ def fp8_linear(
         weight: (out, in), BF16 or FP32; bias: (out,) or None.
         config: formats (forward_format for X and Y, backward_format for dY, weight_format for W)
             and the 1xG group size of an FP8 output.
-        weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent).
+        weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent,
+            keeping the transposed copy as ``config.cache_weight_transpose`` says).
         fp8_output: None for a BF16 y; "1xG" for a 1xG FP8 ``Fp8Tensor``; "swiglu" for fc1 feeding
             SwiGLU: 1xG FP8 that also carries SwiGLU's output amax, found in the same pass.
         save_original_input: x (plain) is kept alive anyway (e.g. attention saves its output):
@@ -134,5 +137,5 @@ def fp8_linear(
     if fp8_output not in (None, "1xG", "swiglu"):
         raise ValueError(f"fp8_output={fp8_output!r}: use None (BF16), '1xG' or 'swiglu'")
     config = config or CoatConfig()
-    cache = weight_cache or Fp8WeightCache(config.weight_format)
+    cache = weight_cache or Fp8WeightCache(config.weight_format, keep_transpose=config.cache_weight_transpose)
     return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input, accumulate_into_main_grad)

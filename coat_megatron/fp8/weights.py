@@ -1,7 +1,9 @@
 """FP8 copies of weights, made once per optimizer step and reused by every micro-batch.
 
 A linear's fprop wants W (out, in) row-major and its dgrad wants W^T (in, out) row-major; one
-per-tensor quantizing pass writes both. The copies are valid until the weight changes, which is
+per-tensor quantizing pass writes both. With ``keep_transpose=False`` the cache keeps W's codes
+only (1 byte per parameter instead of 2) and the dgrad transposes them when it runs
+(``transpose_codes``): one scale serves both layouts, so the codes are the same bytes. The copies are valid until the weight changes, which is
 detected without any help from the training loop:
 
 * every ``torch.optim.Optimizer.step()`` (Megatron's optimizers step a torch optimizer inside)
@@ -35,22 +37,41 @@ def invalidate_weight_caches() -> None:
     _bump_generation()
 
 
-class Fp8WeightCache:
-    """The FP8 (codes, transposed codes, scale) of one weight, refreshed when the weight changes."""
+def transpose_codes(q: torch.Tensor) -> torch.Tensor:
+    """The per-tensor FP8 codes of W^T (row-major) from those of W: a byte transpose."""
+    return q.view(torch.uint8).t().contiguous().view(q.dtype)
 
-    def __init__(self, fmt: str = "e4m3"):
+
+class Fp8WeightCache:
+    """The FP8 (codes, transposed codes, scale) of one weight, refreshed when the weight changes.
+
+    ``keep_transpose=False``: the transposed codes are not kept (``get`` returns None for them;
+    take them from ``transpose_codes`` when needed)."""
+
+    def __init__(self, fmt: str = "e4m3", keep_transpose: bool = True):
         self.fmt = fmt
+        self.keep_transpose = keep_transpose
         self._key = None
         self._value = None
 
-    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_q (out, in), w_q_t (in, out), scale): per-tensor FP8 of ``weight``."""
+    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(w_q (out, in), w_q_t (in, out) or None, scale): per-tensor FP8 of ``weight``."""
         key = (_generation, weight.data_ptr(), weight._version, weight.shape, weight.device)
         if key != self._key:
             with torch.no_grad():
-                q, scale, q_t = quantize_per_tensor(weight.detach(), self.fmt, transpose=True, check_finite=False)
+                if self.keep_transpose:
+                    q, scale, q_t = quantize_per_tensor(weight.detach(), self.fmt, transpose=True, check_finite=False)
+                else:
+                    (q, scale), q_t = quantize_per_tensor(weight.detach(), self.fmt, check_finite=False), None
             self._key, self._value = key, (q, q_t, scale)
         return self._value
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the FP8 copies held now."""
+        if self._value is None:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self._value if t is not None)
 
     def clear(self) -> None:
         self._key = self._value = None

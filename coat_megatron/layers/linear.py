@@ -35,7 +35,7 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size, output_size, *args, **kwargs):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
-        self.weight_cache = Fp8WeightCache(self.coat.weight_format)
+        self.weight_cache = Fp8WeightCache(self.coat.weight_format, keep_transpose=self.coat.cache_weight_transpose)
         self.fp8_output = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -66,7 +66,7 @@ class CoatRowParallelLinear(RowParallelLinear):
     def __init__(self, input_size, output_size, *args, input_saved_by_producer: bool = False, **kwargs):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
-        self.weight_cache = Fp8WeightCache(self.coat.weight_format)
+        self.weight_cache = Fp8WeightCache(self.coat.weight_format, keep_transpose=self.coat.cache_weight_transpose)
         self.input_saved_by_producer = input_saved_by_producer
 
     def forward(self, input_):

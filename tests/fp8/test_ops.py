@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from fp8_bounds import BF16, activations, product_error, quant_error, quant_error_groups
 
-from coat_megatron.fp8 import Fp8Tensor, fp8_linear, layernorm_to_fp8, rmsnorm_to_fp8, swiglu_fp8
+from coat_megatron.config import CoatConfig
+from coat_megatron.fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear, layernorm_to_fp8, rmsnorm_to_fp8, swiglu_fp8
+from coat_megatron.fp8.weights import transpose_codes
 
 SLACK = 1e-5  # FP32 arithmetic in another order than the reference
 
@@ -108,6 +110,27 @@ def test_linear_saving_the_original_input_gives_identical_gradients(seed):
         fp8_linear(xc, wc, save_original_input=save_original_input).backward(dy)
         grads.append((xc.grad, wc.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("shape", [(16, 320, 64), (3, 5, 48, 80)], ids=str)
+def test_linear_without_a_cached_weight_transpose_gives_identical_results_with_half_the_cache(device, shape, seed):
+    *lead, n_in, n_out = shape
+    x, w = activations((*lead, n_in), seed), activations((n_out, n_in), seed + 1)
+    dy = activations((*lead, n_out), seed + 2)
+    results = []
+    for keep in (True, False):
+        cache = Fp8WeightCache("e4m3", keep_transpose=keep)
+        xc, wc = leaf(x, device=device), leaf(w, device=device)
+        y = fp8_linear(xc, wc, config=CoatConfig(cache_weight_transpose=keep), weight_cache=cache)
+        y.backward(dy.to(device))
+        results.append((y.detach(), xc.grad, wc.grad, cache.nbytes))
+    for a, b in zip(results[0][:3], results[1][:3]):
+        assert torch.equal(a, b)
+    assert results[0][3] == 2 * n_in * n_out + 4 and results[1][3] == n_in * n_out + 4  # + the FP32 scale
+    # the transposed codes are the bytes of quantizing W^T with W's scale
+    q, q_t, scale = Fp8WeightCache("e4m3").get(w.to(device))
+    assert torch.equal(transpose_codes(q).view(torch.uint8), q_t.view(torch.uint8))
+    assert Fp8WeightCache("e4m3", keep_transpose=False).get(w.to(device))[1] is None
 
 
 def test_linear_fp8_output_is_1x16(seed):

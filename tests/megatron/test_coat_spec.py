@@ -155,3 +155,36 @@ def _bad_ffn():
 def test_ffn_width_per_rank_must_be_a_multiple_of_the_group_size():
     msg = run_distributed(_bad_ffn, 2, tensor_parallel=2)[0]
     assert msg is not None and "FFN width per tensor-parallel rank, 36, is not a multiple of the FP8 group size 16" in msg
+
+
+def _train_caching(keep_transpose: bool) -> dict:
+    from coat_megatron.config import CoatConfig
+    from coat_megatron.corpus import ByteBatches, stdlib_docstrings
+    from tiny_gpt import SEQ, VOCAB
+
+    torch.manual_seed(0)
+    model = coat_gpt(tiny_config(), coat_config=CoatConfig(cache_weight_transpose=keep_transpose))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = ByteBatches(stdlib_docstrings(64 << 10), SEQ, 4, vocab_size=VOCAB)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        b = data.batch(g)
+        loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"]).float().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    caches = [m.weight_cache for m in model.modules() if hasattr(m, "weight_cache")]
+    weights = sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache"))
+    return {"losses": losses, "cache_bytes": sum(c.nbytes for c in caches), "n_caches": len(caches), "weight_elements": weights}
+
+
+def test_weight_caches_without_the_transposed_copy_train_identically_on_half_the_bytes():
+    kept = run_distributed(_train_caching, 2, args=(True,), tensor_parallel=2)
+    dropped = run_distributed(_train_caching, 2, args=(False,), tensor_parallel=2)
+    for a, b in zip(kept, dropped):
+        assert a["losses"] == b["losses"]  # bit for bit, on each rank
+        scales = 4 * a["n_caches"]
+        assert a["cache_bytes"] == 2 * a["weight_elements"] + scales
+        assert b["cache_bytes"] == a["weight_elements"] + scales

@@ -59,6 +59,11 @@ def test_every_coat_config_field_has_a_flag():
     assert [f.name for f in fields(CoatConfig)] == list(KNOBS)
 
 
+def test_memory_switches_reach_the_config(monkeypatch):
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight-transpose", "off", "--coat-recompute-norm-output", "on")
+    assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=False, recompute_norm_output=True)
+
+
 def test_transformer_engine_fp8_is_refused(monkeypatch):
     text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--fp8-format", "hybrid")
     assert "--fp8-format hybrid selects TransformerEngine's FP8 recipe, which COAT replaces: drop --fp8-format" in text
