@@ -3,7 +3,10 @@
 # megatron-core 0.19.2 installed): BF16 vs TE FP8 vs COAT, reports under $OUT (default ./out).
 #
 #   bash scripts/gpu_compare.sh                 # about 4-5 minutes; each command is capped (below)
-#   STEPS=200 bash scripts/gpu_compare.sh       # the 200 end-to-end steps (about 3 more minutes)
+#   STEPS=200 bash scripts/gpu_compare.sh train # the 200 end-to-end steps alone (~6-8 minutes:
+#                                               # with the other parts it would pass the device's
+#                                               # 10 minutes per command)
+#   bash scripts/gpu_compare.sh layer fit       # only the parts named (layer, train, fit; default all)
 #   FULL=1 bash scripts/gpu_compare.sh          # also every mode's largest micro-batch for gpt-1b
 #                                               # (the tokens/s goal; 4-7 minutes per mode)
 #
@@ -30,10 +33,19 @@ run() {  # run CAP_SECONDS NAME coat-compare-args...: the log goes to $out/NAME.
   echo "   $((SECONDS - start)) s"
 }
 
-run 150 layer-llama2 --preset llama2-7b-layer --modes all
-run 150 layer-llama3 --preset llama3-8b-layer --modes all
-run $((120 + 2 * steps)) train-gpt1b --preset gpt-1b --steps "$steps" --micro-batch 4
-run 200 fit-llama2-7b --preset llama2-7b --modes bf16,coat --search --search-max-micro-batch 1 --search-steps 5
+parts=${*:-layer train fit}
+for part in $parts; do
+  case $part in
+    layer)
+      run 150 layer-llama2 --preset llama2-7b-layer --modes all
+      run 150 layer-llama3 --preset llama3-8b-layer --modes all ;;
+    train)
+      run $((120 + 2 * steps)) train-gpt1b --preset gpt-1b --steps "$steps" --micro-batch 4 ;;
+    fit)
+      run 200 fit-llama2-7b --preset llama2-7b --modes bf16,coat --search --search-max-micro-batch 1 --search-steps 5 ;;
+    *) echo "unknown part $part: choose from layer train fit"; exit 2 ;;
+  esac
+done
 if [ "${FULL:-0}" = 1 ]; then  # one command per mode: each stays under 10 minutes
   for mode in bf16 te-fp8-delayed te-fp8-current te-fp8-block te-fp8-store te-fp8-pa coat; do
     run 420 "search-gpt1b-$mode" --preset gpt-1b --modes "$mode" --search --search-time-limit 240 --search-steps 6 --name "gpt-1b-search-$mode"
