@@ -78,7 +78,7 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
 
 
 def coat_config(mode: Mode) -> CoatConfig:
-    return CoatConfig(recompute_norm_output=mode.recompute_norm_output)
+    return CoatConfig(recompute_norm_output=mode.recompute_norm_output, cache_weight_transpose=mode.cache_weight_transpose)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):

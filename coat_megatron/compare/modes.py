@@ -16,6 +16,8 @@ te-fp8-pa          te-fp8-current + Megatron's precision-aware optimizer with FP
                    params)
 coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimizer``)
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
+coat-lean          coat with ``cache_weight_transpose=False``: each weight's transposed FP8 copy is
+                   made in every backward instead of kept (1 byte per parameter less; same numbers)
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW
 =================  ===========================================================================
@@ -45,6 +47,7 @@ class Mode:
         precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
         coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
         recompute_norm_output: ``CoatConfig.recompute_norm_output``.
+        cache_weight_transpose: ``CoatConfig.cache_weight_transpose``.
         family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     """
 
@@ -56,6 +59,7 @@ class Mode:
     precision_aware: bool = False
     coat_optimizer: bool = False
     recompute_norm_output: bool = False
+    cache_weight_transpose: bool = True
 
     @property
     def needs_transformer_engine(self) -> bool:
@@ -80,6 +84,7 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
         Mode("coat", "coat", "coat", coat_optimizer=True),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
+        Mode("coat-lean", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
     ]
@@ -88,7 +93,7 @@ ALIASES = {"te-fp8": "te-fp8-current"}
 # What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
 # Not in "all": for one layer coat-act is coat and coat-opt is bf16.
 ABLATIONS = ("coat-act", "coat-opt")
-DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat"]
+DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-lean"]
 
 
 def parse_modes(text: str) -> list[Mode]:

@@ -41,8 +41,8 @@ def tiny(tmp_path_factory):
 
 def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     rows = tiny["rows"]
-    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-recompute"]
-    for mode in ("bf16", "bf16-local", "coat", "coat-recompute"):
+    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-recompute", "coat-lean"]
+    for mode in ("bf16", "bf16-local", "coat", "coat-recompute", "coat-lean"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
     if not TE:
@@ -63,6 +63,7 @@ def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     assert abs(bf16[0] - coat[0]) < 0.01
     assert abs(sum(coat[-10:]) - sum(bf16[-10:])) / sum(bf16[-10:]) < 0.03
     assert rows["bf16"]["losses"] == rows["bf16-local"]["losses"]  # without TE, bf16 is the local spec
+    assert rows["coat-lean"]["losses"] == rows["coat"]["losses"]  # W^T transposed per backward: the same bytes
     assert all(r["skipped_steps"] == 0 for r in rows.values() if r["status"] == "ok")
 
 
