@@ -9,7 +9,7 @@ data, same initial weights for every mode; ``--modes`` adds the ablations), then
 fraction of the steps (one step's loss is noisy), averaged over seeds; the gap
 (COAT - BF16) / BF16 of those means, per seed and overall; and a plot of the curves (moving
 average, and the gaps per seed) when matplotlib is installed. Writes accuracy.md, accuracy.jsonl, losses.json (every
-curve, 5 decimals) and accuracy.png; the per-seed reports stay in ``--out``/seedN.
+curve, 4 decimals) and accuracy.png; the per-seed reports stay in ``--out``/seedN.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main():
 
     with open(os.path.join(args.out, "losses.json"), "w") as f:  # every curve, compact: what the plot draws
         json.dump({"preset": args.preset, "steps": args.steps, "modes": modes,
-                   "losses": {str(seed): {m: [round(x, 5) for x in losses[m]] for m in modes} for seed, losses in runs.items()}}, f)
+                   "losses": {str(seed): {m: [round(x, 4) for x in losses[m]] for m in modes} for seed, losses in runs.items()}}, f)
 
     command = f"python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --tail {args.tail}"
     if modes != ["bf16", "coat"]:

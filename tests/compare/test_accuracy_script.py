@@ -60,7 +60,7 @@ def test_gaps_per_mode_reuse_of_finished_seeds_and_the_ablations(tmp_path):
 
     curves = json.loads((tmp_path / "losses.json").read_text())
     assert curves["modes"] == ["bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"]
-    assert curves["losses"]["1"]["coat"] == pytest.approx(losses["coat"], abs=1e-5)
+    assert curves["losses"]["1"]["coat"] == pytest.approx(losses["coat"], abs=1e-4)
 
     md = (tmp_path / "accuracy.md").read_text()
     assert "| seed | BF16 | COAT | coat-act | coat-opt | bf16@dp2 | gap coat | gap coat-act | gap coat-opt | gap bf16@dp2 |" in md
