@@ -114,9 +114,8 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
     from .train import train
 
     row = new_row(preset.kind, preset, mode, args)
-    reason = why_not_here(preset, mode)
-    if reason is not None:
-        return {**row, "status": "skipped", "reason": reason}
+    if row.get("status") == "skipped":
+        return row
     parallel.free_memory()
     parallel.seed_everything(args.seed)
     start = time.perf_counter()
@@ -160,9 +159,8 @@ def resume_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
     rows = []
     for mode in modes:
         row = new_row("resume", preset, mode, args)
-        reason = why_not_here(preset, mode)
-        if reason is not None:
-            rows.append({**row, "status": "skipped", "reason": reason})
+        if row.get("status") == "skipped":
+            rows.append(row)
             continue
         print(f"{preset.name} {mode.name}: checkpoint at DP {args.dp}, resumed at DP 1 and DP {args.dp}", file=sys.stderr, flush=True)
         rows.append(resume_check(args, preset, mode, row))
@@ -176,9 +174,8 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
     rows = []
     for mode in modes:
         row = new_row("search", preset, mode, args)
-        reason = why_not_here(preset, mode)
-        if reason is not None:
-            rows.append({**row, "status": "skipped", "reason": reason})
+        if row.get("status") == "skipped":
+            rows.append(row)
             continue
         probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
                       "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp)]
@@ -201,8 +198,11 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
 
 
 def new_row(kind: str, preset: Preset, mode: Mode, args) -> dict:
-    return {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-            "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp}
+    """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
+    row = {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
+           "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp}
+    reason = why_not_here(preset, mode)
+    return row if reason is None else {**row, "status": "skipped", "reason": reason}
 
 
 def why_not_here(preset: Preset, mode: Mode) -> str | None:

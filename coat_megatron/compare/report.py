@@ -48,6 +48,15 @@ def _not_ok(row: dict, columns: int) -> str:
     return f"| {row['mode']} | {row['status']}: {reason} |" + " |" * (columns - 2)
 
 
+def _table(head: list[str], rows: list[dict], lines_of) -> list[str]:
+    """A markdown table: the header, then ``lines_of(row)`` (a list of lines) for each row that
+    ran, and one line with the status and reason for each row that did not."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines += lines_of(r) if r["status"] == "ok" else [_not_ok(r, len(head))]
+    return lines
+
+
 def _several_gpus(rows: list[dict]) -> bool:
     tp, dp = layout(rows[0])
     return tp * dp > 1
@@ -73,17 +82,15 @@ def layer_table(rows: list[dict]) -> list[str]:
     head = ["mode", "spec", "fwd+bwd ms", "vs BF16", "vs TE FP8 current", "vs best TE", "activation MiB", "vs BF16", "vs best TE"]
     if several:
         head += ["SP all-gather MiB (FP8)", "vs BF16"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(_not_ok(r, len(head)))
-            continue
+
+    def lines_of(r):
         line = (
             f"| {r['mode']} | {r['spec']} | {_fmt(r['ms'])} | {_ratio(r, bf16_t, 'ms')} | {_ratio(r, current, 'ms')} | {_ratio(r, te_t, 'ms')} | "
             f"{_fmt(r['activation_MiB'], 1)} | {_ratio(r, bf16_m, 'activation_MiB')} | {_ratio(r, te_m, 'activation_MiB')} |"
         )
-        lines.append(line + (f" {_gathers(r, bf16_g)} |" if several else ""))
-    return lines
+        return [line + (f" {_gathers(r, bf16_g)} |" if several else "")]
+
+    return _table(head, rows, lines_of)
 
 
 def train_table(rows: list[dict]) -> list[str]:
@@ -96,11 +103,8 @@ def train_table(rows: list[dict]) -> list[str]:
             "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last"]
     if several:
         head += ["tokens/s per GPU", "peak MiB per GPU", "optimizer MiB per GPU", "SP all-gather MiB/step (FP8)", "vs BF16", "DP all-gather MiB/step"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(_not_ok(r, len(head)))
-            continue
+
+    def lines_of(r):
         line = (
             f"| {r['mode']} | {r['micro_batch']} | {_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
@@ -112,8 +116,9 @@ def train_table(rows: list[dict]) -> list[str]:
                 f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} | {' / '.join(_fmt(v, 1) for v in r.get('peak_MiB_per_rank', []))} | "
                 f"{' / '.join(_fmt(v, 1) for v in r.get('optimizer_MiB_per_rank', []))} | {_gathers(r, bf16_g)} | {_mib(r.get('dp_all_gather_bytes'))} |"
             )
-        lines.append(line)
-    return lines
+        return [line]
+
+    return _table(head, rows, lines_of)
 
 
 def search_table(rows: list[dict]) -> list[str]:
@@ -123,19 +128,17 @@ def search_table(rows: list[dict]) -> list[str]:
     head = ["mode", "largest micro-batch", "tokens/s there", "vs BF16", "vs best TE", "peak MiB there", "tries", "note"]
     if several:
         head.insert(3, "tokens/s per GPU")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(_not_ok(r, len(head)))
-            continue
+
+    def lines_of(r):
         tries = ", ".join(f"{t['micro_batch']}{'+' if t['fits'] else 'x'}" for t in r["tries"])
         note = r.get("stopped") or ("does not fit at micro-batch 1" if r["largest_micro_batch"] == 0 else "")
         per_gpu = f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} |" if several else ""
-        lines.append(
+        return [
             f"| {r['mode']} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} |{per_gpu} {_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('peak_MiB'), 1)} | {tries} | {note} |"
-        )
-    return lines
+        ]
+
+    return _table(head, rows, lines_of)
 
 
 def resume_table(rows: list[dict]) -> list[str]:
@@ -143,18 +146,17 @@ def resume_table(rows: list[dict]) -> list[str]:
     dp = rows[0].get("dp", 2)
     names = ["resumed_dp1", f"resumed_dp{dp}"]
     head = ["mode", "step", f"uninterrupted (DP {dp})", "resumed at DP 1", "difference", f"resumed at DP {dp}", "difference"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(_not_ok(r, len(head)))
-            continue
+
+    def lines_of(r):
+        lines = []
         after = r["losses_uninterrupted"][r["save_step"]:]
         for i, loss in enumerate(after):
             cells = [f"{r['losses_' + n][i]:.5f} | {r['losses_' + n][i] - loss:+.1e}" for n in names]
             lines.append(f"| {r['mode']} | {r['save_step'] + i + 1} | {loss:.5f} | {' | '.join(cells)} |")
         summary = [f"max {r['max_abs_diff_' + n]:.1e}" + (" (bit-exact)" if r["exact_" + n] else "") for n in names]
-        lines.append(f"| {r['mode']} | all | saved after step {r['save_step']} | | {summary[0]} | | {summary[1]} |")
-    return lines
+        return lines + [f"| {r['mode']} | all | saved after step {r['save_step']} | | {summary[0]} | | {summary[1]} |"]
+
+    return _table(head, rows, lines_of)
 
 
 def same_batch_table(rows: list[dict]) -> list[str]:

@@ -14,8 +14,9 @@ import torch
 from distributed import run_distributed
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings as tp_mappings
-from tiny_gpt import assemble_all, forward_backward, local_layer_spec, local_shards, synthetic_batches, tiny_config, tiny_ddp, tiny_gpt
+from tiny_gpt import assemble_all, forward_backward, local_layer_spec, local_shards, synthetic_batches, tiny_config, tiny_ddp, tiny_gpt, train_on_text
 
+from coat_megatron.config import CoatConfig
 from coat_megatron.layers import CoatNorm
 from coat_megatron.spec import get_gpt_layer_coat_spec
 
@@ -158,23 +159,9 @@ def test_ffn_width_per_rank_must_be_a_multiple_of_the_group_size():
 
 
 def _train_caching(keep_transpose: bool) -> dict:
-    from coat_megatron.config import CoatConfig
-    from coat_megatron.corpus import ByteBatches, stdlib_docstrings
-    from tiny_gpt import SEQ, VOCAB
-
     torch.manual_seed(0)
     model = coat_gpt(tiny_config(), coat_config=CoatConfig(cache_weight_transpose=keep_transpose))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    data = ByteBatches(stdlib_docstrings(64 << 10), SEQ, 4, vocab_size=VOCAB)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(3):
-        b = data.batch(g)
-        loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"]).float().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_on_text(model, 3, 4, lr=3e-3, weight_decay=0.01, corpus_bytes=64 << 10)
     caches = [m.weight_cache for m in model.modules() if hasattr(m, "weight_cache")]
     weights = sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache"))
     return {"losses": losses, "cache_bytes": sum(c.nbytes for c in caches), "n_caches": len(caches), "weight_elements": weights}

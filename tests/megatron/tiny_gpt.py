@@ -306,3 +306,23 @@ def train_step(model: DistributedDataParallel, optimizer, batches: list[dict]) -
     if not ok:
         raise RuntimeError("the optimizer skipped the step (non-finite gradients)")
     return loss
+
+
+def train_on_text(model: torch.nn.Module, steps: int, batch_size: int, *, lr: float = 3e-3, weight_decay: float = 0.0,
+                  corpus_bytes: int = 256 << 10) -> list[float]:
+    """Train ``model`` (no DDP) with torch's AdamW on byte batches of the standard library's
+    docstrings, batches drawn from a fixed generator: the per-step losses."""
+    from coat_megatron.corpus import ByteBatches, stdlib_docstrings
+
+    data = ByteBatches(stdlib_docstrings(corpus_bytes), SEQ, batch_size, vocab_size=VOCAB)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        b = data.batch(g)
+        loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"]).float().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
