@@ -9,6 +9,7 @@ local spec's, so every mode starts from the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 
@@ -32,11 +33,17 @@ TE_NAMES = {
 }
 
 
-def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = True):
+# --cuda-graphs value -> Megatron's TransformerConfig.cuda_graph_impl
+CUDA_GRAPHS = {"none": "none", "local": "local", "full": "full_iteration"}
+
+
+def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = True, graphs: str = "none"):
     """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
-    the layer benchmark used (bias-SwiGLU, masked softmax) and, under DDP (``ddp``: parameters
-    have a ``main_grad``), weight-gradient accumulation into main_grad where apex provides it (the
-    local output layer needs apex's kernel for it); on a CPU every fusion off (they need CUDA).
+    the layer benchmark used (bias-SwiGLU, masked softmax), RoPE fused (TE's kernel, where TE is
+    installed: the same for every mode, like the attention kernel) and, under DDP (``ddp``:
+    parameters have a ``main_grad``), weight-gradient accumulation into main_grad where apex
+    provides it (the local output layer needs apex's kernel for it); on a CPU every fusion off
+    (they need CUDA). ``graphs``: Megatron's CUDA graphs (``CUDA_GRAPHS``).
 
     Sequence parallel is on whenever ``tp`` > 1. Megatron-Core 0.19 does not require it (not even
     for TE FP8), but without it each TP rank keeps the whole sequence's norm and residual
@@ -44,6 +51,8 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
     recipes and COAT gather in FP8: the communication this job measures (``comm``)."""
     from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.transformer import TransformerConfig
+
+    from ..optional import transformer_engine_available
 
     cuda = torch.cuda.is_available()
     fields = dict(
@@ -67,8 +76,9 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
         use_cpu_initialization=not cuda,
         gradient_accumulation_fusion=cuda and ddp and tp_layers._grad_accum_fusion_available,
         bias_activation_fusion=cuda,
-        apply_rope_fusion=False,
+        apply_rope_fusion=cuda and transformer_engine_available(),
         cross_entropy_loss_fusion=False,
+        cuda_graph_impl=CUDA_GRAPHS[graphs],
     )
     if not cuda:
         fields.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
@@ -165,10 +175,12 @@ def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
     return layer, config
 
 
-def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1):
+def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = "none"):
     """(DDP-wrapped GPTModel, optimizer) for ``mode``: Megatron's distributed optimizer with Adam
     (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant with FP8
-    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, FP32 gradient buffers."""
+    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, FP32 gradient buffers.
+    ``graphs``: Megatron's CUDA graphs: "local" (per layer, captured by its schedule after the
+    first step) or "full" (the whole forward+backward of a step: ``train`` wraps the schedule)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -177,7 +189,7 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1):
 
     from ..optimizer import coat_param_layout, get_coat_optimizer
 
-    config = transformer_config(preset, mode, tp)
+    config = transformer_config(preset, mode, tp, graphs=graphs)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(mode, config),
@@ -194,7 +206,8 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1):
     module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
     layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
-    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)
+    with _ddp_stream(graphs):
+        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads
     fields = dict(
         optimizer="adam", lr=preset.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
@@ -210,6 +223,22 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1):
         optimizer = get_megatron_optimizer(opt_config, [model])
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer
+
+
+@contextlib.contextmanager
+def _ddp_stream(graphs: str):
+    """Where DDP is built: for a whole-step graph, on the stream that captures it (as
+    megatron.training does: DDP's gradient-accumulation nodes keep the stream they were made on)."""
+    if graphs != "full":
+        yield
+        return
+    from megatron.core.full_cuda_graph import get_shared_capture_stream
+
+    stream = get_shared_capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
 
 
 def lr_warmup_steps(steps: int) -> int:

@@ -3,6 +3,7 @@
     coat-compare --preset tiny                                   # CPU: bf16 and coat, TE rows skipped
     coat-compare --preset llama2-7b-layer --modes all            # one layer: time, activation memory
     coat-compare --preset gpt-1b --steps 30 --micro-batch 4      # end to end, equal micro-batch
+    coat-compare --preset gpt-1b --cuda-graphs none,local,full   # every mode eager and with CUDA graphs
     coat-compare --preset llama2-7b --modes bf16,coat --search   # largest micro-batch that fits
     coat-compare --summarize --out out                           # every report in out/ -> summary.md
     torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --tp 2   # TP 2, sequence parallel
@@ -12,7 +13,9 @@
 Writes ``{out}/{preset}.jsonl`` (one JSON object per row), ``{out}/{preset}.md`` (tables with
 ratios, the goals) and PNG plots (with matplotlib), and prints the markdown. ``--search`` writes
 ``{preset}-search.*``, ``--resume-check`` ``{preset}-resume.*``. A mode that cannot run here (no
-TransformerEngine, no GPU, out of memory) is a row with the reason. Under ``torchrun``, ``--tp`` x
+TransformerEngine, no GPU, out of memory) is a row with the reason. ``--cuda-graphs`` runs every
+mode of an end-to-end preset in each CUDA graph configuration named (one row each), so that every
+mode is also reported in its fastest configuration, and the goals compare those. Under ``torchrun``, ``--tp`` x
 ``--dp`` processes share the model (sequence parallel on when ``--tp`` > 1) and rank 0 writes the
 report; ``--search`` and ``--resume-check`` start their own processes (run them with plain python).
 """
@@ -54,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="report directory (default $OUT or ./out)")
     p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
+    p.add_argument("--cuda-graphs", default="none", type=parse_graphs, metavar="LIST",
+                   help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
+                        "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local), full (the whole forward+backward "
+                        "of a step in one graph, Megatron's full_iteration); default none")
     p.add_argument("--no-plots", action="store_true")
     search = p.add_argument_group("micro-batch search (end-to-end presets)")
     search.add_argument("--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)")
@@ -78,7 +85,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--search and --resume-check are separate jobs; run one, then the other")
     if args.resume_check and args.dp < 2:
         p.error("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
+    if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
+        p.error("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
+    if args.probe and len(args.cuda_graphs) != 1:
+        p.error("--probe is one run: give one --cuda-graphs value")
     return args
+
+
+def parse_graphs(text: str) -> list[str]:
+    """``"none,local"`` -> ["none", "local"], each one of CUDA_GRAPHS (``full_iteration`` = ``full``)."""
+    from .build import CUDA_GRAPHS
+
+    names = []
+    for raw in text.split(","):
+        name = {"full_iteration": "full", "off": "none"}.get(raw.strip(), raw.strip())
+        if name not in CUDA_GRAPHS:
+            raise argparse.ArgumentTypeError(f"unknown CUDA graph configuration {raw.strip()!r}: use {', '.join(CUDA_GRAPHS)} (comma-separated)")
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def main(argv=None) -> int:
@@ -97,7 +122,7 @@ def main(argv=None) -> int:
     else:
         with contextlib.ExitStack() as stack:
             parallel.initialize(args.tp, args.dp, stack)
-            rows = [run_mode(preset, mode, args) for mode in modes]
+            rows = [run_mode(preset, mode, args, graphs) for mode in modes for graphs in graph_runs(preset, args)]
         if args.probe:
             if parallel.is_main_rank():
                 print(PROBE_MARK + json.dumps(rows[0]), flush=True)
@@ -108,12 +133,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_mode(preset: Preset, mode: Mode, args) -> dict:
+def graph_runs(preset: Preset, args) -> list[str]:
+    """The CUDA graph configurations each mode runs in: --cuda-graphs for end-to-end presets; a
+    per-layer preset times one layer's GPU work eagerly (at these shapes the GPU, not the host,
+    bounds it), so it runs once."""
+    return args.cuda_graphs if preset.kind == "train" else ["none"]
+
+
+def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
     """One mode of one preset: a measurement row, or a row saying why there is none."""
     from .layer import measure_layer
     from .train import train
 
-    row = new_row(preset.kind, preset, mode, args)
+    row = new_row(preset.kind, preset, mode, args, graphs)
     if row.get("status") == "skipped":
         return row
     parallel.free_memory()
@@ -123,10 +155,11 @@ def run_mode(preset: Preset, mode: Mode, args) -> dict:
         if preset.kind == "layer":
             result = measure_layer(preset, mode, args.seed, tp=args.tp)
         else:
-            label = f"{preset.name} {mode.name}"
+            label = f"{preset.name} {mode.name}" + ("" if graphs == "none" else f" (graphs: {graphs})")
             progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
             save_step = preset.steps // 2 if args.save_step is None else args.save_step
-            result = train(preset, mode, args.seed, tp=args.tp, dp=args.dp, progress=progress, save=args.save, save_step=save_step, load=args.load)
+            result = train(preset, mode, args.seed, tp=args.tp, dp=args.dp, progress=progress, save=args.save, save_step=save_step,
+                           load=args.load, graphs=graphs)
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300])
@@ -172,18 +205,18 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
     if preset.kind != "train":
         raise SystemExit(f"--search finds the largest micro-batch of an end-to-end preset; {preset.name} is a per-layer preset")
     rows = []
-    for mode in modes:
-        row = new_row("search", preset, mode, args)
+    for mode, graphs in [(m, g) for m in modes for g in args.cuda_graphs]:
+        row = new_row("search", preset, mode, args, graphs)
         if row.get("status") == "skipped":
             rows.append(row)
             continue
         probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
-                      "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp)]
+                      "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp), "--cuda-graphs", graphs]
         fits = probe_fits(probe_args, args.tp * args.dp, args.fit_memory)
 
-        def reporting(n, fits=fits, mode=mode):
+        def reporting(n, fits=fits, mode=mode, graphs=graphs):
             t = fits(n)
-            print(f"{preset.name} {mode.name}: micro-batch {n} {'fits' if t.fits else 'does not fit: ' + t.reason} ({t.seconds:.0f} s)", file=sys.stderr, flush=True)
+            print(f"{preset.name} {mode.name}{'' if graphs == 'none' else ' (graphs: ' + graphs + ')'}: micro-batch {n} {'fits' if t.fits else 'does not fit: ' + t.reason} ({t.seconds:.0f} s)", file=sys.stderr, flush=True)
             return t
 
         result = largest_micro_batch(reporting, start=args.search_start, limit=args.search_max_micro_batch, time_limit_s=args.search_time_limit)
@@ -197,11 +230,13 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
     return rows
 
 
-def new_row(kind: str, preset: Preset, mode: Mode, args) -> dict:
+def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
     """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
     row = {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-           "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp}
+           "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp, "graphs": graphs}
     reason = why_not_here(preset, mode)
+    if reason is None and graphs != "none" and not torch.cuda.is_available():
+        reason = "CUDA graphs need a CUDA GPU"
     return row if reason is None else {**row, "status": "skipped", "reason": reason}
 
 

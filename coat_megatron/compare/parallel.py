@@ -92,11 +92,16 @@ def _shutdown() -> None:
 
 
 def seed_everything(seed: int) -> None:
-    """torch's generators and Megatron's CUDA RNG tracker (attention forks it even at dropout 0)."""
+    """torch's generators and Megatron's CUDA RNG tracker (attention forks it even at dropout 0).
+
+    On a GPU the tracker is Megatron's graph-safe one in every run (CUDA graphs need it; the
+    dropout-free presets draw no random numbers, so eager runs are unchanged), made anew for each
+    mode."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    cuda = torch.cuda.is_available()
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda, force_reset_rng=True)
 
 
 def synchronize() -> None:
@@ -110,10 +115,26 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def release_cuda_graphs() -> None:
+    """Forget the CUDA graphs of a finished mode (Megatron keeps their state process-wide), so
+    that the next mode captures its own."""
+    if not torch.cuda.is_available():
+        return
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
+    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+    delete_cuda_graphs()
+    FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
+    StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+
+
 def free_memory() -> None:
     """Return what a finished (or failed) mode held, so the next one starts clean."""
     import gc
 
+    release_cuda_graphs()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

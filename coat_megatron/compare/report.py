@@ -43,18 +43,22 @@ def _ratio(row: dict, ref: dict | None, key: str) -> str:
     return f"{row[key] / ref[key]:.2f}"
 
 
-def _not_ok(row: dict, columns: int) -> str:
+def _not_ok(row: dict, columns: int, lead: list[str]) -> str:
     reason = str(row.get("reason", "")).replace("|", "/").replace("\n", " ")
-    return f"| {row['mode']} | {row['status']}: {reason} |" + " |" * (columns - 2)
+    return "| " + " | ".join(lead) + f" | {row['status']}: {reason} |" + " |" * (columns - len(lead) - 1)
 
 
-def _table(head: list[str], rows: list[dict], lines_of) -> list[str]:
+def _table(head: list[str], rows: list[dict], lines_of, lead=lambda r: [r["mode"]]) -> list[str]:
     """A markdown table: the header, then ``lines_of(row)`` (a list of lines) for each row that
-    ran, and one line with the status and reason for each row that did not."""
+    ran, and for each row that did not, its ``lead`` cells and its status and reason."""
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines += lines_of(r) if r["status"] == "ok" else [_not_ok(r, len(head))]
+        lines += lines_of(r) if r["status"] == "ok" else [_not_ok(r, len(head), lead(r))]
     return lines
+
+
+def _mode_and_graphs(r: dict) -> list[str]:
+    return [r["mode"], r.get("graphs", "none")]
 
 
 def _several_gpus(rows: list[dict]) -> bool:
@@ -99,14 +103,15 @@ def train_table(rows: list[dict]) -> list[str]:
     bf16_m, te_m = best(ok, "bf16", "peak_MiB"), best(ok, "te-fp8", "peak_MiB")
     bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     several = _several_gpus(rows)
-    head = ["mode", "micro-batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "peak MiB", "vs BF16", "vs best TE",
+    head = ["mode", "CUDA graphs", "micro-batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "peak MiB", "vs BF16", "vs best TE",
             "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last"]
     if several:
         head += ["tokens/s per GPU", "peak MiB per GPU", "optimizer MiB per GPU", "SP all-gather MiB/step (FP8)", "vs BF16", "DP all-gather MiB/step"]
 
     def lines_of(r):
         line = (
-            f"| {r['mode']} | {r['micro_batch']} | {_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
+            f"| {r['mode']} | {r.get('graphs', 'none')} | {r['micro_batch']} | {_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | "
+            f"{_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
             f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |"
@@ -118,27 +123,27 @@ def train_table(rows: list[dict]) -> list[str]:
             )
         return [line]
 
-    return _table(head, rows, lines_of)
+    return _table(head, rows, lines_of, _mode_and_graphs)
 
 
 def search_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s") is not None]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
     several = _several_gpus(rows)
-    head = ["mode", "largest micro-batch", "tokens/s there", "vs BF16", "vs best TE", "peak MiB there", "tries", "note"]
+    head = ["mode", "CUDA graphs", "largest micro-batch", "tokens/s there", "vs BF16", "vs best TE", "peak MiB there", "tries", "note"]
     if several:
-        head.insert(3, "tokens/s per GPU")
+        head.insert(4, "tokens/s per GPU")
 
     def lines_of(r):
         tries = ", ".join(f"{t['micro_batch']}{'+' if t['fits'] else 'x'}" for t in r["tries"])
         note = r.get("stopped") or ("does not fit at micro-batch 1" if r["largest_micro_batch"] == 0 else "")
         per_gpu = f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} |" if several else ""
         return [
-            f"| {r['mode']} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} |{per_gpu} {_ratio(r, bf16_s, 'tokens_per_s')} | "
-            f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('peak_MiB'), 1)} | {tries} | {note} |"
+            f"| {r['mode']} | {r.get('graphs', 'none')} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} |{per_gpu} "
+            f"{_ratio(r, bf16_s, 'tokens_per_s')} | {_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('peak_MiB'), 1)} | {tries} | {note} |"
         ]
 
-    return _table(head, rows, lines_of)
+    return _table(head, rows, lines_of, _mode_and_graphs)
 
 
 def resume_table(rows: list[dict]) -> list[str]:
@@ -194,7 +199,9 @@ def goals_table(goals: list[Goal]) -> list[str]:
 COLUMNS = {
     "layer": "fwd+bwd ms: median of one layer's forward + backward. activation MiB: memory the layer keeps for backward "
     "(GPU: allocated after the forward minus before, minus the output; CPU: bytes of the tensors saved for backward).",
-    "train": "step ms: median optimizer-step time after the warm-up steps; tokens/s: global tokens per second at that step time; "
+    "train": "CUDA graphs: none (eager), local (Megatron's per-layer graphs) or full (a step's forward+backward in one graph); "
+    "vs BF16 / vs best TE: against the fastest BF16 / TE FP8 row of any configuration. "
+    "step ms: median optimizer-step time after the warm-up steps; tokens/s: global tokens per second at that step time; "
     "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's FP32 "
     "gradient buffers; optimizer: FP32 main parameters + Adam states as stored; activations: peak during a step minus "
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter.",

@@ -40,8 +40,12 @@ def corpus() -> bytes:
 
 
 def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, progress=None,
-          save: str | None = None, save_step: int | None = None, load: str | None = None) -> dict:
+          save: str | None = None, save_step: int | None = None, load: str | None = None, graphs: str = "none") -> dict:
     """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_megatron.compare``).
+
+    ``graphs``: "none" (eager), "local" (Megatron's per-layer CUDA graphs, captured at the end of
+    the first step) or "full" (the forward+backward of a whole step in one graph, captured at the
+    second step); either way before the timed steps.
 
     ``save``: write a dist checkpoint into this directory after ``save_step`` steps (and go on).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
@@ -50,7 +54,8 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
     """
     from megatron.core import parallel_state
 
-    model, optimizer = build_gpt(preset, mode, seed, tp)
+    model, optimizer = build_gpt(preset, mode, seed, tp, graphs=graphs)
+    forward_backward = forward_backward_function(graphs)
     if save is not None:
         os.makedirs(save, exist_ok=True)
     first = 0
@@ -88,7 +93,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
             before = counter.snapshot()
             parallel.synchronize()
             start = time.perf_counter()
-            loss, ok = train_step(model, optimizer, batch, preset, saved)
+            loss, ok = train_step(model, optimizer, batch, preset, saved, forward_backward)
             parallel.synchronize()
             if step >= first + preset.warmup_steps:
                 step_ms.append((time.perf_counter() - start) * 1e3)
@@ -121,6 +126,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
     result = {
         "micro_batch": preset.micro_batch,
         "seq": preset.seq,
+        "graphs": graphs,
         "steps": preset.steps,
         "first_step": first,
         "tp": tp,
@@ -144,18 +150,32 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
     return result
 
 
-def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensors | None) -> tuple[float, bool]:
+def forward_backward_function(graphs: str = "none"):
+    """Megatron's schedule (one pipeline stage: forward and backward of each micro-batch); for
+    ``graphs="full"`` wrapped in Megatron's whole-step CUDA graph (eager at the first step, which
+    allocates what the graph will reuse, captured at the second, replayed from then on)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    schedule = get_forward_backward_func()
+    if graphs != "full":
+        return schedule
+    from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+    return FullCudaGraphWrapper(schedule, cuda_graph_warmup_steps=1, use_single_mempool=True)
+
+
+def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensors | None, forward_backward=None) -> tuple[float, bool]:
     """One optimizer step on one micro-batch per DP rank: (loss averaged over DP, whether the
     optimizer took the step)."""
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    forward_backward = forward_backward or forward_backward_function()
     model.zero_grad_buffer()
     optimizer.zero_grad()
     if saved is not None:
         saved.__enter__()
     try:
-        outputs = get_forward_backward_func()(
+        outputs = forward_backward(
             forward_step_func=forward_step,
             data_iterator=iter([batch]),
             model=[model],
@@ -182,7 +202,8 @@ def forward_step(data_iterator, model):
     def loss_func(per_token_loss: torch.Tensor):
         # (sum, token count, report): Megatron divides by the count, as pretrain_gpt's does
         loss = per_token_loss.float().sum()
-        tokens = torch.tensor(per_token_loss.numel(), dtype=torch.int, device=per_token_loss.device)
+        # a fill, not torch.tensor(): a copy from host memory cannot be captured in a CUDA graph
+        tokens = torch.full((), per_token_loss.numel(), dtype=torch.int, device=per_token_loss.device)
         return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
 
     return output, loss_func

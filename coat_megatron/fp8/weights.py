@@ -3,30 +3,45 @@
 A linear's fprop wants W (out, in) row-major and its dgrad wants W^T (in, out) row-major; one
 per-tensor quantizing pass writes both. With ``keep_transpose=False`` the cache keeps W's codes
 only (1 byte per parameter instead of 2) and the dgrad transposes them when it runs
-(``transpose_codes``): one scale serves both layouts, so the codes are the same bytes. The copies are valid until the weight changes, which is
-detected without any help from the training loop:
+(``transpose_codes``): one scale serves both layouts, so the codes are the same bytes.
+
+The copies live in fixed buffers, updated in place (``coat_kernels.refresh``), so that a CUDA
+graph that reads them stays valid across optimizer steps. They are remade when the weight
+changes, which is detected without any help from the training loop:
 
 * every ``torch.optim.Optimizer.step()`` (Megatron's optimizers step a torch optimizer inside)
-  bumps a global weight generation, through torch's global optimizer step hook, so copies made
-  before the step are stale afterwards, whatever way the new values reach the model weights
-  (Megatron writes them through its parameter buffers, which autograd's version counter of the
-  parameter does not see);
-* an in-place change of the weight itself (its ``_version``) or a new storage also invalidates.
+  bumps a weight generation, both on the host and, in place, in one int64 scalar per device.
+  Eagerly, the host compares generations and launches the refresh only when its copy is stale;
+  inside a CUDA graph capture (Megatron's ``cuda_graph_impl`` "local" or "full_iteration") the
+  refresh is recorded and the *device* compares its own scalars at every replay, so a replayed
+  micro-batch refreshes the copy exactly when an optimizer step came before it, whatever way the
+  new values reached the model weights (Megatron writes them through its parameter buffers, or
+  all-gathers them later under the distributed optimizer: the refresh reads the weight when the
+  layer runs, after Megatron's pre-forward hooks);
+* eagerly, an in-place change of the weight itself (its ``_version``) or a new storage also
+  invalidates; under graphs, change weights outside an optimizer step only through
+  ``load_state_dict`` (the COAT modules invalidate then) or call ``invalidate_weight_caches()``.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from coat_kernels import quantize_per_tensor
+from coat_kernels.formats import fp8_format
+from coat_kernels.refresh import refresh_per_tensor_copy
 
 _generation = 0
+_device_generations: dict[torch.device, torch.Tensor] = {}
 
 
 def _bump_generation(*_args, **_kwargs) -> None:
     global _generation
     _generation += 1
+    for counter in _device_generations.values():
+        counter.add_(1)
 
 
 register_optimizer_step_post_hook(_bump_generation)
@@ -37,14 +52,31 @@ def invalidate_weight_caches() -> None:
     _bump_generation()
 
 
+def device_generation(device: torch.device) -> torch.Tensor:
+    """The int64 scalar on ``device`` that every weight change bumps (in place; fixed address)."""
+    counter = _device_generations.get(device)
+    if counter is None:
+        counter = _device_generations[device] = torch.zeros((), dtype=torch.int64, device=device)
+    return counter
+
+
 def transpose_codes(q: torch.Tensor) -> torch.Tensor:
     """The per-tensor FP8 codes of W^T (row-major) from those of W: a byte transpose."""
     return q.view(torch.uint8).t().contiguous().view(q.dtype)
 
 
+class _Buffers(NamedTuple):
+    q: torch.Tensor
+    q_t: torch.Tensor | None
+    scale: torch.Tensor
+    amax: torch.Tensor
+    generation: torch.Tensor
+
+
 class Fp8WeightCache:
     """The FP8 (codes, transposed codes, scale) of one weight, refreshed when the weight changes.
 
+    ``get`` returns the same tensors every time (their contents change in place).
     ``keep_transpose=False``: the transposed codes are not kept (``get`` returns None for them;
     take them from ``transpose_codes`` when needed)."""
 
@@ -52,26 +84,44 @@ class Fp8WeightCache:
         self.fmt = fmt
         self.keep_transpose = keep_transpose
         self._key = None
-        self._value = None
+        self._buffers: _Buffers | None = None
+
+    def _allocate(self, weight: torch.Tensor) -> _Buffers:
+        dtype, dev = fp8_format(self.fmt).dtype, weight.device
+        n_cols = weight.shape[-1] if weight.dim() else 1
+        return _Buffers(
+            q=torch.empty(weight.shape, dtype=dtype, device=dev),
+            q_t=torch.empty((n_cols, weight.numel() // max(n_cols, 1)), dtype=dtype, device=dev) if self.keep_transpose else None,
+            scale=torch.ones((), dtype=torch.float32, device=dev),
+            amax=torch.zeros((), dtype=torch.float32, device=dev),
+            generation=torch.full((), -1, dtype=torch.int64, device=dev),
+        )
 
     def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(w_q (out, in), w_q_t (in, out) or None, scale): per-tensor FP8 of ``weight``."""
-        key = (_generation, weight.data_ptr(), weight._version, weight.shape, weight.device)
-        if key != self._key:
-            with torch.no_grad():
-                if self.keep_transpose:
-                    q, scale, q_t = quantize_per_tensor(weight.detach(), self.fmt, transpose=True, check_finite=False)
-                else:
-                    (q, scale), q_t = quantize_per_tensor(weight.detach(), self.fmt, check_finite=False), None
-            self._key, self._value = key, (q, q_t, scale)
-        return self._value
+        w = weight.detach()
+        b = self._buffers
+        if b is None or b.q.shape != w.shape or b.q.device != w.device:
+            b = self._buffers = self._allocate(w)
+            self._key = None
+        current = device_generation(w.device)
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            # recorded, not run: each replay refreshes the copy iff the device's generation moved
+            refresh_per_tensor_copy(w, b.q, b.scale, b.amax, q_t=b.q_t, generation=b.generation, current=current)
+        else:
+            key = (_generation, w.data_ptr(), weight._version)
+            if key != self._key:
+                refresh_per_tensor_copy(w, b.q, b.scale, b.amax, q_t=b.q_t, generation=b.generation, current=current,
+                                        force=True)
+                self._key = key
+        return b.q, b.q_t, b.scale
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the FP8 copies held now."""
-        if self._value is None:
+        """Bytes held for this weight: its FP8 copies, scale and bookkeeping scalars."""
+        if self._buffers is None:
             return 0
-        return sum(t.numel() * t.element_size() for t in self._value if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._buffers if t is not None)
 
     def clear(self) -> None:
-        self._key = self._value = None
+        self._key = self._buffers = None

@@ -20,12 +20,18 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from ..config import CoatConfig
-from ..fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear
+from ..fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear, invalidate_weight_caches
 from .sequence_parallel import gather_fp8_from_sequence_parallel, reduce_scatter_with_fp8_grad
 
 
 def _coat_kwargs(kwargs: dict) -> CoatConfig:
     return kwargs.pop("coat_config", None) or CoatConfig()
+
+
+def _weights_loaded(module, incompatible_keys) -> None:
+    # loaded weights are new values outside an optimizer step: under CUDA graphs only the device
+    # generation tells a replayed layer that its FP8 copy is stale
+    invalidate_weight_caches()
 
 
 class CoatColumnParallelLinear(ColumnParallelLinear):
@@ -36,6 +42,7 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = Fp8WeightCache(self.coat.weight_format, keep_transpose=self.coat.cache_weight_transpose)
+        self.register_load_state_dict_post_hook(_weights_loaded)
         self.fp8_output = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -67,6 +74,7 @@ class CoatRowParallelLinear(RowParallelLinear):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = Fp8WeightCache(self.coat.weight_format, keep_transpose=self.coat.cache_weight_transpose)
+        self.register_load_state_dict_post_hook(_weights_loaded)
         self.input_saved_by_producer = input_saved_by_producer
 
     def forward(self, input_):

@@ -96,8 +96,10 @@ def test_markdown_has_every_row_ratios_and_goals(tiny):
     peak_ratio = rows["coat"]["peak_MiB"] / leanest
     assert coat[head.index("peak MiB") + 1] == f"{peak_ratio:.2f}"
     assert coat[head.index("vs BF16")] == f"{rows['coat']['tokens_per_s'] / fastest:.2f}"
+    assert coat[head.index("CUDA graphs")] == "none"
     if not TE:
-        assert by_mode["te-fp8-pa"][1].startswith("skipped: te-fp8-pa needs TransformerEngine")
+        assert by_mode["te-fp8-pa"][1:3] == ["none", by_mode["te-fp8-pa"][2]]
+        assert by_mode["te-fp8-pa"][2].startswith("skipped: te-fp8-pa needs TransformerEngine")
     goal = next(g for g in tiny["goals"] if g["goal"] == "end-to-end peak memory vs BF16, equal micro-batch")
     assert goal["measured"] == pytest.approx(peak_ratio, abs=1e-4)
     assert goal["met"] == (peak_ratio <= 0.65)
@@ -128,6 +130,22 @@ def test_summary_states_every_goal(tiny, capsys):
     assert goals["per-layer activation memory vs the best BF16"]["note"].startswith("not measured: coat-compare --preset llama2-7b-layer")
     assert goals["llama2-7b trains on one GPU with COAT where BF16 does not fit"]["met"] is None
     assert "## Goals" in capsys.readouterr().out
+
+
+def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
+    run_job("--preset", "tiny", "--modes", "coat", "--steps", "4", "--cuda-graphs", "none,local,full_iteration", "--out", str(tmp_path), "--no-plots")
+    rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
+    assert [(r["mode"], r["graphs"]) for r in rows] == [("coat", "none"), ("coat", "local"), ("coat", "full")]
+    assert rows[0]["status"] == "ok" and rows[0]["graphs"] == "none"
+    assert all(r["status"] == "skipped" and r["reason"] == "CUDA graphs need a CUDA GPU" for r in rows[1:])
+    md = (tmp_path / "tiny.md").read_text()
+    assert "| coat | local | skipped: CUDA graphs need a CUDA GPU |" in md
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    bad = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--cuda-graphs", "none,partial"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "unknown CUDA graph configuration 'partial': use none, local, full" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--cuda-graphs", "local", "--resume-check", "--dp", "2"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "drop --cuda-graphs" in bad.stderr
 
 
 def test_tiny_layer_per_mode(tmp_path):
@@ -179,6 +197,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     if not TE:
         assert by["te-fp8-current"]["status"] == "skipped"
     md = (tmp_path / "tiny-search.md").read_text()
-    assert "| coat | 12 | 4000 | 1.00 | - | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
+    assert "| coat | none | 12 | 4000 | 1.00 | - | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
+    assert all(r["graphs"] == "none" for r in by.values())
     goal = next(r for r in rows if r["kind"] == "goal" and r["goal"] == "tokens/s at each mode's largest micro-batch vs BF16")
     assert (goal["measured"], goal["met"], goal["missed_by"]) == (1.0, False, "33.3% below the target")

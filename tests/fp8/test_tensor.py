@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from coat_kernels import quantize_per_group, quantize_per_tensor
+from coat_megatron.fp8 import weights as weights_module
 from coat_megatron.fp8 import HANDLED_OPS, Fp8Tensor, Fp8WeightCache, fp8_linear, invalidate_weight_caches, rmsnorm_to_fp8
 from coat_megatron.fp8 import tensor as tensor_module
 
@@ -86,20 +87,29 @@ def test_gradients_arrive_as_plain_bf16():
     assert type(seen["grad"]) is torch.Tensor and seen["grad"].dtype == torch.bfloat16 and x.grad.shape == x.shape
 
 
-def test_weight_copies_are_made_once_per_optimizer_step():
+def test_weight_copies_are_made_once_per_optimizer_step(monkeypatch):
     w = torch.nn.Parameter(torch.randn(16, 32))
     cache = Fp8WeightCache()
-    first = cache.get(w)
-    assert cache.get(w) is first  # every micro-batch of a step reuses them
+    calls = []
+    real = weights_module.refresh_per_tensor_copy
+    monkeypatch.setattr(weights_module, "refresh_per_tensor_copy", lambda *a, **k: (calls.append(1), real(*a, **k)))
+
+    def codes():
+        return cache.get(w)[0].view(torch.uint8).clone()
+
+    first = codes()
+    assert torch.equal(codes(), first) and len(calls) == 1  # every micro-batch of a step reuses them
     w.grad = torch.randn_like(w)
     torch.optim.SGD([w], lr=0.1).step()
-    after_step = cache.get(w)
-    assert after_step is not first and not torch.equal(after_step[0].view(torch.uint8), first[0].view(torch.uint8))
+    after_step = codes()
+    assert len(calls) == 2 and not torch.equal(after_step, first)
+    assert cache.get(w)[0] is cache.get(w)[0]  # refreshed in place: the buffers never move
+    scale = cache.get(w)[2].clone()
     with torch.no_grad():
-        w.mul_(2)  # an in-place change outside an optimizer
-    assert cache.get(w) is not after_step
-    again = cache.get(w)
+        w.mul_(2)  # an in-place change outside an optimizer (same codes, twice the scale)
+    assert torch.equal(codes(), after_step) and cache.get(w)[2] == 2 * scale and len(calls) == 3
     invalidate_weight_caches()
-    assert cache.get(w) is not again
+    codes()
+    assert len(calls) == 4
     q, q_t, scale = cache.get(w)
     assert q.shape == (16, 32) and q_t.shape == (32, 16) and torch.equal(q_t.view(torch.uint8), q.view(torch.uint8).t())
