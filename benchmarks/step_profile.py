@@ -1,11 +1,12 @@
 """Where one end-to-end training step spends its time: GPU kernels vs the host, per mode.
 
-    python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--out DIR]
+    python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--cuda-graphs none,local,full] [--out DIR]
 
 Builds the model and optimizer exactly as ``coat-compare`` does (``coat_megatron.compare``), runs a
 few warm-up steps, then profiles ``--steps`` steps with ``torch.profiler``. Per mode: the wall time
 of a step, the time the GPU was busy (the union of kernel intervals: a step whose GPU is busy far
-less than its wall time is bound by the host: Python, launches), the number of kernel launches,
+less than its wall time is bound by the host: Python, launches), the kernels run and the host's
+launch calls (a CUDA graph replay runs many kernels on one cudaGraphLaunch),
 the kernels that take the most GPU time and the host functions that take the most CPU time.
 Writes step_profile.md and step_profile.jsonl to --out.
 """
@@ -21,6 +22,11 @@ import time
 import torch
 
 
+# what the host calls to put work on the GPU (a graph replay is one cudaGraphLaunch)
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemsetAsync", "cudaMemcpyAsync"}
+
+
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals (microseconds in, milliseconds out)."""
     total, end = 0.0, float("-inf")
@@ -34,21 +40,25 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def profile_mode(preset, mode, seed: int, steps: int) -> dict:
+def profile_mode(preset, mode, seed: int, steps: int, graphs: str = "none") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    from coat_megatron.compare import parallel
     from coat_megatron.compare.build import build_gpt, set_learning_rate
-    from coat_megatron.compare.train import corpus, train_step
+    from coat_megatron.compare.train import corpus, forward_backward_function, train_step
     from coat_megatron.corpus import ByteBatches
 
-    model, optimizer = build_gpt(preset, mode, seed)
+    parallel.free_memory()
+    parallel.seed_everything(seed)
+    model, optimizer = build_gpt(preset, mode, seed, graphs=graphs)
+    forward_backward = forward_backward_function(graphs)
     data = ByteBatches(corpus(), preset.seq, preset.micro_batch, vocab_size=preset.vocab)
     generator = torch.Generator().manual_seed(seed)
 
     def step(i):
         batch = {k: v.cuda() for k, v in data.batch(generator).items()}
         set_learning_rate(optimizer, preset, i)
-        return train_step(model, optimizer, batch, preset, None)
+        return train_step(model, optimizer, batch, preset, None, forward_backward)
 
     for i in range(preset.warmup_steps + 1):
         step(i)
@@ -61,14 +71,16 @@ def profile_mode(preset, mode, seed: int, steps: int) -> dict:
     wall = (time.perf_counter() - start) * 1e3 / steps
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    host_launches = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_CALLS]
     gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
     table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
     table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
-    del model, optimizer
-    torch.cuda.empty_cache()
+    del model, optimizer, forward_backward
+    parallel.free_memory()
     return {
-        "mode": mode.name, "preset": preset.name, "wall_ms_per_step": wall, "gpu_busy_ms_per_step": gpu,
+        "mode": mode.name, "graphs": graphs, "preset": preset.name, "wall_ms_per_step": wall, "gpu_busy_ms_per_step": gpu,
         "gpu_busy_fraction": gpu / wall, "kernel_launches_per_step": len(kernels) / steps,
+        "host_launch_calls_per_step": len(host_launches) / steps,
         "top_gpu": table_gpu, "top_cpu": table_cpu,
     }
 
@@ -79,6 +91,7 @@ def main():
     p.add_argument("--modes", default="bf16,coat")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--cuda-graphs", default="none", help="comma-separated: none, local, full (as coat-compare --cuda-graphs)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args()
@@ -86,6 +99,7 @@ def main():
         raise SystemExit("benchmarks/step_profile.py profiles GPU steps: run it on a CUDA machine")
 
     from coat_megatron.compare import parallel
+    from coat_megatron.compare.job import parse_graphs
     from coat_megatron.compare.modes import parse_modes
     from coat_megatron.compare.presets import get_preset
 
@@ -93,21 +107,25 @@ def main():
     rows = []
     with contextlib.ExitStack() as stack:
         parallel.initialize(1, 1, stack)
-        for mode in parse_modes(args.modes):
-            rows.append(profile_mode(preset, mode, args.seed, args.steps))
+        for mode, graphs in [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]:
+            rows.append(profile_mode(preset, mode, args.seed, args.steps, graphs))
             r = rows[-1]
-            print(f"{r['mode']}: {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
-                  f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step", flush=True)
+            print(f"{r['mode']} (graphs {graphs}): {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
+                  f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step, "
+                  f"{r['host_launch_calls_per_step']:.0f} host launch calls/step", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_profile.jsonl"), "w") as f:
         for r in rows:
             f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("top_")}) + "\n")
     lines = [f"# One training step, {args.preset} (micro-batch {preset.micro_batch}), {torch.cuda.get_device_name()}", "",
-             f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps}`", "",
-             "| mode | wall ms/step | GPU busy ms/step | busy fraction | kernel launches/step |", "|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['wall_ms_per_step']:.1f} | {r['gpu_busy_ms_per_step']:.1f} | {r['gpu_busy_fraction']:.2f} | {r['kernel_launches_per_step']:.0f} |" for r in rows]
+             f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps} --cuda-graphs {args.cuda_graphs}`", "",
+             "| mode | CUDA graphs | wall ms/step | GPU busy ms/step | busy fraction | kernels run/step | host launch calls/step |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['graphs']} | {r['wall_ms_per_step']:.1f} | {r['gpu_busy_ms_per_step']:.1f} | {r['gpu_busy_fraction']:.2f} | "
+              f"{r['kernel_launches_per_step']:.0f} | {r['host_launch_calls_per_step']:.0f} |" for r in rows]
     for r in rows:
-        lines += ["", f"## {r['mode']}: GPU time by kernel", "", "```", r["top_gpu"], "```", "", f"## {r['mode']}: host time by function", "", "```", r["top_cpu"], "```"]
+        name = r["mode"] + ("" if r["graphs"] == "none" else f" with {r['graphs']} CUDA graphs")
+        lines += ["", f"## {name}: GPU time by kernel", "", "```", r["top_gpu"], "```", "", f"## {name}: host time by function", "", "```", r["top_cpu"], "```"]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "step_profile.md"), "w") as f:
         f.write(text)

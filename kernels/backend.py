@@ -20,22 +20,30 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_FP8_DEVICES: set[int] = set()  # CUDA devices already checked for FP8 support (once per process)
+
+
 def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
-    """True when the call on ``x`` should launch the Triton kernel."""
+    """True when the call on ``x`` should launch the Triton kernel. On the hot path (CUDA, "auto",
+    a device already checked) it costs two attribute reads and a set lookup."""
     if backend == "auto":
+        if x.is_cuda and x.device.index in _FP8_DEVICES and "COAT_KERNELS_BACKEND" not in os.environ:
+            return True
         backend = os.environ.get("COAT_KERNELS_BACKEND", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "reference":
         return False
     if x.is_cuda:
-        major, minor = torch.cuda.get_device_capability(x.device)
-        if (major, minor) < (8, 9):
-            raise RuntimeError(
-                f"FP8 kernels need a GPU with compute capability >= 8.9 (Ada or Hopper); "
-                f"{torch.cuda.get_device_name(x.device)} is sm_{major}{minor}. Run on an H100/H200, "
-                f"or pass backend='reference' to use the (slow) torch reference"
-            )
+        if x.device.index not in _FP8_DEVICES:
+            major, minor = torch.cuda.get_device_capability(x.device)
+            if (major, minor) < (8, 9):
+                raise RuntimeError(
+                    f"FP8 kernels need a GPU with compute capability >= 8.9 (Ada or Hopper); "
+                    f"{torch.cuda.get_device_name(x.device)} is sm_{major}{minor}. Run on an H100/H200, "
+                    f"or pass backend='reference' to use the (slow) torch reference"
+                )
+            _FP8_DEVICES.add(x.device.index)
         return True
     if backend == "auto":
         return False

@@ -37,7 +37,7 @@ def _pad_k(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, *,
     out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None, use_fast_accum: bool = False,
-    backend: str = "auto",
+    out: torch.Tensor | None = None, backend: str = "auto",
 ) -> torch.Tensor:
     """(a * a_scale) @ (b * b_scale) + bias with FP32 accumulation.
 
@@ -46,8 +46,9 @@ def fp8_gemm(
         a_scale, b_scale: FP32 tensors of one element (per-tensor scales).
         bias: optional (N,) vector, added in the epilogue.
         use_fast_accum: Hopper's faster, less precise accumulation (TE uses it for fprop only).
+        out: a contiguous (M, N) tensor of ``out_dtype`` to write the product into (overwritten).
     Returns:
-        (M, N) in ``out_dtype``.
+        (M, N) in ``out_dtype`` (``out`` when given).
     """
     if a.dtype not in _FP8 or b.dtype not in _FP8:
         raise TypeError(f"fp8_gemm takes FP8 operands, got {a.dtype} and {b.dtype}")
@@ -55,8 +56,11 @@ def fp8_gemm(
         raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8_gemm shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {(a.shape[0], b.shape[1])}, got {out.dtype} {tuple(out.shape)}")
     if not a.is_cuda or not use_triton(a, backend):
-        return fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
+        result = fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
+        return result if out is None else out.copy_(result)
     if not (a.is_contiguous() and b.t().is_contiguous()):
         raise ValueError("fp8_gemm needs a row-major and b column-major (b.t() contiguous)")
     if b.shape[1] % 16:
@@ -64,7 +68,8 @@ def fp8_gemm(
     a, b = _pad_k(a, b)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
+    kwargs = {} if out is None else {"out": out}
     return torch._scaled_mm(
-        a, b, scale_a=a_scale.reshape(()), scale_b=b_scale.reshape(()), bias=bias, out_dtype=out_dtype,
-        use_fast_accum=use_fast_accum,
+        a, b, scale_a=a_scale if a_scale.dim() == 0 else a_scale.reshape(()), scale_b=b_scale if b_scale.dim() == 0 else b_scale.reshape(()),
+        bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum, **kwargs,
     )

@@ -19,7 +19,8 @@ FP8 copy with the forward's exact mean and rstd:
 
 Shapes: x is (..., H) with H a multiple of G, read as R rows; the per-tensor output q has x's
 shape and q_t is (H, R); the saved copy x_q has x's shape with scales (..., H // G); mean and
-rstd are FP32 of R elements. ``weight`` is the effective FP32 multiplier (callers fold a
+rstd are FP32 of R elements. ``weight`` is the effective multiplier, FP32 or the BF16/FP16
+parameter itself (the kernels convert it as they load it; callers fold a
 zero-centred gamma's +1 into it).
 
 Kernels run with FP contraction off so that y is the same in both passes and in the torch
@@ -28,6 +29,7 @@ reference, bit for bit, given the same mean and rstd.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -90,10 +92,10 @@ def _norm_stats_kernel(
         mean = tl.div_rn(tl.sum(x, axis=0), n_cols.to(tl.float32))
         centred = tl.where(mask, x - mean, 0.0)
     rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(centred * centred, axis=0), n_cols.to(tl.float32)) + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     b = 0.0
     if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = _normalize(x, mean, rstd, w, b, IS_LAYERNORM, HAS_BIAS)
     tl.store(amax_ptr + row, tl.max(tl.where(mask, abs_or_inf(y), 0.0), axis=0))
     tl.store(rstd_ptr + row, rstd)
@@ -121,10 +123,10 @@ def _norm_quantize_kernel(
     mean = 0.0
     if IS_LAYERNORM:
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     b = 0.0
     if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = _normalize(x, mean, rstd[:, None], w[None, :], b, IS_LAYERNORM, HAS_BIAS)
     store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE)
 
@@ -138,7 +140,7 @@ def _norm_backward_kernel(
     mask = cols < n_cols
     groups = tl.arange(0, BLOCK_N // GROUP)
     n_groups = n_cols // GROUP
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = (tl.program_id(0) * rows_per_program).to(tl.int64)
@@ -183,8 +185,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
             f"with a divisor of {n} (16, 32, 64 or 128) or pad the model"
         )
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.shape != (n,) or t.dtype != torch.float32 or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous float32 vector of {n} elements, got {t.dtype} {tuple(t.shape)}")
+        if t is not None and (t.shape != (n,) or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not t.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous float32/bfloat16/float16 vector of {n} elements, got {t.dtype} {tuple(t.shape)}")
 
 
 def _stats_reference(rows: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -199,8 +201,8 @@ def _stats_reference(rows: torch.Tensor, kind: str, eps: float) -> tuple[torch.T
 def _normalize_reference(rows, mean, rstd, weight, bias):
     if mean is not None:
         rows = rows - mean[:, None]
-    y = rows * rstd[:, None] * weight
-    return y + bias if bias is not None else y
+    y = rows * rstd[:, None] * weight.float()
+    return y + bias.float() if bias is not None else y
 
 
 def norm_to_fp8_reference(
@@ -231,7 +233,8 @@ def norm_to_fp8(
 
     Args:
         x: the BF16 (or FP16/FP32) residual stream, (..., H), H a multiple of ``group_size``.
-        weight, bias: FP32 vectors of H (the effective multiplier and shift; bias LayerNorm only).
+        weight, bias: vectors of H, FP32 or BF16/FP16 (the effective multiplier and shift, converted to
+            FP32 as they are loaded; bias LayerNorm only).
         out_fmt: format of the per-tensor output (E4M3 for a GEMM input).
         saved_fmt: format of the 1xG copy of x saved for backward.
         transpose: also write q_t (H, R), the wgrad operand of the next GEMM.
@@ -253,7 +256,7 @@ def norm_to_fp8(
     dev = x.device
     rstd = torch.empty(n_rows, dtype=torch.float32, device=dev)
     mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if is_ln else None
-    row_amax = torch.zeros(max(n_rows, 1), dtype=torch.float32, device=dev)
+    row_amax = torch.empty(n_rows, dtype=torch.float32, device=dev)  # the stats kernel writes every row's
     x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
     q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev)
@@ -308,6 +311,11 @@ def norm_quantize(
     return (q, scale, q_t) if transpose else (q, scale)
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def norm_backward_reference(
     dy: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None,
     rstd: torch.Tensor, *, group_size: int, has_bias: bool, dx_dtype: torch.dtype,
@@ -318,7 +326,7 @@ def norm_backward_reference(
     if mean is not None:
         x = x - mean[:, None]
     xhat = x * rstd[:, None]
-    g = dy2 * weight
+    g = dy2 * weight.float()
     c1 = (g * xhat).sum(dim=-1, keepdim=True) / n
     dx = g - xhat * c1
     if mean is not None:
@@ -338,7 +346,7 @@ def norm_backward(
     Args:
         dy: gradient of the normalised output, x's shape (BF16 or FP32), contiguous.
         x_q, x_scales, mean, rstd: what ``norm_to_fp8`` returned for the backward.
-        weight: the FP32 multiplier the forward used.
+        weight: the multiplier the forward used.
     Returns:
         ``(dx, dw, db)``: dx in ``dx_dtype`` and x's shape; dw, db FP32 vectors (db None without bias).
     """
@@ -352,7 +360,7 @@ def norm_backward(
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
         return dx, zeros, zeros.clone() if has_bias else None
-    programs = min(n_rows, 4 * torch.cuda.get_device_properties(dy.device).multi_processor_count if dy.is_cuda else 8)
+    programs = min(n_rows, 4 * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
     dw = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)

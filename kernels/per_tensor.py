@@ -106,10 +106,11 @@ def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
 
 def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, device):
     """Allocate (q, q_t, scale) for a per-tensor FP8 output; q_t is q itself when not transposing
-    (a placeholder pointer the kernel never writes), and scale is 1 until a kernel writes it."""
+    (a placeholder pointer the kernel never writes). The kernel writes the scale; for an empty
+    tensor, which launches none, it is 1 (no fill launch otherwise)."""
     q = torch.empty(shape, dtype=f.dtype, device=device)
     q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
-    scale = torch.ones((), dtype=torch.float32, device=device)
+    scale = torch.empty((), dtype=torch.float32, device=device) if n_rows * n_cols else torch.ones((), dtype=torch.float32, device=device)
     return q, q_t, scale
 
 

@@ -207,7 +207,7 @@ def swiglu_to_fp8(
     q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
     grid, launch = _launch(n_rows, n_ffn, group_size)
     if amax is None:
-        tiles = torch.zeros(grid, dtype=torch.float32, device=h_q.device)
+        tiles = torch.empty(grid, dtype=torch.float32, device=h_q.device)  # every program writes its tile
         if n_rows:
             _swiglu_forward_kernel[grid](h_q, h_scales, tiles, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=True, **launch)
         amax = tiles.amax() if tiles.numel() else torch.zeros((), dtype=torch.float32, device=h_q.device)
@@ -248,7 +248,7 @@ def quantize_swiglu_input(
     h_q = torch.empty(h.shape, dtype=f.dtype, device=h.device)
     h_scales = torch.empty(*h.shape[:-1], h.shape[-1] // group_size, dtype=torch.float32, device=h.device)
     grid, launch = _launch(n_rows, n_ffn, group_size)
-    tiles = torch.zeros(grid, dtype=torch.float32, device=h.device)
+    tiles = torch.empty(grid, dtype=torch.float32, device=h.device)  # every program writes its tile
     if n_rows:
         _quantize_swiglu_input_kernel[grid](rows, h_q, h_scales, tiles, n_rows, n_ffn, rows.stride(0), FMAX=f.max, **launch)
     return h_q, h_scales, tiles
@@ -286,7 +286,7 @@ def swiglu_backward(
     n_rows = h_q.numel() // h_q.shape[-1]
     dh = torch.empty(h_q.shape, dtype=dh_dtype, device=da.device)
     grid, launch = _launch(n_rows, n_ffn, group_size)
-    tiles = torch.zeros(grid, dtype=torch.float32, device=da.device)
+    tiles = torch.empty(grid, dtype=torch.float32, device=da.device)  # every program writes its tile
     if n_rows:
         _swiglu_backward_kernel[grid](da, h_q, h_scales, dh, tiles, n_rows, n_ffn, **launch)
     return dh, tiles

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # The speed issue's GPU runs (one GPU; written for an H100 with torch 2.11, TransformerEngine 2.20.2
-# and megatron-core 0.19.2 installed by ../shared/gpu/stage). Results packed into $OUT/speed.tgz.
+# and megatron-core 0.19.2 installed by ../shared/gpu/stage). Everything goes to $RES (default
+# /tmp/speed-results) and is packed into $OUT/speed.tgz (the device returns few files).
 #
-#   bash scripts/gpu_speed.sh host        # host time per op / per layer, and the step profile (~3 min)
+#   bash scripts/gpu_speed.sh tests host      # the parts named, in order; each part stays under 10 minutes
 #
 # Parts:
-#   host   benchmarks/host_overhead.py, then benchmarks/step_profile.py for gpt-1b (bf16, te-fp8-current, coat)
+#   tests    every gpu-marked test (pytest -m gpu), log in pytest-gpu.log (~3 min)
+#   host     benchmarks/host_overhead.py: host time per op and per layer, cProfile (~1 min)
+#   profile  benchmarks/step_profile.py, gpt-1b: bf16, te-fp8-current, coat, each eager / local / full graphs (~5 min)
+#   train1   coat-compare gpt-1b, micro-batch 4, STEPS steps (default 20): bf16 and coat, each eager / local / full (~5 min)
+#   train2   the same for te-fp8-current and te-fp8-delayed (~5 min)
+#   layer    coat-compare llama2-7b-layer: bf16, te-fp8-current, te-fp8-store, coat (~2 min)
+#   summary  coat-compare --summarize over every report written so far
 set -uo pipefail
 dest=${OUT:-out}
-out=${RES:-/tmp/speed-results}   # everything here; $dest gets speed.tgz (the device returns few files)
+out=${RES:-/tmp/speed-results}
+steps=${STEPS:-20}
+graphs=${GRAPHS:-none,local,full}
 mkdir -p "$out" "$dest"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
@@ -25,11 +34,34 @@ run() {  # run CAP_SECONDS NAME command...: the log goes to $out/NAME.log
   echo "   $((SECONDS - start)) s"
 }
 
-for part in ${*:-host}; do
+compare() {  # compare CAP NAME coat-compare-args...
+  local cap=$1 name=$2
+  shift 2
+  run "$cap" "$name" python3 -m coat_megatron.compare --out "$out" --name "$name" "$@"
+  grep -E "^\| (bf16|te-fp8|coat)" "$out/$name.md" 2>/dev/null | cut -c1-160
+}
+
+for part in ${*:-tests host}; do
   case $part in
+    tests)
+      run 420 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
+      tail -4 "$out/pytest-gpu.log" ;;
     host)
       run 240 host python3 benchmarks/host_overhead.py --out "$out"
-      run 300 step-profile python3 benchmarks/step_profile.py --preset gpt-1b --modes bf16,te-fp8-current,coat --steps 3 --out "$out" ;;
+      grep -E "^\| (coat|bf16|te-fp8)" "$out/host_overhead.md" ;;
+    profile)
+      run 560 step-profile python3 benchmarks/step_profile.py --preset gpt-1b --modes bf16,te-fp8-current,coat --steps 3 \
+        --cuda-graphs "$graphs" --out "$out"
+      grep -E "^\| (bf16|te-fp8|coat)" "$out/step_profile.md" ;;
+    train1)
+      compare 570 gpt-1b-bf16-coat --preset gpt-1b --micro-batch 4 --steps "$steps" --modes bf16,coat --cuda-graphs "$graphs" --no-plots ;;
+    train2)
+      compare 570 gpt-1b-te --preset gpt-1b --micro-batch 4 --steps "$steps" --modes te-fp8-current,te-fp8-delayed --cuda-graphs "$graphs" --no-plots ;;
+    layer)
+      compare 300 llama2-7b-layer --preset llama2-7b-layer --modes bf16,te-fp8-current,te-fp8-store,coat --no-plots ;;
+    summary)
+      python3 -m coat_megatron.compare --summarize --out "$out" >/dev/null 2>&1
+      grep -E "^\| tokens/s at equal|^\| per-layer fwd" "$out/summary.md" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac
 done

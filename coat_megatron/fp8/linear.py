@@ -16,6 +16,8 @@ On a CPU the GEMMs dequantize and multiply in FP32.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax
@@ -93,7 +95,7 @@ class _Fp8Linear(torch.autograd.Function):
             elif x_t is None:
                 x_t = ctx.x_t_fn()
             if main_grad and hasattr(weight, "main_grad"):
-                dw = _accumulate_main_grad(weight, fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=torch.float32))
+                dw = _wgrad_into_main_grad(weight, dy_t, dy_scale, x_t.t(), x_scale)
             else:
                 dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -101,10 +103,25 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-def _accumulate_main_grad(weight: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
-    """Megatron's gradient-accumulation-fusion protocol: add wgrad into ``weight.main_grad`` (FP32)
-    and hand autograd a placeholder, so DDP's hook does not add it a second time."""
-    weight.main_grad.add_(dw)
+def _capturing_a_per_layer_graph() -> bool:
+    """Megatron's per-layer CUDA graphs (cuda_graph_impl="local") replay one captured backward for
+    every micro-batch: what it does to main_grad must not depend on which micro-batch it is."""
+    cuda_graphs = sys.modules.get("megatron.core.transformer.cuda_graphs")
+    return cuda_graphs is not None and cuda_graphs.is_graph_capturing()
+
+
+def _wgrad_into_main_grad(weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale) -> torch.Tensor | None:
+    """Megatron's gradient-accumulation-fusion protocol: wgrad = dY^T X goes into
+    ``weight.main_grad`` (FP32) and autograd gets a placeholder, so DDP's hook does not add it a
+    second time. While DDP has added nothing to main_grad since it zeroed it
+    (``grad_added_to_main_grad`` False: the first micro-batch of a step), the GEMM writes straight
+    into it, with no FP32 temporary to add (8 bytes per weight element less traffic); later
+    micro-batches, and a captured per-layer graph, which serves every micro-batch, add."""
+    main = weight.main_grad
+    if getattr(weight, "grad_added_to_main_grad", None) is False and not _capturing_a_per_layer_graph():
+        fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=torch.float32, out=main)
+    else:
+        main.add_(fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=torch.float32))
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True

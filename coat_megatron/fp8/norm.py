@@ -18,8 +18,10 @@ from .tensor import Fp8Tensor
 
 
 def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
-    w = weight.detach().float()
-    return (w + 1.0 if zero_centered_gamma else w).contiguous()
+    """What the kernels multiply by: the parameter itself (they convert it as they load it; no
+    copy, no launch), or for a zero-centred gamma its FP32 w + 1."""
+    w = weight.detach()
+    return (w.float() + 1.0).contiguous() if zero_centered_gamma else w.contiguous()
 
 
 class _NormToFp8(torch.autograd.Function):
@@ -28,7 +30,7 @@ class _NormToFp8(torch.autograd.Function):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved 1xG input copy)
         w = _multiplier(weight, zero_centered_gamma)
-        b = bias.detach().float().contiguous() if bias is not None else None
+        b = bias.detach().contiguous() if bias is not None else None
         r = norm_to_fp8(
             x, w, b, eps=eps, kind=kind, group_size=group_size, out_fmt=out_fmt, saved_fmt=saved_fmt,
             transpose=transpose == "store", reduce_amax=reduce_amax,

@@ -134,6 +134,32 @@ def test_linear_without_a_cached_weight_transpose_gives_identical_results_with_h
     assert Fp8WeightCache("e4m3", keep_transpose=False).get(w.to(device))[1] is None
 
 
+def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
+    """Megatron's gradient-accumulation fusion: the first micro-batch after DDP zeroed main_grad
+    (grad_added_to_main_grad False) writes it, later ones add; a weight without DDP's flag adds."""
+    x1, x2 = activations((64, 96), seed), activations((64, 96), seed + 1)
+    w = activations((48, 96), seed + 2)
+    dy1, dy2 = activations((64, 48), seed + 3), activations((64, 48), seed + 4)
+    plain = []
+    for x, dy in ((x1, dy1), (x2, dy2)):
+        wc = leaf(w, torch.float32, device=device)  # an FP32 weight: its wgrad comes out in FP32, as main_grad's
+        fp8_linear(leaf(x, device=device), wc).backward(dy.to(device))
+        plain.append(wc.grad)
+    wf = leaf(w, device=device)
+    wf.main_grad = torch.full(w.shape, float("nan"), device=device)  # DDP zeroed it: nothing may read it
+    wf.grad_added_to_main_grad = False
+    for x, dy in ((x1, dy1), (x2, dy2)):
+        fp8_linear(leaf(x, device=device), wf, accumulate_into_main_grad=True).backward(dy.to(device))
+        if len(plain) == 2:
+            assert wf.grad_added_to_main_grad and torch.equal(wf.main_grad, plain[0])
+            plain.append(None)
+    assert torch.equal(wf.main_grad, plain[0] + plain[1])
+    flagless = leaf(w, device=device)
+    flagless.main_grad = torch.ones(w.shape, device=device)
+    fp8_linear(leaf(x1, device=device), flagless, accumulate_into_main_grad=True).backward(dy1.to(device))
+    assert torch.equal(flagless.main_grad, plain[0] + 1)
+
+
 def test_linear_fp8_output_is_1x16(seed):
     x, w = activations((24, 320), seed), activations((256, 320), seed + 1) / 18
     xr, wr = x.float(), w.float()

@@ -42,6 +42,25 @@ def test_forward_matches_reference(device, shape, kind, seed):
     assert r.q_t.shape == (shape[-1], x.numel() // shape[-1])
 
 
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_a_bf16_weight_is_read_as_its_fp32_value(device, kind, seed):
+    # the COAT norm hands the kernels its BF16 parameter (no FP32 copy): same codes, same gradients
+    x = random_activations((37, 160), seed=seed)
+    w, b = weights(160, kind, seed)
+    w16, b16 = w.to(torch.bfloat16), None if b is None else b.to(torch.bfloat16)
+    half = run_forward(device, x, w16, b16, kind)
+    full = run_forward(device, x, w16.float(), None if b16 is None else b16.float(), kind)
+    for a, c in zip(half, full):
+        assert (a is None and c is None) or torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, c.view(torch.uint8) if c.dtype.itemsize == 1 else c)
+    dy = random_activations((37, 160), seed=seed + 1)
+    args = (half.x_q.to(device), half.x_scales.to(device))
+    stats = (None if half.mean is None else half.mean.to(device), half.rstd.to(device))
+    g16 = norm_backward(dy.to(device), *args, w16.to(device), *stats, group_size=16, has_bias=b is not None, backend="triton")
+    g32 = norm_backward(dy.to(device), *args, w16.float().to(device), *stats, group_size=16, has_bias=b is not None, backend="triton")
+    for a, c in zip(g16, g32):
+        assert (a is None and c is None) or torch.equal(a, c)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4099, 4096), (2, 1023, 5120)], ids=str)
 @pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
@@ -87,8 +106,10 @@ def test_bad_arguments_name_the_fix():
         norm_to_fp8(x, torch.ones(40), eps=1e-5)
     with pytest.raises(ValueError, match="RMSNorm has no bias"):
         norm_to_fp8(torch.randn(4, 32), torch.ones(32), torch.zeros(32), eps=1e-5)
-    with pytest.raises(ValueError, match="contiguous float32 vector of 32"):
-        norm_to_fp8(torch.randn(4, 32), torch.ones(32, dtype=torch.bfloat16), eps=1e-5)
+    with pytest.raises(ValueError, match="contiguous float32/bfloat16/float16 vector of 32"):
+        norm_to_fp8(torch.randn(4, 32), torch.ones(32, dtype=torch.float64), eps=1e-5)
+    with pytest.raises(ValueError, match="vector of 32 elements"):
+        norm_to_fp8(torch.randn(4, 32), torch.ones(2, 16), eps=1e-5)
     with pytest.raises(ValueError, match="use 'rmsnorm' or 'layernorm'"):
         norm_to_fp8(torch.randn(4, 32), torch.ones(32), eps=1e-5, kind="batchnorm")
 

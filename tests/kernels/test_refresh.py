@@ -82,3 +82,25 @@ def test_refresh_rejects_mismatched_buffers(device):
         refresh_per_tensor_copy(x, q, scale, amax, generation=torch.zeros((), dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="int64"):
         refresh_per_tensor_copy(x, q, scale, amax, generation=torch.zeros(()), current=torch.zeros(()))
+
+
+@pytest.mark.gpu
+def test_a_captured_refresh_replays_only_after_the_generation_moves(seed):
+    x = random_activations((384, 1000), seed=seed).cuda()
+    q, q_t, scale, amax = buffers((384, 1000), "e4m3", True, "cuda")
+    generation = torch.full((), -1, dtype=torch.int64, device="cuda")
+    current = torch.zeros((), dtype=torch.int64, device="cuda")
+    refresh_per_tensor_copy(x, q, scale, amax, q_t=q_t, generation=generation, current=current)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        refresh_per_tensor_copy(x, q, scale, amax, q_t=q_t, generation=generation, current=current)
+    x.mul_(-0.5)  # a new weight, in place (the graph reads x's address)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(x * -2.0, "e4m3", q, q_t, scale)  # not refreshed: the generation did not move
+    current.add_(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    check_against_reference(x, "e4m3", q, q_t, scale)
+    assert generation.item() == 1 and amax.item() == 0.0
