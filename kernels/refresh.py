@@ -11,7 +11,8 @@ can replay it on every micro-batch and pay for the work only when the weight cha
   and ``current`` (bumped by whoever changes the weight: an optimizer step). When they are equal
   the three kernels below mask out every load and store (a few microseconds of launches); when
   they differ the copy is remade from the weight and ``generation`` takes ``current``'s value.
-  ``force=True`` remakes it regardless (the host knows it is stale).
+  ``force=True`` remakes it regardless (the host knows it is stale): the same compiled kernels,
+  so an eager refresh compiles what a graph capture will record.
 
 Three launches, no host synchronisation and no allocation:
 
@@ -36,20 +37,18 @@ from .scaling import abs_or_inf, quantize_with_inverse, scale_from_amax
 
 
 @triton.jit
-def _is_stale(gen_ptr, cur_ptr, n_rows, GATED: tl.constexpr):
-    if GATED:
-        stale = tl.load(gen_ptr) != tl.load(cur_ptr)
-    else:
-        stale = n_rows >= 0
-    return stale
+def _is_stale(gen_ptr, cur_ptr, force):
+    return (tl.load(gen_ptr) != tl.load(cur_ptr)) | (force != 0)
 
 
-@triton.jit
+# ``force`` is a run-time argument (not specialised): the forced refresh the host launches eagerly
+# and the gated one a CUDA graph records are one compiled kernel, so nothing compiles (or loads a
+# module) during a capture
+@triton.jit(do_not_specialize=["force"])
 def _refresh_amax_kernel(
-    x_ptr, amax_ptr, gen_ptr, cur_ptr, n_rows, n_cols, stride_x,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, amax_ptr, gen_ptr, cur_ptr, force, n_rows, n_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    stale = _is_stale(gen_ptr, cur_ptr, n_rows, GATED)
+    stale = _is_stale(gen_ptr, cur_ptr, force)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols) & stale
@@ -57,12 +56,12 @@ def _refresh_amax_kernel(
     tl.atomic_max(amax_ptr, tl.max(tl.max(abs_or_inf(x.to(tl.float32)), axis=1), axis=0), mask=stale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["force"])
 def _refresh_quantize_kernel(
-    x_ptr, amax_ptr, gen_ptr, cur_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
-    FMAX: tl.constexpr, GATED: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, amax_ptr, gen_ptr, cur_ptr, force, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
+    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    stale = _is_stale(gen_ptr, cur_ptr, n_rows, GATED)
+    stale = _is_stale(gen_ptr, cur_ptr, force)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
@@ -148,20 +147,21 @@ def refresh_per_tensor_copy(
         return
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
-    gated = generation is not None and not force
-    gen = generation if generation is not None else amax  # placeholders the kernels never read
-    cur = current if current is not None else amax
+    forced = int(generation is None or force)
+    placeholder = torch.empty((), dtype=torch.int64, device=x.device) if generation is None else None
+    gen = generation if generation is not None else placeholder  # read, but ``forced`` decides
+    cur = current if current is not None else placeholder
     if rows.numel():
         block_m, block_n, warps = _AMAX_BLOCKS
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-        _refresh_amax_kernel[grid](rows, amax, gen, cur, n_rows, n_cols, rows.stride(0), GATED=gated, BLOCK_M=block_m,
+        _refresh_amax_kernel[grid](rows, amax, gen, cur, forced, n_rows, n_cols, rows.stride(0), BLOCK_M=block_m,
                                    BLOCK_N=block_n, num_warps=warps)
         in_pass = transpose_in_pass(q_t is not None, x.dtype)
         block_m, block_n, warps = _quantize_blocks(n_cols, q_t is not None)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
         _refresh_quantize_kernel[grid](
-            rows, amax, gen, cur, q, q_t if q_t is not None else q, scale, n_rows, n_cols, rows.stride(0),
-            FMAX=fp8_format(_format_name(q)).max, GATED=gated, TRANSPOSE=in_pass,
+            rows, amax, gen, cur, forced, q, q_t if q_t is not None else q, scale, n_rows, n_cols, rows.stride(0),
+            FMAX=fp8_format(_format_name(q)).max, TRANSPOSE=in_pass,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
         if q_t is not None:
