@@ -146,31 +146,17 @@ def layer_modes():
 
 
 def build_layer_step(preset, mode, seed: int = 1234):
-    """(step, forward, layer): fwd+bwd of one TransformerLayer of ``mode`` on the preset's shape."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    """(step, layer): fwd+bwd of one TransformerLayer of ``mode`` (as coat-compare builds it), the
+    gradients dropped after each step."""
+    from coat_megatron.compare.layer import LayerStep
 
-    from coat_megatron.compare.build import build_layer
-
-    layer, config = build_layer(preset, mode, seed)
-    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).cuda()(preset.seq)
-    x = torch.randn(preset.seq, preset.micro_batch, preset.hidden, device="cuda").to(torch.bfloat16).requires_grad_()
-    dy = torch.randn_like(x)
-    params = list(layer.parameters())
-    ctx = contextlib.nullcontext
-    if config.fp8:
-        from megatron.core.fp8_utils import get_fp8_context
-
-        ctx = lambda: get_fp8_context(config)  # noqa: E731
+    run = LayerStep(preset, mode, seed)
 
     def step():
-        with ctx():
-            out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
-        out.backward(dy)
-        x.grad = None
-        for p in params:
-            p.grad = None
+        run.step()
+        run.clear_grads()
 
-    return step, layer
+    return step, run
 
 
 def layers(rows: list, profile_calls: int) -> str:

@@ -11,7 +11,8 @@
 # (--no-gradient-accumulation-fusion: Megatron's default needs apex's fused wgrad kernel, absent on a
 # plain torch + TE install; COAT accumulates into main_grad itself either way.)
 # Environment: OUT (default ./out: logs, --coat-report JSONs, comparison.md), SIZE (1b | tiny),
-# GPUS (processes; default: the visible GPUs, or 1), ITERS (default 50), PYTHON (default python).
+# GPUS (processes; default: the visible GPUs, or 1), ITERS (default 50), PYTHON (default python),
+# GRAPHS (Megatron's --cuda-graph-impl for both runs: none (default), local, full_iteration).
 # Megatron prints the loss, iteration time and TFLOP/s every 5 iterations (--log-throughput) and
 # its memory report after the first 5. Both runs together take a few minutes on one H100.
 set -euo pipefail
@@ -20,6 +21,7 @@ OUT=${OUT:-./out}
 SIZE=${SIZE:-1b}
 ITERS=${ITERS:-50}
 PYTHON=${PYTHON:-python}
+GRAPHS=${GRAPHS:-none}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z "${GPUS:-}" ]]; then
     GPUS=$("$PYTHON" -c "import torch; print(max(1, torch.cuda.device_count()))")
@@ -48,6 +50,13 @@ COMMON=(
     --log-interval 5 --log-throughput --eval-iters 0 --eval-interval 1000000
 )
 
+case "$GRAPHS" in
+    none) ;;
+    local) COMMON+=(--cuda-graph-impl local) ;;
+    full_iteration) COMMON+=(--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad) ;;
+    *) echo "GRAPHS=$GRAPHS: use none, local or full_iteration" >&2; exit 2 ;;
+esac
+
 if (( GPUS > 1 )); then
     LAUNCH=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" -m coat_patches.launch)
 else
@@ -55,7 +64,7 @@ else
 fi
 
 mkdir -p "$OUT"
-echo "SIZE=$SIZE GPUS=$GPUS ITERS=$ITERS transformer-impl=$IMPL -> $OUT" | tee "$OUT/setup.txt"
+echo "SIZE=$SIZE GPUS=$GPUS ITERS=$ITERS transformer-impl=$IMPL cuda-graph-impl=$GRAPHS -> $OUT" | tee "$OUT/setup.txt"
 "$PYTHON" -c "import torch, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu')" | tee -a "$OUT/setup.txt"
 
 for mode in bf16 coat; do

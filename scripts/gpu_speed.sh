@@ -12,6 +12,9 @@
 #   train1   coat-compare gpt-1b, micro-batch 4, STEPS steps (default 20): bf16 and coat, each eager / local / full (~5 min)
 #   train2   the same for te-fp8-current and te-fp8-delayed (~5 min)
 #   layer    coat-compare llama2-7b-layer: bf16, te-fp8-current, te-fp8-store, coat (~2 min)
+#   kernels  benchmarks/layer_profile.py: GPU time per kernel class of that layer, coat vs TE FP8 current vs BF16 (~1 min)
+#   pretrain scripts/gpu_pretrain.sh (1B through megatron.training, BF16 vs --coat-fp8) with GRAPHS_PRETRAIN
+#            (default local) Megatron CUDA graphs, ITERS (default 30) iterations (~4 min)
 #   summary  coat-compare --summarize over every report written so far
 set -uo pipefail
 dest=${OUT:-out}
@@ -59,6 +62,13 @@ for part in ${*:-tests host}; do
       compare 570 gpt-1b-te --preset gpt-1b --micro-batch 4 --steps "$steps" --modes te-fp8-current,te-fp8-delayed --cuda-graphs "$graphs" --no-plots ;;
     layer)
       compare 300 llama2-7b-layer --preset llama2-7b-layer --modes bf16,te-fp8-current,te-fp8-store,coat --no-plots ;;
+    kernels)
+      run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,bf16 --out "$out"
+      sed -n '/^| class/,/total/p' "$out/layer_profile.md" ;;
+    pretrain)
+      g=${GRAPHS_PRETRAIN:-local}
+      run 570 "pretrain-$g" env OUT="$out/pretrain-$g" GRAPHS="$g" ITERS="${ITERS:-30}" PYTHON=python3 bash scripts/gpu_pretrain.sh
+      cat "$out/pretrain-$g/comparison.md" 2>/dev/null ;;
     summary)
       python3 -m coat_megatron.compare --summarize --out "$out" >/dev/null 2>&1
       grep -E "^\| tokens/s at equal|^\| per-layer fwd" "$out/summary.md" ;;

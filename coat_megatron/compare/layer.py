@@ -30,49 +30,56 @@ from .presets import Preset
 CPU_REPEATS = 5
 
 
-def measure_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1) -> dict:
-    """{"ms", "activation_MiB", "memory_source", all-gather bytes} of one fwd+bwd of ``mode``'s
-    layer on a (seq, micro_batch, hidden) BF16 input with RoPE, as in GPTModel; at ``tp`` > 1 this
-    rank's TP shard of the layer on its (seq / tp, micro_batch, hidden) slice (sequence parallel)."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+class LayerStep:
+    """One TransformerLayer of ``mode`` on a (seq / tp, micro_batch, hidden) BF16 input with RoPE,
+    as in GPTModel (at ``tp`` > 1 this rank's shard, sequence parallel): ``forward()`` returns the
+    output, ``step()`` runs fwd+bwd, ``clear_grads()`` drops the gradients it left."""
 
-    layer, config = build_layer(preset, mode, seed, tp)
-    device = next(layer.parameters()).device
-    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).to(device)(preset.seq)
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(preset.seq // tp, preset.micro_batch, preset.hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)
-    params = list(layer.parameters())
-    fp8_context = contextlib.nullcontext
-    if config.fp8:
-        from megatron.core.fp8_utils import get_fp8_context
+    def __init__(self, preset: Preset, mode: Mode, seed: int, tp: int = 1):
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-        fp8_context = lambda: get_fp8_context(config)  # noqa: E731
+        self.layer, config = build_layer(preset, mode, seed, tp)
+        device = next(self.layer.parameters()).device
+        self.rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).to(device)(preset.seq)
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.x = torch.randn(preset.seq // tp, preset.micro_batch, preset.hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+        self.dy = torch.randn(self.x.shape, device=device, generator=g).to(torch.bfloat16)
+        self.params = list(self.layer.parameters())
+        self.fp8_context = contextlib.nullcontext
+        if config.fp8:
+            from megatron.core.fp8_utils import get_fp8_context
 
-    def forward():
-        with fp8_context():
-            out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+            self.fp8_context = lambda: get_fp8_context(config)  # noqa: E731
+
+    def forward(self) -> torch.Tensor:
+        with self.fp8_context():
+            out, _ = self.layer(self.x, attention_mask=None, rotary_pos_emb=self.rope)
         return out
 
-    def step():
-        forward().backward(dy)
+    def step(self) -> None:
+        self.forward().backward(self.dy)
 
+    def clear_grads(self) -> None:
+        for t in [self.x, *self.params]:
+            t.grad = None
+
+
+def measure_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1) -> dict:
+    """{"ms", "activation_MiB", "memory_source", all-gather bytes} of one fwd+bwd of ``mode``'s
+    layer (``LayerStep``)."""
+    run = LayerStep(preset, mode, seed, tp)
     for _ in range(3):
-        step()
-    x.grad = None
-    for p in params:
-        p.grad = None
+        run.step()
+    run.clear_grads()
     with AllGatherBytes() as counter:
-        step()
+        run.step()
     gathered = all_gather_fields(counter.snapshot())
-    x.grad = None
-    for p in params:
-        p.grad = None
-    if device.type == "cuda":
-        result = _measure_cuda(forward, step, dy, [x] + params)
+    run.clear_grads()
+    if run.x.device.type == "cuda":
+        result = _measure_cuda(run.forward, run.step, run.dy, [run.x] + run.params)
     else:
-        result = _measure_cpu(forward, step, dy, [x, rope] + params)
-    del layer
+        result = _measure_cpu(run.forward, run.step, run.dy, [run.x, run.rope] + run.params)
+    del run
     return {**result, "tp": tp, **gathered}
 
 

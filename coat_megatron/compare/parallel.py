@@ -94,14 +94,18 @@ def _shutdown() -> None:
 def seed_everything(seed: int) -> None:
     """torch's generators and Megatron's CUDA RNG tracker (attention forks it even at dropout 0).
 
-    On a GPU the tracker is Megatron's graph-safe one in every run (CUDA graphs need it; the
-    dropout-free presets draw no random numbers, so eager runs are unchanged), made anew for each
-    mode."""
+    On a GPU the tracker is a graph-safe one in every run (CUDA graphs need it; the dropout-free
+    presets draw no random numbers, so eager runs are unchanged), made anew for each mode:
+    TransformerEngine's where TE is installed (its attention accepts no other inside a graph; what
+    megatron.training picks for CUDA graphs), else Megatron's graph-safe tracker."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from ..optional import transformer_engine_available
 
     torch.manual_seed(seed)
     cuda = torch.cuda.is_available()
-    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda, force_reset_rng=True)
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=cuda and transformer_engine_available(), use_cudagraphable_rng=cuda,
+                                    force_reset_rng=True)
 
 
 def synchronize() -> None:
@@ -121,9 +125,19 @@ def release_cuda_graphs() -> None:
     if not torch.cuda.is_available():
         return
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
-    from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+    from megatron.core.transformer import cuda_graphs
 
-    delete_cuda_graphs()
+    from ..optional import transformer_engine_available
+
+    cuda_graphs.delete_cuda_graphs()
+    # a capture that failed half-way leaves these process-wide flags set (and TE's attention then
+    # refuses to run eagerly)
+    cuda_graphs._set_capture_end()
+    cuda_graphs._set_warmup_end()
+    if transformer_engine_available():
+        from transformer_engine.pytorch.graph import set_capture_end
+
+        set_capture_end()
     FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
     FullCudaGraphWrapper.result = {"training": None, "validation": None}
     FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
