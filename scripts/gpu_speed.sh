@@ -8,7 +8,8 @@
 # Parts:
 #   tests    every gpu-marked test (pytest -m gpu), log in pytest-gpu.log (~3 min)
 #   host     benchmarks/host_overhead.py: host time per op and per layer, cProfile (~1 min)
-#   profile  benchmarks/step_profile.py, gpt-1b: bf16, te-fp8-current, coat, each eager / local / full graphs (~5 min)
+#   profile  benchmarks/step_profile.py, gpt-1b: bf16, te-fp8-current, coat, each eager and with PROFILE_GRAPHS
+#            (default local) graphs (~4 min)
 #   train1   coat-compare gpt-1b, micro-batch 4, STEPS steps (default 20): bf16 and coat, each eager / local / full (~5 min)
 #   train2   the same for te-fp8-current and te-fp8-delayed (~5 min)
 #   layer    coat-compare llama2-7b-layer: bf16, te-fp8-current, te-fp8-store, coat (~2 min)
@@ -54,7 +55,7 @@ for part in ${*:-tests host}; do
       grep -E "^\| (coat|bf16|te-fp8)" "$out/host_overhead.md" ;;
     profile)
       run 560 step-profile python3 benchmarks/step_profile.py --preset gpt-1b --modes bf16,te-fp8-current,coat --steps 3 \
-        --cuda-graphs "$graphs" --out "$out"
+        --cuda-graphs "${PROFILE_GRAPHS:-none,local}" --out "$out"
       grep -E "^\| (bf16|te-fp8|coat)" "$out/step_profile.md" ;;
     train1)
       compare 570 gpt-1b-bf16-coat --preset gpt-1b --micro-batch 4 --steps "$steps" --modes bf16,coat --cuda-graphs "$graphs" --no-plots ;;
