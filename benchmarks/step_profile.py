@@ -17,6 +17,8 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -40,7 +42,10 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
-def profile_mode(preset, mode, seed: int, steps: int, graphs: str = "none") -> dict:
+ROW_MARK = "STEP-PROFILE-ROW "
+
+
+def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from coat_megatron.compare import parallel
@@ -94,6 +99,7 @@ def main():
     p.add_argument("--cuda-graphs", default="none", help="comma-separated: none, local, full (as coat-compare --cuda-graphs)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row printed as JSON
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/step_profile.py profiles GPU steps: run it on a CUDA machine")
@@ -104,15 +110,30 @@ def main():
     from coat_megatron.compare.presets import get_preset
 
     preset = get_preset(args.preset).with_overrides(micro_batch=args.micro_batch, steps=100)
+    configs = [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]
+    if args.one:
+        with contextlib.ExitStack() as stack:
+            parallel.initialize(1, 1, stack)
+            print(ROW_MARK + json.dumps(profile_mode(preset, *configs[0], seed=args.seed, steps=args.steps)), flush=True)
+        return
     rows = []
-    with contextlib.ExitStack() as stack:
-        parallel.initialize(1, 1, stack)
-        for mode, graphs in [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]:
-            rows.append(profile_mode(preset, mode, args.seed, args.steps, graphs))
-            r = rows[-1]
-            print(f"{r['mode']} (graphs {graphs}): {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
-                  f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step, "
-                  f"{r['host_launch_calls_per_step']:.0f} host launch calls/step", flush=True)
+    for mode, graphs in configs:
+        # each configuration in a fresh process: CUDA graph memory pools outlive their models
+        # (see coat_megatron.compare.job.isolate_graph_runs)
+        cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--modes", mode.name, "--cuda-graphs", graphs,
+               "--steps", str(args.steps), "--seed", str(args.seed), "--one"]
+        if args.micro_batch:
+            cmd += ["--micro-batch", str(args.micro_batch)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = [line[len(ROW_MARK):] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
+        if not found:
+            print(f"{mode.name} (graphs {graphs}) failed ({proc.returncode}): {proc.stderr[-2000:]}", flush=True)
+            continue
+        r = json.loads(found[-1])
+        rows.append(r)
+        print(f"{r['mode']} (graphs {graphs}): {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
+              f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step, "
+              f"{r['host_launch_calls_per_step']:.0f} host launch calls/step", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "step_profile.jsonl"), "w") as f:
         for r in rows:

@@ -38,7 +38,7 @@ from .goals import evaluate
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
 from .plots import draw
 from .presets import PRESETS, Preset, get_preset
-from .probe import PROBE_MARK
+from .probe import PROBE_MARK, run_probe
 from .progress import Progress
 from .report import read_jsonl, write_report
 from .resume import resume_check
@@ -119,6 +119,8 @@ def main(argv=None) -> int:
                              "it starts its own --tp x --dp processes for each run")
         rows = search_all(args, preset, modes) if args.search else resume_all(args, preset, modes)
         name = args.name or f"{preset.name}-{'search' if args.search else 'resume'}"
+    elif isolate_graph_runs(preset, args):
+        rows = [run_isolated(preset, mode, args, graphs) for mode in modes for graphs in graph_runs(preset, args)]
     else:
         with contextlib.ExitStack() as stack:
             parallel.initialize(args.tp, args.dp, stack)
@@ -138,6 +140,32 @@ def graph_runs(preset: Preset, args) -> list[str]:
     per-layer preset times one layer's GPU work eagerly (at these shapes the GPU, not the host,
     bounds it), so it runs once."""
     return args.cuda_graphs if preset.kind == "train" else ["none"]
+
+
+def isolate_graph_runs(preset: Preset, args) -> bool:
+    """Whether each (mode, CUDA graph configuration) of this job trains in a fresh process: on one
+    GPU whenever graphs are asked for. Megatron keeps graph state process-wide (capture flags, the
+    whole-step graph's memory pool, static buffers), and a graph's private memory pool outlives
+    the model it served: measured on an H100, a mode run after a whole-step-graph mode in the same
+    process started with ~16 GiB still held (its peak memory was the earlier mode's), a second
+    whole-step capture failed in PyTorch's allocator, and the tiny preset hit an illegal memory
+    access. A process per configuration costs a start-up (~20 s) and leaves every row clean."""
+    return (preset.kind == "train" and torch.cuda.is_available() and not args.probe and args.tp * args.dp == 1
+            and int(os.environ.get("WORLD_SIZE", "1")) == 1 and args.cuda_graphs != ["none"])
+
+
+def run_isolated(preset: Preset, mode: Mode, args, graphs: str) -> dict:
+    """``run_mode`` in a fresh process (``probe``): the row it printed, or a failed row with why."""
+    row = new_row(preset.kind, preset, mode, args, graphs)
+    if row.get("status") == "skipped":
+        return row
+    print(f"{preset.name} {mode.name} (graphs: {graphs}): a fresh process", file=sys.stderr, flush=True)
+    probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(preset.steps), "--micro-batch", str(preset.micro_batch),
+                  "--seq", str(preset.seq), "--seed", str(args.seed), "--cuda-graphs", graphs]
+    result = run_probe(probe_args, 1)
+    if result.row is None:
+        return {**row, "status": "failed", "reason": result.error, "seconds": round(result.seconds, 2)}
+    return result.row
 
 
 def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
