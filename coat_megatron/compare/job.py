@@ -121,6 +121,7 @@ def main(argv=None) -> int:
         name = args.name or f"{preset.name}-{'search' if args.search else 'resume'}"
     elif isolate_graph_runs(preset, args):
         rows = [run_isolated(preset, mode, args, graphs) for mode in modes for graphs in graph_runs(preset, args)]
+        name = args.name or preset.name
     else:
         with contextlib.ExitStack() as stack:
             parallel.initialize(args.tp, args.dp, stack)
