@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import cProfile
 import io
-import json
 import os
 import pstats
 import time
@@ -226,13 +225,9 @@ def main():
             lines += ["```"]
     lines += ["", "## cProfile of the COAT layer fwd+bwd (256 tokens), by own time", "", "```", cprofile_text, "```"]
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "host_overhead.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "host_overhead.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    print(text)
+    from coat_megatron.compare.report import write_markdown_and_rows
+
+    write_markdown_and_rows(args.out, "host_overhead", text, rows)
 
 
 if __name__ == "__main__":

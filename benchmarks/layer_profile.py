@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 from collections import defaultdict
 
@@ -60,8 +59,6 @@ def profile_layer(preset, mode, repeats: int, seed: int = 1234) -> dict:
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[e.name] += e.device_time_total / 1e3 / repeats  # ms per fwd+bwd
-    del run, step
-    torch.cuda.empty_cache()
     by_class = defaultdict(float)
     for name, ms in per_kernel.items():
         by_class[kernel_class(name)] += ms
@@ -104,13 +101,9 @@ def main():
         lines += [f"{ms:8.3f}  {kernel_class(name):28s} {name[:100]}" for name, ms in list(r["kernels_ms"].items())[:30]]
         lines += ["```"]
     text = "\n".join(lines) + "\n"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "layer_profile.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "layer_profile.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    print(text)
+    from coat_megatron.compare.report import write_markdown_and_rows
+
+    write_markdown_and_rows(args.out, "layer_profile", text, rows)
 
 
 if __name__ == "__main__":

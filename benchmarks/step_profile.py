@@ -80,8 +80,6 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
     table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
     table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
-    del model, optimizer, forward_backward
-    parallel.free_memory()
     return {
         "mode": mode.name, "graphs": graphs, "preset": preset.name, "wall_ms_per_step": wall, "gpu_busy_ms_per_step": gpu,
         "gpu_busy_fraction": gpu / wall, "kernel_launches_per_step": len(kernels) / steps,
@@ -134,10 +132,6 @@ def main():
         print(f"{r['mode']} (graphs {graphs}): {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
               f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step, "
               f"{r['host_launch_calls_per_step']:.0f} host launch calls/step", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step_profile.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps({k: v for k, v in r.items() if not k.startswith("top_")}) + "\n")
     lines = [f"# One training step, {args.preset} (micro-batch {preset.micro_batch}), {torch.cuda.get_device_name()}", "",
              f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps} --cuda-graphs {args.cuda_graphs}`", "",
              "| mode | CUDA graphs | wall ms/step | GPU busy ms/step | busy fraction | kernels run/step | host launch calls/step |",
@@ -148,9 +142,9 @@ def main():
         name = r["mode"] + ("" if r["graphs"] == "none" else f" with {r['graphs']} CUDA graphs")
         lines += ["", f"## {name}: GPU time by kernel", "", "```", r["top_gpu"], "```", "", f"## {name}: host time by function", "", "```", r["top_cpu"], "```"]
     text = "\n".join(lines) + "\n"
-    with open(os.path.join(args.out, "step_profile.md"), "w") as f:
-        f.write(text)
-    print(text)
+    from coat_megatron.compare.report import write_markdown_and_rows
+
+    write_markdown_and_rows(args.out, "step_profile", text, [{k: v for k, v in r.items() if not k.startswith("top_")} for r in rows])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,16 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
+def write_markdown_and_rows(out: str, name: str, text: str, rows: list[dict]) -> None:
+    """``{out}/{name}.md`` (``text``) and ``{out}/{name}.jsonl`` (``rows``), then print the text:
+    how the benchmark scripts hand in their results."""
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(text)
+    write_jsonl(os.path.join(out, f"{name}.jsonl"), rows)
+    print(text)
+
+
 def read_jsonl(path: str) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
