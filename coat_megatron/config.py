@@ -15,6 +15,7 @@ from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
 SWITCH_VALUES = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 K_LIMITS = (1 / K_RESOLUTION, 64.0)
 OPTIMIZER_GROUP_SIZES = (32, 64, 128, 256)
+MASTER_WEIGHTS = ("fp32", "split")
 
 
 def parse_switch(value: bool | str, name: str) -> bool:
@@ -59,6 +60,14 @@ class CoatConfig:
             its FP8 copy between micro-batches: 2 bytes per parameter. False keeps 1 and
             transposes the codes in every backward (bit-identical gradients: one per-tensor scale
             serves both layouts), a byte-transpose of each weight per micro-batch.
+        master_weights: how the optimizer keeps the FP32 master weights. "fp32": an FP32 copy
+            (Megatron's main params, 4 bytes per parameter). "split": the BF16 model weight is the
+            master's high half and the optimizer keeps an int16 low word beside it
+            (``coat_kernels.master``): the same FP32 master bit for bit, 2 bytes per parameter.
+            The BF16 weights are then rounded to nearest with ties away from zero (not to even:
+            they differ from the FP32 path's at exact ties, 1 in 65536 values, by one BF16 unit).
+            Under Megatron it reads BF16 gradients: build DDP with ``grad_reduce_in_fp32=False``
+            (``--grad-reduce-in-bf16``).
     """
 
     activations: bool = True
@@ -77,6 +86,7 @@ class CoatConfig:
     fprop_fast_accumulation: bool = True
     recompute_norm_output: bool = False
     cache_weight_transpose: bool = True
+    master_weights: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation", "recompute_norm_output",
@@ -86,6 +96,7 @@ class CoatConfig:
             value = getattr(self, name)
             if value not in FP8_FORMATS:
                 raise ValueError(f"{name}={value!r} is not an FP8 format: use 'e4m3' or 'e5m2'")
+        _check_choice("master_weights", self.master_weights, MASTER_WEIGHTS, "'split' keeps 2 bytes per parameter instead of 4")
         _check_choice("group_size", self.group_size, GROUP_SIZES, "the hidden and FFN sizes must be multiples of it")
         _check_choice("optimizer_group_size", self.optimizer_group_size, OPTIMIZER_GROUP_SIZES, "128 is COAT's")
         for name in ("k_min", "k_max"):

@@ -8,6 +8,7 @@ from .backend import use_triton
 from .expanded import ExpandedFp8, dequantize_expanded, quantize_expanded
 from .formats import FP8_FORMATS, GROUP_SIZES, Fp8Format, fp8_format
 from .fp8_adamw import fp8_adamw_step
+from .master import join_master, split_master
 from .per_group import dequantize_per_group, quantize_per_group
 from .per_tensor import dequantize_per_tensor, quantize_per_tensor, tensor_amax, transpose_codes
 from .scaling import NonFiniteInputError
@@ -23,9 +24,11 @@ __all__ = [
     "dequantize_per_tensor",
     "fp8_adamw_step",
     "fp8_format",
+    "join_master",
     "quantize_expanded",
     "quantize_per_group",
     "quantize_per_tensor",
+    "split_master",
     "tensor_amax",
     "transpose_codes",
     "use_triton",

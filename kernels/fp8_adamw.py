@@ -21,6 +21,9 @@ tensor); a second table lists (tensor, first group) per program. The offsets' co
 divisor is passed as a hint so that loads stay vectorized. Bytes per parameter (expansion on):
 read 4 (p) + 4 (g) + 2 (codes) + 24/128 (metadata), write 4 + 2 + 24/128 + 2 (BF16 model copy):
 18.4 bytes, against 28 for torch's fused FP32 AdamW plus 6 for Megatron's separate BF16 copy.
+With a split master weight (``master_lows``: the BF16 model weight is the FP32 master's high
+half, an int16 word its low half, ``coat_kernels.master``) and BF16 gradients: read 2 + 2 + 2 +
+2 + 24/128, write 2 + 2 + 2 + 24/128: 14.4 bytes, and the same FP32 arithmetic bit for bit.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from .expanded import (
     use_exact_math,
 )
 from .formats import fp8_format
+from .master import join_master, join_master_tile, split_master, split_master_tile
 from .scaling import fp8_bits
 
 
@@ -110,7 +114,7 @@ def _fp8_adamw_kernel(
     beta1, one_minus_beta1, beta2, one_minus_beta2, decay, step_size, bias2_sqrt, eps,
     M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_E5M2: tl.constexpr, V_E5M2: tl.constexpr,
     M_EXPAND: tl.constexpr, V_EXPAND: tl.constexpr, M_TARGET: tl.constexpr, V_TARGET: tl.constexpr,
-    K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, WRITE_MODEL: tl.constexpr, ALIGN: tl.constexpr,
+    K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, WRITE_MODEL: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
     FAST: tl.constexpr, PTX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, RAGGED: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -144,7 +148,10 @@ def _fp8_adamw_kernel(
         mask = None
         gmask = None
 
-    p = _load(p_base + p_at + idx, mask, 0.0, RAGGED)
+    if SPLIT:  # p: the BF16 high halves (int16 patterns), w: the int16 low words of the FP32 masters
+        p = join_master_tile(_load(p_base + p_at + idx, mask, 0, RAGGED), _load(w_base + w_at + idx, mask, 0, RAGGED))
+    else:
+        p = _load(p_base + p_at + idx, mask, 0.0, RAGGED)
     g = _load(g_base + g_at + idx, mask, 0.0, RAGGED).to(tl.float32)
     m = _load_state(mq_base, mq_at, ms_base, ms_at, mk_base, mk_at, mc_base, mc_at, idx, groups, mask, gmask, M_E5M2, M_EXPAND, FAST, PTX, RAGGED)
     v = _load_state(vq_base, vq_at, vs_base, vs_at, vk_base, vk_at, vc_base, vc_at, idx, groups, mask, gmask, V_E5M2, V_EXPAND, FAST, PTX, RAGGED)
@@ -158,9 +165,14 @@ def _fp8_adamw_kernel(
         denom = tl.div_rn(tl.sqrt_rn(v), bias2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
 
-    tl.store(p_base + p_at + idx, p, mask=mask)
-    if WRITE_MODEL:
-        tl.store(w_base + w_at + idx, p.to(w_base.dtype.element_ty), mask=mask)
+    if SPLIT:
+        hi, lo = split_master_tile(p)
+        tl.store(p_base + p_at + idx, hi, mask=mask)
+        tl.store(w_base + w_at + idx, lo, mask=mask)
+    else:
+        tl.store(p_base + p_at + idx, p, mask=mask)
+        if WRITE_MODEL:
+            tl.store(w_base + w_at + idx, p.to(w_base.dtype.element_ty), mask=mask)
     m_under = _store_state(
         m, mq_base, mq_at, ms_base, ms_at, mk_base, mk_at, mc_base, mc_at, idx, groups, mask, gmask,
         M_FMAX, M_E5M2, M_EXPAND, M_TARGET, K_MIN16, K_MAX16, FAST, PTX,
@@ -209,12 +221,12 @@ def _reference_batches(numels: list[int], group_size: int):
         yield batch
 
 
-def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, s, k_min, k_max) -> tuple[int, int]:
+def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, lows, s, k_min, k_max) -> tuple[int, int]:
     gs = exp_avgs[0].group_size
     spans = [(i, lo, hi, -(-(hi - lo) // gs)) for i, lo, hi in pieces]
 
-    def tile(tensors):
-        parts = [torch.nn.functional.pad(tensors[i].reshape(-1)[lo:hi].float(), (0, ng * gs - (hi - lo))) for i, lo, hi, ng in spans]
+    def tile(tensors, piece=lambda t, lo, hi: t.reshape(-1)[lo:hi].float()):
+        parts = [torch.nn.functional.pad(piece(tensors[i], lo, hi), (0, ng * gs - (hi - lo))) for i, lo, hi, ng in spans]
         return torch.cat(parts).view(-1, gs)
 
     def meta(states, name):
@@ -249,24 +261,33 @@ def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_p
             scatter_meta(center, states, "center")
         return int(((x != 0) & ((codes.view(torch.uint8) & 0x7F) == 0)).sum())
 
-    p, g = tile(params), tile(grads)
+    if lows is not None:
+        p = tile(list(zip(params, lows)), lambda t, lo, hi: join_master(t[0].reshape(-1)[lo:hi], t[1].reshape(-1)[lo:hi]))
+    else:
+        p = tile(params)
+    g = tile(grads)
     m, v = load(exp_avgs), load(exp_avg_sqs)
     m = s["beta1"] * m + s["one_minus_beta1"] * g
     v = s["beta2"] * v + s["one_minus_beta2"] * (g * g)
     p = p * s["decay"]
     denom = div_rn_reference(sqrt_rn_reference(v), s["bias2_sqrt"]) + s["eps"]
     p = p - s["step_size"] * div_rn_reference(m, denom)
-    scatter(p, params)
+    if lows is not None:
+        hi, lo = split_master(p)
+        scatter(hi, params)
+        scatter(lo, lows)
+    else:
+        scatter(p, params)
     if model_params is not None:
         scatter(p, model_params)
     return store(exp_avgs, m), store(exp_avg_sqs, v)
 
 
-def _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max) -> torch.Tensor:
+def _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, lows, scalars, k_min, k_max) -> torch.Tensor:
     under = [0, 0]
     if params:
         for pieces in _reference_batches([p.numel() for p in params], exp_avgs[0].group_size):
-            um, uv = _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max)
+            um, uv = _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, lows, scalars, k_min, k_max)
             under[0] += um
             under[1] += uv
     device = params[0].device if params else "cpu"
@@ -347,10 +368,12 @@ def _plan(key, columns, numels, group_size, device) -> _LaunchPlan:
     return plan
 
 
-def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params):
+def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params, lows):
     n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or (model_params is not None and len(model_params) != n):
-        raise ValueError("params, grads, exp_avgs, exp_avg_sqs (and model_params) must be lists of the same length")
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or any(x is not None and len(x) != n for x in (model_params, lows)):
+        raise ValueError("params, grads, exp_avgs, exp_avg_sqs (and model_params / master_lows) must be lists of the same length")
+    if lows is not None and model_params is not None:
+        raise ValueError("with master_lows the params are the BF16 model weights themselves (the masters' high halves): pass no model_params")
     for name, states in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         kinds = {(s.fmt, s.expansion, s.group_size) for s in states}
         if len(kinds) > 1:
@@ -358,8 +381,18 @@ def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params):
     if exp_avgs and exp_avgs[0].group_size != exp_avg_sqs[0].group_size:
         raise ValueError("exp_avg and exp_avg_sq must use the same group size")
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
-        if p.dtype != torch.float32:
-            raise TypeError(f"param {i} is {p.dtype}: the FP8 AdamW step updates FP32 master weights; keep an FP32 copy (Megatron's distributed optimizer does)")
+        if lows is not None:
+            lo = lows[i]
+            if p.dtype != torch.bfloat16 or lo.dtype != torch.int16 or lo.numel() != p.numel() or not lo.is_contiguous():
+                raise TypeError(
+                    f"param {i}: a split master weight is a BF16 param (the high half) and a contiguous int16 low word of its "
+                    f"{p.numel()} elements, got {p.dtype} and {lo.dtype} with {lo.numel()}"
+                )
+        elif p.dtype != torch.float32:
+            raise TypeError(
+                f"param {i} is {p.dtype}: the FP8 AdamW step updates FP32 master weights; keep an FP32 copy (Megatron's distributed "
+                f"optimizer does), or pass BF16 params with master_lows (a split master weight, coat_kernels.master)"
+            )
         if not (p.is_contiguous() and g.is_contiguous()):
             raise ValueError(f"param {i} or its grad is not contiguous; the step reads them as flat buffers")
         if g.numel() != p.numel() or g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -390,6 +423,7 @@ def fp8_adamw_step(
     weight_decay: float,
     step: int,
     model_params: list[torch.Tensor] | None = None,
+    master_lows: list[torch.Tensor] | None = None,
     k_min: float = DEFAULT_K_MIN,
     k_max: float = DEFAULT_K_MAX,
     exact_math: bool | None = None,
@@ -416,15 +450,18 @@ def fp8_adamw_step(
         (underflow), for telemetry; reading it syncs.
     """
     _check_limits(k_min, k_max)
-    _validate(params, grads, exp_avgs, exp_avg_sqs, model_params)
+    _validate(params, grads, exp_avgs, exp_avg_sqs, model_params, master_lows)
     scalars = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live or not use_triton(params[live[0]], backend):
-        return _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, scalars, k_min, k_max)
+        return _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, master_lows, scalars, k_min, k_max)
 
     pick = lambda seq: [seq[i] for i in live]  # noqa: E731
     ps, gs, ms, vs = pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
-    ws = pick(model_params) if model_params is not None else ps
+    if master_lows is not None:  # the kernel reads and writes both halves as int16 bit patterns
+        ps, ws = [p.view(torch.int16) for p in ps], pick(master_lows)
+    else:
+        ws = pick(model_params) if model_params is not None else ps
     m0, v0 = ms[0], vs[0]
     m_codes = [m.codes.view(torch.uint8) for m in ms]
     v_codes = [v.codes.view(torch.uint8) for v in vs]
@@ -450,7 +487,7 @@ def fp8_adamw_step(
             M_FMAX=mf.max, V_FMAX=vf.max, M_E5M2=m0.fmt == "e5m2", V_E5M2=v0.fmt == "e5m2",
             M_EXPAND=m0.expansion, V_EXPAND=v0.expansion, M_TARGET=k_target(mf.max), V_TARGET=k_target(vf.max),
             K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION, WRITE_MODEL=model_params is not None,
-            ALIGN=plan.align, FAST=fast, PTX=compiled_for_nvidia(), GROUP=m0.group_size, GROUPS=groups, RAGGED=ragged,
+            SPLIT=master_lows is not None, ALIGN=plan.align, FAST=fast, PTX=compiled_for_nvidia(), GROUP=m0.group_size, GROUPS=groups, RAGGED=ragged,
             num_warps=warps, enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
         )
     return under.sum(dim=0, dtype=torch.int64)

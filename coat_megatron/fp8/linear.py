@@ -112,14 +112,14 @@ def _capturing_a_per_layer_graph() -> bool:
 
 def _wgrad_into_main_grad(weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale) -> torch.Tensor | None:
     """Megatron's gradient-accumulation-fusion protocol: wgrad = dY^T X goes into
-    ``weight.main_grad`` (FP32) and autograd gets a placeholder, so DDP's hook does not add it a
+    ``weight.main_grad`` (FP32 or BF16) and autograd gets a placeholder, so DDP's hook does not add it a
     second time. While DDP has added nothing to main_grad since it zeroed it
     (``grad_added_to_main_grad`` False: the first micro-batch of a step), the GEMM writes straight
     into it, with no FP32 temporary to add (8 bytes per weight element less traffic); later
     micro-batches, and a captured per-layer graph, which serves every micro-batch, add."""
-    main = weight.main_grad
+    main = weight.main_grad  # FP32, or BF16 where DDP reduces gradients in BF16
     if getattr(weight, "grad_added_to_main_grad", None) is False and not _capturing_a_per_layer_graph():
-        fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=torch.float32, out=main)
+        fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
     else:
         main.add_(fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=torch.float32))
     if not hasattr(weight, "grad_added_to_main_grad"):

@@ -10,8 +10,13 @@ element 0 of p):
                                            FP32, (ceil(n / G),); absent when that moment's
                                            expansion is off
 
-that is 2 + 6 x 4 / 128 = 2.19 bytes per parameter with G = 128, against 8 for FP32 AdamW. Codes are
-kept as uint8 so that ``load_state_dict`` (which casts floating-point state to the parameter's dtype)
+that is 2 + 6 x 4 / 128 = 2.19 bytes per parameter with G = 128, against 8 for FP32 AdamW. With
+``CoatConfig.master_weights="split"`` the parameters are BF16 (the model weights) and each also has
+
+    master_low                             int16, p's shape: the low half of its FP32 master
+                                           weight (``coat_kernels.master``), 2 bytes per parameter
+
+Codes are kept as uint8 so that ``load_state_dict`` (which casts floating-point state to the parameter's dtype)
 and gloo (which rejects float8) leave them alone.
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias correction, eps outside the square
@@ -26,19 +31,22 @@ from typing import Iterable
 
 import torch
 
-from coat_kernels import ExpandedFp8, dequantize_expanded, fp8_adamw_step, quantize_expanded
+from coat_kernels import ExpandedFp8, dequantize_expanded, fp8_adamw_step, join_master, quantize_expanded, split_master
 
 from ..config import CoatConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 META = ("scale", "k", "center")
+LOW = "master_low"
 
 
 class CoatAdamW(torch.optim.Optimizer):
     """AdamW with FP8 states and per-group dynamic range expansion.
 
     Args:
-        params: FP32 parameters (or param group dicts), as for torch.optim.AdamW.
+        params: FP32 parameters (or param group dicts), as for torch.optim.AdamW; BF16 ones with
+            ``config.master_weights="split"`` (their FP32 masters are the BF16 value and an int16
+            low word this optimizer keeps: a BF16 model trained with exact FP32 master weights).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         config: formats, expansion switches, k limits and group size of the states
             (``CoatConfig.m_format`` ... ``optimizer_group_size``); defaults to ``CoatConfig()``:
@@ -95,13 +103,21 @@ class CoatAdamW(torch.optim.Optimizer):
         c = self.config
         return (c.m_format, c.m_expansion) if moment == "exp_avg" else (c.v_format, c.v_expansion)
 
+    @property
+    def split_masters(self) -> bool:
+        return self.config.master_weights == "split"
+
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
-        if p.dtype != torch.float32:
+        split = self.split_masters and p.dtype == torch.bfloat16
+        if p.dtype != torch.float32 and not split:
             raise TypeError(
                 f"CoatAdamW updates FP32 parameters, got {p.dtype} of shape {tuple(p.shape)}: keep FP32 master "
-                f"weights (Megatron's distributed optimizer does; for a plain model, .float() it and use autocast)"
+                f"weights (Megatron's distributed optimizer does; for a plain model, .float() it and use autocast), "
+                f"or use CoatConfig(master_weights='split') for BF16 parameters"
             )
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        if split:  # the master starts as the BF16 value itself
+            state[LOW] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
         for moment in MOMENTS:
             fmt, expansion = self._fmt(moment)
             zeros = ExpandedFp8.zeros(
@@ -151,6 +167,36 @@ class CoatAdamW(torch.optim.Optimizer):
             if getattr(q, name) is not None:
                 state[f"{moment}.{name}"].copy_(getattr(q, name))
 
+    def master_weight(self, p: torch.Tensor) -> torch.Tensor:
+        """p's FP32 master weight: p itself (FP32 masters), or a new tensor joined from p and its
+        low word (split masters)."""
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        return join_master(p.detach(), state[LOW]) if LOW in state else p
+
+    @torch.no_grad()
+    def set_master_weight(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Set p's FP32 master weight (and, split, p = its high half)."""
+        value = value.detach().to(p.device, torch.float32).reshape(p.shape)
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        if LOW not in state:
+            p.copy_(value)
+            return
+        hi, lo = split_master(value.contiguous())
+        p.copy_(hi)
+        state[LOW].copy_(lo)
+
+    @torch.no_grad()
+    def reset_master_weights(self) -> None:
+        """Make every master weight the model weight itself (split: zero the low words), as after
+        loading model weights alone."""
+        for state in self.state.values():
+            if LOW in state:
+                state[LOW].zero_()
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state held (codes + metadata; the CPU step counters not counted)."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for key, t in s.items() if key != "step")
@@ -171,27 +217,29 @@ class CoatAdamW(torch.optim.Optimizer):
                 raise ValueError("CoatAdamW supports neither amsgrad nor maximize; set them False")
             launches = defaultdict(list)
             for p in group["params"]:
-                if p.grad is None:
+                grad = _grad(p)
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.is_sparse:
                     raise RuntimeError("CoatAdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
                 state["step"] += 1
                 target = self.model_params.get(p)
-                key = (int(state["step"].item()), p.grad.dtype, None if target is None else target.dtype)
+                key = (int(state["step"].item()), grad.dtype, None if target is None else target.dtype, LOW in state)
                 launches[key].append(p)
             lr = float(group["lr"])
             beta1, beta2 = group["betas"]
-            for (step, _, model_dtype), params in launches.items():
+            for (step, _, model_dtype, split), params in launches.items():
                 self._last_underflow.append(
                     fp8_adamw_step(
                         [p.data for p in params],
-                        [p.grad for p in params],
+                        [_grad(p) for p in params],
                         [self.moment(p, "exp_avg") for p in params],
                         [self.moment(p, "exp_avg_sq") for p in params],
                         model_params=None if model_dtype is None else [self.model_params[p] for p in params],
+                        master_lows=[self.state[p][LOW] for p in params] if split else None,
                         lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                         k_min=c.k_min, k_max=c.k_max, exact_math=self.exact_math, backend=self.backend,
                     )
@@ -247,7 +295,8 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["coat"] = self.format_record()
+        # this state dict holds the parameters' low words when the masters are split: record how
+        sd["coat"] = {**self.format_record(), "master_weights": self.config.master_weights}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -258,9 +307,11 @@ class CoatAdamW(torch.optim.Optimizer):
                 "this state dict has no 'coat' record: it is not a CoatAdamW state dict. To start from a "
                 "torch.optim.AdamW state dict (FP32 exp_avg/exp_avg_sq), use load_fp32_state_dict()"
             )
-        if record != self.format_record():
+        record = {"master_weights": "fp32", **record}  # written before split masters existed: FP32
+        mine = {**self.format_record(), "master_weights": self.config.master_weights}
+        if record != mine:
             raise ValueError(
-                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {self.format_record()}: "
+                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {mine}: "
                 f"use a CoatConfig that matches the checkpoint, or convert through fp32_state_dict()/load_fp32_state_dict()"
             )
         super().load_state_dict(state_dict)
@@ -270,12 +321,15 @@ class CoatAdamW(torch.optim.Optimizer):
             for key, value in state.items():
                 if key.endswith(".codes") and value.dtype != torch.uint8:
                     state[key] = value.to(torch.uint8)
+                elif key == LOW:
+                    state[key] = value.to(torch.int16)
                 elif key != "step" and value.dtype != torch.float32:
                     state[key] = value.float()
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state as torch.optim.AdamW would hold it (FP32 exp_avg, exp_avg_sq):
         ``torch.optim.AdamW(...).load_state_dict(opt.fp32_state_dict())`` continues the run."""
+        self._no_split_masters("fp32_state_dict")
         sd = super().state_dict()
         params = [p for group in self.param_groups for p in group["params"]]
         state = {}
@@ -291,6 +345,7 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def load_fp32_state_dict(self, state_dict: dict) -> None:
         """Load a torch.optim.AdamW state dict (FP32 exp_avg / exp_avg_sq), quantizing the moments."""
+        self._no_split_masters("load_fp32_state_dict")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
             raise ValueError("the AdamW state dict has other param groups than this optimizer; build CoatAdamW with the same params")
@@ -305,6 +360,21 @@ class CoatAdamW(torch.optim.Optimizer):
             for moment in MOMENTS:
                 self.set_moment(p, moment, s[moment])
             self.state[p]["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
+
+
+    def _no_split_masters(self, what: str) -> None:
+        if self.split_masters:
+            raise ValueError(
+                f"{what}: torch.optim.AdamW on these BF16 parameters has no FP32 master weights to carry split ones; "
+                f"read them with master_weight(p), or use master_weights='fp32' (Megatron: save a fully_reshardable checkpoint)"
+            )
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor | None:
+    """p's gradient: ``.grad``, or ``.decoupled_grad`` where Megatron puts gradients of another
+    dtype than the parameter's (its precision-aware optimizer's convention)."""
+    grad = getattr(p, "decoupled_grad", None)
+    return p.grad if grad is None else grad
 
 
 def summarize_telemetry(sums: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> dict[str, float]:

@@ -28,6 +28,7 @@ Checkpoints (``sharded_state_dict`` / ``dist_checkpointing``), by ``distrib_opti
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Iterator
 
@@ -161,6 +162,63 @@ class CoatDistributedOptimizer(DistributedOptimizer):
                 inner.model_params[main_shard] = model_shard
         opt.optimizer = inner
         opt.init_state_fn = lambda optimizer, config=None: optimizer.init_states()
+        if coat_config.master_weights == "split":
+            opt._split_main_params()
+
+    @torch.no_grad()
+    def _split_main_params(self) -> None:
+        """Replace each FP32 main shard of a BF16 parameter by the parameter's own BF16 shard (the
+        master's high half) and an int16 low word in the optimizer's state (``master_weights=
+        "split"``): 2 bytes per parameter instead of 4. The optimizer then steps the BF16 shards
+        in DDP's parameter buffer directly and reads their gradients from DDP's BF16 gradient
+        buffer (no FP32 copy of the gradients either). Megatron's grad-norm, clipping and zeroing
+        read FP32 ``.grad`` only; BF16 gradients go where its precision-aware path puts them,
+        ``.decoupled_grad``, and this optimizer's config copy says so
+        (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``: the flag those paths test; its FP32
+        main-param code is overridden here)."""
+        names = self._coat_names()
+        fp32_grads = [names[p] for group in self.model_float16_groups for p in group if getattr(p, "main_grad", p).dtype != p.dtype]
+        if fp32_grads:
+            raise ValueError(
+                f"master_weights='split' reads BF16 gradients, but DDP keeps {len(fp32_grads)} of them in FP32 (e.g. {fp32_grads[0]}): "
+                f"build DDP with DistributedDataParallelConfig(grad_reduce_in_fp32=False) (megatron.training: --grad-reduce-in-bf16)"
+            )
+        inner = self.optimizer
+        for model_group, model_shards, main_shards in zip(self.model_float16_groups, self.shard_float16_groups, self.shard_fp32_from_float16_groups):
+            for j, (model_param, model_shard, main_shard) in enumerate(zip(model_group, model_shards, main_shards)):
+                group_index, group_order = self.model_param_group_index_map[model_param]
+                params = inner.param_groups[group_index]["params"]
+                assert params[group_order] is main_shard
+                inner.model_params.pop(main_shard, None)
+                inner.state.pop(main_shard, None)
+                params[group_order] = model_shard
+                inner.set_master_weight(model_shard, main_shard)  # the main shard as it is (BF16-exact at start)
+                main_shards[j] = model_shard
+                model_param.main_param = None  # drop the last reference to the FP32 shard
+        self.config = copy.copy(self.config)
+        self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+
+    def _split(self) -> bool:
+        return self.coat_config.master_weights == "split" and not self.is_stub_optimizer
+
+    def _main_fp32(self, main: torch.Tensor) -> torch.Tensor:
+        """The FP32 main param of an optimizer param (joined from its halves when split)."""
+        return self.optimizer.master_weight(main) if self._split() and main.dtype == torch.bfloat16 else main
+
+    def _copy_model_grads_to_main_grads(self):
+        if not self._split():
+            return super()._copy_model_grads_to_main_grads()
+        # the shards' grads are views of DDP's gradient buffer (no copy), as .decoupled_grad (see _split_main_params)
+        for model_groups, shard_groups in ((self.model_float16_groups, self.shard_fp32_from_float16_groups), (self.model_fp32_groups, self.shard_fp32_groups)):
+            for model_group, shard_group in zip(model_groups, shard_groups):
+                for model_param, shard in zip(model_group, shard_group):
+                    param_range = self._get_model_param_range_map(model_param)["param"]
+                    shard.decoupled_grad = model_param.main_grad.view(-1)[param_range.start : param_range.end]
+
+    def _copy_model_params_to_main_params(self, state_dict=None):
+        super()._copy_model_params_to_main_params(state_dict)
+        if self._split():  # the masters become the model weights: low words zero
+            self.optimizer.reset_master_weights()
 
     # ------------------------------------------------------------------ layout facts
 
@@ -215,7 +273,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         group_index, group_order = self.model_param_group_index_map[model_param]
         main = self.optimizer.param_groups[group_index]["params"][group_order]
         self.optimizer.init_states()
-        out = {"param": main}
+        out = {"param": self._main_fp32(main)}
         for moment in MOMENTS:
             out[moment] = dequantize_expanded(self.optimizer.moment(main, moment), exact_math=self.optimizer.exact_math).view(-1)
         return out
@@ -225,7 +283,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         group_index, group_order = self.model_param_group_index_map[model_param]
         main = self.optimizer.param_groups[group_index]["params"][group_order]
         if isinstance(tensors.get("param"), torch.Tensor):
-            main.copy_(tensors["param"].view(main.shape))
+            self.optimizer.set_master_weight(main, tensors["param"])
         for moment in MOMENTS:
             if isinstance(tensors.get(moment), torch.Tensor):
                 self.optimizer.set_moment(main, moment, tensors[moment])
@@ -282,6 +340,8 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         elif sharding_type == "fully_reshardable":
             self.load_parameter_state_from_fully_reshardable(state_dict["param_state"])
         elif sharding_type == "dp_zero_gather_scatter":
+            if self._split():
+                raise NotImplementedError("a dp_zero_gather_scatter checkpoint loads into FP32 main params: load it with master_weights='fp32', save again, then split")
             self.load_parameter_state_from_dp_zero(state_dict["param_state"])
         else:
             raise NotImplementedError(f"COAT checkpoints support dp_reshardable and fully_reshardable, not {sharding_type!r}")
@@ -307,7 +367,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         for model_param, main, start, end in self._coat_shards():
             numel = model_param.numel()
             s = self.optimizer.state[main]
-            pieces = {"param": (main.view(-1), numel, start)}
+            pieces = {"param": (self._main_fp32(main).view(-1), numel, start)}
             for key in self._state_keys(s):
                 if key.endswith(".codes"):
                     pieces[key] = (s[key].view(-1), numel, start)
@@ -329,7 +389,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         for model_param, main, _, _ in self._coat_shards():
             loaded = state_dict[names[model_param]]
             s = self.optimizer.state[main]
-            main.copy_(loaded["param"].view(main.shape))
+            self.optimizer.set_master_weight(main, loaded["param"])
             for key in self._state_keys(s):
                 s[key].copy_(loaded[key].view(s[key].shape))
 
@@ -375,6 +435,8 @@ def get_coat_optimizer(config: OptimizerConfig, model_chunks: list, coat_config:
         if not isinstance(opt, DistributedOptimizer):
             raise TypeError(f"get_megatron_optimizer returned a {type(opt).__name__}; COAT needs its DistributedOptimizer")
         CoatDistributedOptimizer.convert(opt, coat_config, config)
+    if isinstance(optimizer, ChainedOptimizer) and optimizer.chained_optimizers:
+        optimizer.config = optimizer.chained_optimizers[0].config  # the chain reads its first part's flags
     return optimizer
 
 

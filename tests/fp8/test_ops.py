@@ -158,6 +158,14 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
     flagless.main_grad = torch.ones(w.shape, device=device)
     fp8_linear(leaf(x1, device=device), flagless, accumulate_into_main_grad=True).backward(dy1.to(device))
     assert torch.equal(flagless.main_grad, plain[0] + 1)
+    # DDP reducing in BF16 (grad_reduce_in_fp32=False, split master weights): the GEMM writes BF16
+    bf = leaf(w, device=device)
+    bf.main_grad = torch.full(w.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    bf.grad_added_to_main_grad = False
+    fp8_linear(leaf(x1, device=device), bf, accumulate_into_main_grad=True).backward(dy1.to(device))
+    assert bf.main_grad.dtype == torch.bfloat16 and torch.equal(bf.main_grad, plain[0].to(torch.bfloat16))
+    fp8_linear(leaf(x2, device=device), bf, accumulate_into_main_grad=True).backward(dy2.to(device))
+    assert torch.equal(bf.main_grad, (plain[0].to(torch.bfloat16).float() + plain[1]).to(torch.bfloat16))
 
 
 def test_linear_fp8_output_is_1x16(seed):

@@ -17,6 +17,7 @@ from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParam
 from tiny_gpt import checkpoint_state, forward_backward, synthetic_batches, tiny_config, tiny_gpt, train_step
 
 from coat_kernels import quantize_expanded
+from coat_megatron import CoatConfig
 from coat_megatron.optimizer import CoatDistributedOptimizer, coat_param_layout, coat_telemetry, get_coat_optimizer
 
 G = 128
@@ -45,19 +46,21 @@ def _stock_layout_cutting_a_group(module, ddp_config) -> FullParamLayout:
     return FullParamLayout({key: buffer})
 
 
-def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False, dtype=torch.bfloat16, device="cpu"):
+def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False, dtype=torch.bfloat16, device="cpu",
+           master_weights: str = "fp32", grad_fp32: bool | None = None, clip_grad: float = 1.0):
     module = tiny_gpt(tiny_config(params_dtype=dtype), seed=seed).to(device)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
+    grad_fp32 = master_weights == "fp32" if grad_fp32 is None else grad_fp32
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True)
     layout = coat_param_layout(module, ddp_config) if coat_layout else None
     if cut_groups:
         layout = _stock_layout_cutting_a_group(module, ddp_config)
     model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module, full_param_layout=layout)
     module.config.finalize_model_grads_func = finalize_model_grads
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
         use_distributed_optimizer=True, loss_scale=loss_scale,
     )
-    optimizer = get_coat_optimizer(config, [model]) if coat else get_megatron_optimizer(config, [model])
+    optimizer = get_coat_optimizer(config, [model], CoatConfig(master_weights=master_weights)) if coat else get_megatron_optimizer(config, [model])
     if loss_scale:
         module.config.grad_scale_func = optimizer.scale_loss
     return model, optimizer
@@ -101,7 +104,7 @@ def _shards(optimizer) -> dict[str, dict]:
     out = {}
     for model_param, main, start, end in optimizer._coat_shards():
         state = optimizer.optimizer.state[main]
-        tensors = {"param": main.detach().clone()}
+        tensors = {"param": optimizer._main_fp32(main).detach().clone()}  # joined when the masters are split
         tensors.update({k: state[k].clone() for k in CoatDistributedOptimizer._state_keys(state)})
         out[optimizer._coat_names()[model_param]] = dict(start=start, end=end, numel=model_param.numel(), tensors=tensors, step=float(state["step"]))
     return out
@@ -322,8 +325,8 @@ def test_non_finite_grads_skip_the_step_and_leave_states_untouched(bad):
         assert r["next_loss"] == r["next_loss"]  # finite: training goes on
 
 
-def _export_to_megatron_adam(directory: str) -> dict:
-    model, optimizer = _build()
+def _export_to_megatron_adam(directory: str, master_weights: str = "fp32") -> dict:
+    model, optimizer = _build(master_weights=master_weights)
     batches = _my_micro_batches()
     for _ in range(2):
         train_step(model, optimizer, batches)
@@ -347,8 +350,9 @@ def _export_to_megatron_adam(directory: str) -> dict:
     return dict(fp32=fp32, loaded=loaded, coat_after=coat_after, adam_after=adam_after)
 
 
-def test_fp32_export_to_megatron_adam(tmp_path):
-    ranks = run_distributed(_export_to_megatron_adam, 2, args=(str(tmp_path),), tensor_parallel=1)
+@pytest.mark.parametrize("master_weights", ["fp32", "split"])
+def test_fp32_export_to_megatron_adam(tmp_path, master_weights):
+    ranks = run_distributed(_export_to_megatron_adam, 2, args=(str(tmp_path), master_weights), tensor_parallel=1)
     for r in ranks:
         # Megatron's own Adam reads COAT's dequantized moments and master weights as they were
         shards_coat = {n: t for n, t in r["fp32"].items()}
@@ -399,6 +403,101 @@ def test_fp32_import_from_megatron_adam(tmp_path):
             assert torch.equal(coat[name][f"{moment}.scale"], ref.scale) and torch.equal(coat[name][f"{moment}.k"], ref.k)
     assert all(s["step"] == 2 for r in ranks for s in r["coat"].values())
     assert ranks[0]["coat_after"] == pytest.approx(ranks[0]["adam_after"], abs=0.02)
+
+
+# ---------------------------------------------------------------------------------- split masters
+
+
+def _train_masters(master_weights: str, grad_fp32: bool, steps: int) -> dict:
+    model, optimizer = _build(master_weights=master_weights, grad_fp32=grad_fp32)
+    inner = _inner(optimizer)
+    batches = _my_micro_batches()
+    losses = [train_step(model, optimizer, batches) for _ in range(steps)]
+    opt_params = [p for g in inner.optimizer.param_groups for p in g["params"]]
+    return dict(
+        losses=losses,
+        params={n: p.detach().clone() for n, p in model.named_parameters()},
+        param_dtypes={p.dtype for p in opt_params},
+        grad_dtypes={b.grad_data.dtype for b in model.buffers},
+        state_bytes=inner.optimizer.state_bytes(),
+        shard_numel=sum(end - start for _, _, start, end in inner._coat_shards()),
+        # the optimizer's BF16 params are the model's own shards: views of DDP's parameter buffer
+        in_param_buffer=all(p.untyped_storage().data_ptr() == model.buffers[0].param_data.untyped_storage().data_ptr() for p in opt_params),
+    )
+
+
+def test_split_master_weights_train_like_fp32_masters_with_2_bytes_per_parameter():
+    steps = 8
+    split2 = run_distributed(_train_masters, 2, args=("split", False, steps), tensor_parallel=1)
+    fp32_bf16_grads = run_distributed(_train_masters, 2, args=("fp32", False, steps), tensor_parallel=1)[0]
+    standard = run_distributed(_train_masters, 2, args=("fp32", True, steps), tensor_parallel=1)[0]
+    split1 = run_distributed(_train_masters, 1, args=("split", False, steps), tensor_parallel=1)[0]
+    losses = split2[0]["losses"]
+    assert losses[-1] < losses[0] - 0.5 and split2[1]["losses"] == losses
+    # the same FP32 masters; BF16 weights differ at exact rounding ties only, so the runs drift apart slowly
+    assert losses == pytest.approx(fp32_bf16_grads["losses"], abs=0.01), (losses, fp32_bf16_grads["losses"])
+    assert losses == pytest.approx(standard["losses"], abs=0.03), (losses, standard["losses"])  # BF16 gradients too
+    assert losses == pytest.approx(split1["losses"], abs=0.01)
+    for r in split2:
+        assert r["param_dtypes"] == {torch.bfloat16} and r["grad_dtypes"] == {torch.bfloat16} and r["in_param_buffer"]
+        # FP8 states (2.19 bytes) + the master's low word (2 bytes) per element of this rank's shard
+        assert 4.1 * r["shard_numel"] <= r["state_bytes"] <= 4.3 * r["shard_numel"]
+    assert standard["param_dtypes"] == {torch.float32}
+    for name, p in split2[0]["params"].items():
+        assert torch.equal(p, split2[1]["params"][name]), name
+
+
+def _split_checkpoint(directory: str) -> dict:
+    # No gradient clipping here: Megatron clips BF16 gradients in place (one more BF16 rounding of
+    # the scaled gradient), FP32 ones exactly, so with clipping the two runs take other steps.
+    model, optimizer = _build(master_weights="split", clip_grad=0.0)
+    batches = _my_micro_batches()
+    for _ in range(2):
+        train_step(model, optimizer, batches)
+    _save(directory, model, optimizer)
+    saved = _shards(optimizer)
+    train_step(model, optimizer, batches)
+    after_split = _shards(optimizer)
+    expected = [train_step(model, optimizer, batches) for _ in range(2)]
+
+    model, optimizer = _build(seed=1, master_weights="split", clip_grad=0.0)
+    _load(directory, model, optimizer)
+    loaded_split = _shards(optimizer)
+    resumed = [train_step(model, optimizer, batches) for _ in range(3)][1:]
+
+    # the same checkpoint into FP32 masters (BF16 grads): its mains are the joined masters, and one
+    # step from there lands on the same FP32 masters as the split run's step, bit for bit
+    model, optimizer = _build(seed=1, master_weights="fp32", grad_fp32=False, clip_grad=0.0)
+    _load(directory, model, optimizer)
+    loaded_fp32 = _shards(optimizer)
+    train_step(model, optimizer, batches)
+    after_fp32 = _shards(optimizer)
+    return dict(saved=saved, loaded_split=loaded_split, loaded_fp32=loaded_fp32, after_split=after_split, after_fp32=after_fp32, expected=expected, resumed=resumed)
+
+
+def test_split_masters_checkpoint_resumes_and_steps_bit_exactly_like_fp32_masters(tmp_path):
+    ranks = run_distributed(_split_checkpoint, 2, args=(str(tmp_path),), tensor_parallel=1)
+    for r in ranks:
+        _assert_same_shards(r["saved"], r["loaded_split"])
+        _assert_same_shards(r["saved"], r["loaded_fp32"])  # the checkpoint holds FP32 masters either way
+        _assert_same_shards(r["after_split"], r["after_fp32"])
+        assert r["resumed"] == r["expected"]
+        assert any((s["tensors"]["param"] != s["tensors"]["param"].bfloat16().float()).any() for s in r["saved"].values())
+    meta = dist_checkpointing.load_tensors_metadata(str(tmp_path))
+    assert all(v.dtype == torch.float32 for k, v in meta.items() if k.endswith(".param") and k.startswith("optimizer."))
+
+
+def _split_with_fp32_grads() -> str:
+    try:
+        _build(master_weights="split", grad_fp32=True)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_split_masters_refuse_fp32_gradient_buffers():
+    message = run_distributed(_split_with_fp32_grads, 1, tensor_parallel=1)[0]
+    assert "grad_reduce_in_fp32=False" in message and "--grad-reduce-in-bf16" in message
 
 
 def _gpu_train_save_resume(directory: str) -> dict:
