@@ -117,7 +117,7 @@ def main():
     rows = []
     for mode, graphs in configs:
         # each configuration in a fresh process: CUDA graph memory pools outlive their models
-        # (see coat_megatron.compare.job.isolate_graph_runs)
+        # (see coat_megatron.compare.job.isolate_runs)
         cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--modes", mode.name, "--cuda-graphs", graphs,
                "--steps", str(args.steps), "--seed", str(args.seed), "--one"]
         if args.micro_batch:

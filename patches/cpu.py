@@ -25,6 +25,8 @@ optimizer, clip_grad_by_total_norm_fp32)    how Megatron dispatches on the dtype
 ``start_grad_sync`` (0.19)
 ``torch.cuda.synchronize()`` (pipeline      nothing to wait for: CPU ops are synchronous
 p2p, the dist-checkpoint writer)
+the gradient norm for clipping (Megatron's  an FP32-accumulating norm, as the CUDA kernels; Megatron's
+CPU stand-in for the multi-tensor L2 norm)  stand-in returns BF16 gradients' norms in BF16
 ==========================================  ==================================================
 
 The CPU default generator plays the CUDA generator, so that dropout on CPU tensors draws from the
@@ -105,11 +107,24 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device=-1, graph_safe: bool = Fa
     torch.set_rng_state(new_state)
 
 
+def _fp32_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Megatron's CPU stand-in for the fused multi-tensor L2 norm, accumulating in FP32 as the CUDA
+    kernels (apex's amp_C, TE's) do; Megatron's own stand-in returns each BF16 tensor's norm in
+    BF16 (3 significant digits), which made gradient clipping of BF16 gradients coarser on a CPU
+    than on a GPU."""
+    norms = [t.float().norm() for tensors in tensor_lists for t in tensors]
+    total = torch.stack(norms).norm() if norms else torch.zeros(())
+    return total.reshape(1), None
+
+
 def _redirects() -> list[tuple[object, str, object]]:
     """(owner, attribute, CPU replacement) for every attribute patched."""
+    import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.tensor_parallel.random as mcore_random
 
     return [
+        # The gradient norm of BF16 gradients (split master weights, --grad-reduce-in-bf16) in FP32.
+        (clip_grads, "l2_norm_impl", _fp32_l2_norm),
         # Megatron allocates its buffers with device=torch.cuda.current_device().
         (torch.cuda, "current_device", lambda: _CPU),
         # The CUDA RNG tracker: model_parallel_cuda_manual_seed seeds it, and attention forks it on

@@ -88,7 +88,7 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
 
 
 def coat_config(mode: Mode) -> CoatConfig:
-    return CoatConfig(recompute_norm_output=mode.recompute_norm_output, cache_weight_transpose=mode.cache_weight_transpose)
+    return CoatConfig(recompute_norm_output=mode.recompute_norm_output, cache_weight_transpose=mode.cache_weight_transpose, master_weights=mode.master_weights)
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -178,7 +178,7 @@ def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
 def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = "none"):
     """(DDP-wrapped GPTModel, optimizer) for ``mode``: Megatron's distributed optimizer with Adam
     (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant with FP8
-    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, FP32 gradient buffers.
+    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, FP32 gradient buffers (BF16 in coat-mem).
     ``graphs``: Megatron's CUDA graphs: "local" (per layer, captured by its schedule after the
     first step) or "full" (the whole forward+backward of a step: ``train`` wraps the schedule)."""
     from megatron.core import parallel_state
@@ -204,7 +204,7 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
         gpt = gpt.cuda()
     init_weights_by_name(gpt, seed, preset.layers)
     module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mode.grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True)
     layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
     with _ddp_stream(graphs):
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)

@@ -1,4 +1,4 @@
-"""The goals of the comparison (the project's issues 7 and 13), judged on measured rows.
+"""The goals of the comparison (the project's issues 7, 13 and 14), judged on measured rows.
 
 Each goal names the measured ratio, the target, whether it is met and, if not, by how much it is
 missed (relative to the target). A goal whose rows are missing is listed as not measured, with the
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 COAT = "coat"
+MEM = "coat-mem"  # COAT's memory mode (issue 14)
 
 
 @dataclass
@@ -108,6 +109,16 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
                 _ratio_goal("tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration", preset, fastest,
                             best(same, "te-fp8", "tokens_per_s", lowest=False), "tokens_per_s", 1.10, False, "TE FP8"),
             ]
+            mem = _best_of_mode(train, MEM, "peak_MiB")
+            if mem is not None:
+                same = [r for r in train if r["micro_batch"] == mem["micro_batch"]]
+                goals += [
+                    _ratio_goal("end-to-end peak memory of coat-mem vs BF16, equal micro-batch", preset, mem, best(same, "bf16", "peak_MiB"), "peak_MiB", 0.55, True, "BF16"),
+                    _ratio_goal("end-to-end peak memory of coat-mem vs te-fp8-pa, equal micro-batch", preset, mem, _best_of_mode(same, "te-fp8-pa", "peak_MiB"), "peak_MiB", 0.70, True, "te-fp8-pa"),
+                    _ratio_goal("coat-mem tokens/s vs coat, equal micro-batch (no loss of speed; 2% run-to-run noise)", preset,
+                                _best_of_mode(same, MEM, "tokens_per_s", lowest=False), _best_of_mode(same, COAT, "tokens_per_s", lowest=False),
+                                "tokens_per_s", 0.98, False, "coat"),
+                ]
         search = _ok(rows, group, "search")
         if search:
             fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
@@ -122,6 +133,9 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
                   for goal, preset, target, command in UNMEASURED if goal not in measured]
     if every_goal or any(r.get("preset") == "llama2-7b" and layout(r) == (1, 1) for r in rows):
         goals.append(_llama2_7b_fits(rows))
+        goals.append(_fits_one_gpu(rows, "llama2-7b", 2, 8000.0, "80 GB", "H100"))
+    if every_goal or any(r.get("preset") == "llama2-13b" and layout(r) == (1, 1) for r in rows):
+        goals.append(_fits_one_gpu(rows, "llama2-13b", 1, None, "141 GB", "H200"))
     return goals
 
 
@@ -146,7 +160,7 @@ def _llama2_7b_fits(rows: list[dict]) -> Goal:
     goal = "llama2-7b trains on one GPU with COAT where BF16 does not fit"
     coat = bf16 = None
     for r in rows:
-        if r.get("preset") != "llama2-7b" or r.get("mode") not in (COAT, "bf16") or layout(r) != (1, 1):
+        if r.get("preset") != "llama2-7b" or r.get("mode") not in (COAT, MEM, "bf16") or layout(r) != (1, 1):
             continue
         if r.get("kind") == "search" and r.get("status") == "ok":
             fits = r["largest_micro_batch"] > 0
@@ -154,8 +168,8 @@ def _llama2_7b_fits(rows: list[dict]) -> Goal:
             fits = r["status"] == "ok"
         else:
             continue
-        if r["mode"] == COAT:
-            coat = fits
+        if r["mode"] in (COAT, MEM):
+            coat = coat or fits
         else:
             bf16 = fits
     if coat is None or bf16 is None:
@@ -164,3 +178,26 @@ def _llama2_7b_fits(rows: list[dict]) -> Goal:
     met = coat and not bf16
     missed = "" if met else ("COAT does not fit" if not coat else "BF16 fits too")
     return Goal(goal, "llama2-7b", "coat fits, bf16 does not", f"coat {'fits' if coat else 'OOM'}, bf16 {'fits' if bf16 else 'OOM'}", met, missed)
+
+
+def _fits_one_gpu(rows: list[dict], preset: str, micro_batch: int, tokens_per_s: float | None, memory: str, gpu: str) -> Goal:
+    """coat-mem trains ``preset`` on one ``gpu`` at ``micro_batch`` or more (and at least
+    ``tokens_per_s``), judged on its end-to-end rows there (the largest micro-batch that ran)."""
+    target = f"micro-batch >= {micro_batch}" + (f", >= {tokens_per_s:.0f} tokens/s" if tokens_per_s else "") + f" on one {memory} {gpu}"
+    goal = f"{preset} trains with coat-mem on one {memory} GPU"
+    runs = [r for r in rows if r.get("preset") == preset and r.get("mode") == MEM and r.get("kind") == "train" and layout(r) == (1, 1)
+            and gpu in str(r.get("device", ""))]
+    if not runs:
+        return Goal(goal, preset, target, None, None,
+                    note=f"not measured: coat-compare --preset {preset} --modes bf16,te-fp8-current,coat,coat-mem --micro-batch {micro_batch} on an {gpu}")
+    ok = [r for r in runs if r["status"] == "ok"]
+    if not ok:
+        return Goal(goal, preset, target, f"{runs[0]['status']} at micro-batch {runs[0]['micro_batch']}", False, "does not train", runs[0].get("reason", "")[:120])
+    top = max(ok, key=lambda r: (r["micro_batch"], r["tokens_per_s"]))
+    met = top["micro_batch"] >= micro_batch and (tokens_per_s is None or top["tokens_per_s"] >= tokens_per_s)
+    measured = f"micro-batch {top['micro_batch']}, {top['tokens_per_s']:.0f} tokens/s, peak {top['peak_MiB'] / 1024:.1f} GiB"
+    missed = ""
+    if not met:
+        missed = (f"micro-batch {top['micro_batch']} < {micro_batch}" if top["micro_batch"] < micro_batch
+                  else f"{(tokens_per_s - top['tokens_per_s']) / tokens_per_s:.1%} below {tokens_per_s:.0f} tokens/s")
+    return Goal(goal, preset, target, measured, met, missed, top.get("device", "?"))

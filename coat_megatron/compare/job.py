@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                              "it starts its own --tp x --dp processes for each run")
         rows = search_all(args, preset, modes) if args.search else resume_all(args, preset, modes)
         name = args.name or f"{preset.name}-{'search' if args.search else 'resume'}"
-    elif isolate_graph_runs(preset, args):
+    elif isolate_runs(preset, args):
         rows = [run_isolated(preset, mode, args, graphs) for mode in modes for graphs in graph_runs(preset, args)]
         name = args.name or preset.name
     else:
@@ -143,16 +143,18 @@ def graph_runs(preset: Preset, args) -> list[str]:
     return args.cuda_graphs if preset.kind == "train" else ["none"]
 
 
-def isolate_graph_runs(preset: Preset, args) -> bool:
+def isolate_runs(preset: Preset, args) -> bool:
     """Whether each (mode, CUDA graph configuration) of this job trains in a fresh process: on one
-    GPU whenever graphs are asked for. Megatron keeps graph state process-wide (capture flags, the
-    whole-step graph's memory pool, static buffers), and a graph's private memory pool outlives
-    the model it served: measured on an H100, a mode run after a whole-step-graph mode in the same
-    process started with ~16 GiB still held (its peak memory was the earlier mode's), a second
-    whole-step capture failed in PyTorch's allocator, and the tiny preset hit an illegal memory
-    access. A process per configuration costs a start-up (~20 s) and leaves every row clean."""
+    GPU, always. Megatron keeps graph state process-wide (capture flags, the whole-step graph's
+    memory pool, static buffers), and a graph's private memory pool outlives the model it served:
+    measured on an H100, a mode run after a whole-step-graph mode in the same process started with
+    ~16 GiB still held (its peak memory was the earlier mode's), a second whole-step capture failed
+    in PyTorch's allocator, and the tiny preset hit an illegal memory access. Eager modes too: an
+    out-of-memory mode (BF16 on Llama-2-7B) leaves the allocator fragmented for the next, and what
+    one mode leaks (caches, references held by Megatron's globals) counts as the next one's memory.
+    A process per configuration costs a start-up (~20 s) and leaves every row clean."""
     return (preset.kind == "train" and torch.cuda.is_available() and not args.probe and args.tp * args.dp == 1
-            and int(os.environ.get("WORLD_SIZE", "1")) == 1 and args.cuda_graphs != ["none"])
+            and int(os.environ.get("WORLD_SIZE", "1")) == 1)
 
 
 def run_isolated(preset: Preset, mode: Mode, args, graphs: str) -> dict:

@@ -18,12 +18,16 @@ coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimize
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
 coat-lean          coat with ``cache_weight_transpose=False``: each weight's transposed FP8 copy is
                    made in every backward instead of kept (1 byte per parameter less; same numbers)
+coat-mem           COAT's memory mode: coat-lean with split master weights (the BF16 weight + an
+                   int16 low word, ``master_weights="split"``) and BF16 gradient buffers
+                   (``grad_reduce_in_fp32=False``): about 9.2 bytes per parameter between steps
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW
 =================  ===========================================================================
 
 Every mode trains with the same TransformerConfig shape, data, seed, optimizer hyper-parameters
-and DDP settings (FP32 gradient buffers, the distributed optimizer); only the fields below differ.
+and DDP settings (the distributed optimizer; FP32 gradient buffers but in coat-mem); only the fields
+below differ.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class Mode:
         coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
         recompute_norm_output: ``CoatConfig.recompute_norm_output``.
         cache_weight_transpose: ``CoatConfig.cache_weight_transpose``.
+        master_weights: ``CoatConfig.master_weights``.
+        grad_fp32: DDP's ``grad_reduce_in_fp32`` (FP32 gradient buffers).
         family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     """
 
@@ -60,6 +66,8 @@ class Mode:
     coat_optimizer: bool = False
     recompute_norm_output: bool = False
     cache_weight_transpose: bool = True
+    master_weights: str = "fp32"
+    grad_fp32: bool = True
 
     @property
     def needs_transformer_engine(self) -> bool:
@@ -85,6 +93,7 @@ MODES: dict[str, Mode] = {
         Mode("coat", "coat", "coat", coat_optimizer=True),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
         Mode("coat-lean", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False),
+        Mode("coat-mem", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False, master_weights="split", grad_fp32=False),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
     ]
@@ -93,7 +102,7 @@ ALIASES = {"te-fp8": "te-fp8-current"}
 # What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
 # Not in "all": for one layer coat-act is coat and coat-opt is bf16.
 ABLATIONS = ("coat-act", "coat-opt")
-DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-lean"]
+DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-lean", "coat-mem"]
 
 
 def parse_modes(text: str) -> list[Mode]:

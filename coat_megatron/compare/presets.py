@@ -74,6 +74,8 @@ PRESETS: dict[str, Preset] = {
                description="Llama-style 1.1B GPT, seq 2048, vocab 32000"),
         Preset("llama2-7b", "train", layers=32, hidden=4096, ffn=11008, heads=32, seq=2048, micro_batch=1, lr=1.5e-4,
                description="Llama-2-7B, seq 2048, vocab 32000"),
+        Preset("llama2-13b", "train", layers=40, hidden=5120, ffn=13824, heads=40, seq=2048, micro_batch=1, lr=1.5e-4,
+               description="Llama-2-13B, seq 2048, vocab 32000"),
     ]
 }
 

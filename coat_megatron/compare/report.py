@@ -136,6 +136,28 @@ def train_table(rows: list[dict]) -> list[str]:
     return _table(head, rows, lines_of, _mode_and_graphs)
 
 
+BUDGET_PARTS = [("weights", "weights"), ("fp8_copies", "FP8 copies"), ("grads", "grads"), ("master_weights", "master weights"),
+                ("states", "optimizer states")]
+
+
+def budget_table(rows: list[dict]) -> list[str]:
+    """Bytes per parameter each GPU holds between steps, by part (``memory.static_parts``)."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("bytes_per_param")]
+    if not ok:
+        return []
+    bf16_m = best(ok, "bf16", "peak_MiB")
+    head = ["mode", "CUDA graphs", *[name for _, name in BUDGET_PARTS], "counted", "other", "activations MiB", "peak MiB", "vs BF16"]
+
+    def lines_of(r):
+        b = r["bytes_per_param"]
+        counted = sum(b.get(k, 0.0) for k, _ in BUDGET_PARTS)
+        return [f"| {r['mode']} | {r.get('graphs', 'none')} | " + " | ".join(_fmt(b.get(k)) for k, _ in BUDGET_PARTS)
+                + f" | {_fmt(counted)} | {_fmt(b.get('other'))} | {_fmt(r['activations_MiB'], 1)} | {_fmt(r['peak_MiB'], 1)} | "
+                f"{_ratio(r, bf16_m, 'peak_MiB')} |"]
+
+    return _table(head, ok, lines_of, _mode_and_graphs)
+
+
 def search_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s") is not None]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
@@ -212,8 +234,8 @@ COLUMNS = {
     "train": "CUDA graphs: none (eager), local (Megatron's per-layer graphs) or full (a step's forward+backward in one graph); "
     "vs BF16 / vs best TE: against the fastest BF16 / TE FP8 row of any configuration. "
     "step ms: median optimizer-step time after the warm-up steps; tokens/s: global tokens per second at that step time; "
-    "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's FP32 "
-    "gradient buffers; optimizer: FP32 main parameters + Adam states as stored; activations: peak during a step minus "
+    "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's "
+    "gradient buffers (FP32, BF16 in coat-mem); optimizer: master weights + Adam states as stored; activations: peak during a step minus "
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter.",
     "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process); "
     "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
@@ -221,6 +243,11 @@ COLUMNS = {
     "DP 1 (micro-batch x DP: the same global batch) and at the saving DP size, and train the same steps on the same batches. "
     "difference: resumed minus uninterrupted loss.",
 }
+BUDGET_NOTE = ("Bytes each GPU holds between steps per parameter (of its model shard), counted from the tensors: weights (BF16 "
+               "parameters), FP8 copies (COAT's per-linear weight caches), grads (DDP's buffers, FP32 or BF16), master weights "
+               "(FP32 main params, TE's master params, COAT's split-master low words), optimizer states (moments as stored, with "
+               "their scales); counted: their sum; other (GPU): allocated between steps beyond them (TE's FP8 weight copies, "
+               "workspaces, RNG states). Activations and peak as in the table above.")
 SEVERAL_GPUS = ("On several GPUs: memory columns are rank 0's, except the per-GPU lists (rank 0 / rank 1 / ...) and peak MiB "
                 "(the fullest GPU's); tokens/s is global. SP all-gather: bytes each rank sends per step (per fwd+bwd for a layer) "
                 "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "
@@ -242,6 +269,9 @@ def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal],
                 notes_for = [COLUMNS[kind]] + ([SEVERAL_GPUS] if tp * dp > 1 and kind in ("layer", "train") else [])
                 lines += [f"## {TITLES[kind]}: {group_name(preset, tp, dp)} ({shape}) on {gpus}{first.get('device', '?')}", "",
                           *table(chosen), "", *notes_for, ""]
+                budget = budget_table(chosen) if kind == "train" else []
+                if budget:
+                    lines += [f"### Bytes per parameter between steps: {group_name(preset, tp, dp)}", "", *budget, "", BUDGET_NOTE, ""]
     same = same_batch_table(rows)
     if same:
         lines += ["## The same global batch at DP n and at DP 1", "", *same, "",

@@ -27,7 +27,7 @@ from . import parallel
 from .build import build_gpt, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
-from .memory import MIB, SavedTensors, gradient_bytes, optimizer_bytes, weights_bytes
+from .memory import MIB, SavedTensors, static_parts
 from .modes import Mode
 from .presets import Preset
 
@@ -107,18 +107,16 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
     if progress is not None:
         progress.close()
 
-    parts = {
-        "weights": weights_bytes(model),
-        "grads": gradient_bytes(model),
-        "optimizer": optimizer_bytes(unwrap_optimizers(optimizer)),
-    }
+    parts = static_parts(model, unwrap_optimizers(optimizer))
     params = sum(p.numel() for p in model.parameters())
     if cuda:
         activations = torch.cuda.max_memory_allocated() - static
-        parts["other"] = max(0, static - sum(parts.values()))  # FP8 weight copies, workspaces, ...
+        parts["other"] = max(0, static - sum(parts.values()))  # TE's FP8 weights, workspaces, ...
         peak, source = max(torch.cuda.max_memory_allocated(), warmup_peak), "cuda-allocator"
     else:
         peak, source = sum(parts.values()) + activations, "saved-tensors"
+    budget = {k: v / params for k, v in parts.items()}  # bytes per parameter this GPU holds between steps
+    parts["optimizer"] = parts["master_weights"] + parts["states"]
     parts["activations"] = activations
     ranks = parallel.per_rank({"peak": peak, "optimizer": parts["optimizer"]})
     median_ms = statistics.median(step_ms)
@@ -132,6 +130,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
         "tp": tp,
         "dp": dp,
         "params": params,  # of this rank's tensor-parallel shard
+        "linear_params": sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache")),  # those with FP8 copies
         "step_ms": median_ms,
         "step_ms_per_step": step_ms,
         "tokens_per_s": tokens_per_s,
@@ -141,6 +140,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
         **{f"{k}_MiB": v / MIB for k, v in parts.items()},  # rank 0's
         "optimizer_MiB_per_rank": [r["optimizer"] / MIB for r in ranks],
         "optimizer_bytes_per_param": parts["optimizer"] * dp / params,
+        "bytes_per_param": budget,  # rank 0's parts between steps, per parameter of its model shard
         **all_gather_fields({k: v / len(step_ms) for k, v in gathered.items()}),
         "losses": losses,
         "skipped_steps": skipped,

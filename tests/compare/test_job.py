@@ -41,8 +41,8 @@ def tiny(tmp_path_factory):
 
 def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     rows = tiny["rows"]
-    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-recompute", "coat-lean"]
-    for mode in ("bf16", "bf16-local", "coat", "coat-recompute", "coat-lean"):
+    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-recompute", "coat-lean", "coat-mem"]
+    for mode in ("bf16", "bf16-local", "coat", "coat-recompute", "coat-lean", "coat-mem"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
     if not TE:
@@ -64,6 +64,9 @@ def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     assert abs(sum(coat[-10:]) - sum(bf16[-10:])) / sum(bf16[-10:]) < 0.03
     assert rows["bf16"]["losses"] == rows["bf16-local"]["losses"]  # without TE, bf16 is the local spec
     assert rows["coat-lean"]["losses"] == rows["coat"]["losses"]  # W^T transposed per backward: the same bytes
+    # split masters and BF16 gradients: the same FP32 masters, gradients rounded to BF16 once per step
+    mem = rows["coat-mem"]["losses"]
+    assert abs(sum(mem[-10:]) - sum(coat[-10:])) / sum(coat[-10:]) < 0.01, (mem[-10:], coat[-10:])
     assert all(r["skipped_steps"] == 0 for r in rows.values() if r["status"] == "ok")
 
 
@@ -75,16 +78,40 @@ def test_coat_keeps_less_optimizer_state_and_fewer_activations(tiny):
     assert coat["weights_MiB"] == bf16["weights_MiB"]
     assert coat["grads_MiB"] == pytest.approx(bf16["grads_MiB"], rel=0.01)  # COAT pads parameter starts to 128, not 64
     assert coat["activations_MiB"] < 0.8 * bf16["activations_MiB"]
-    assert coat["peak_MiB"] == pytest.approx(sum(coat[f"{p}_MiB"] for p in ("weights", "grads", "optimizer", "activations")))
+    assert coat["peak_MiB"] == pytest.approx(sum(coat[f"{p}_MiB"] for p in ("weights", "fp8_copies", "grads", "optimizer", "activations")))
+    assert coat["optimizer_MiB"] == pytest.approx(coat["master_weights_MiB"] + coat["states_MiB"])
     for r in (bf16, coat):
+        b = r["bytes_per_param"]
+        assert b["weights"] == pytest.approx(2.0, abs=0.01) and b["grads"] == pytest.approx(4.0, abs=0.02)
         assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 64 / (r["step_ms"] / 1e3))
         assert len(r["step_ms_per_step"]) == 40 - 2  # the warm-up steps are not timed
+
+
+def test_coat_mem_holds_under_9_5_bytes_per_parameter_between_steps(tiny):
+    """The memory mode's byte budget, every part counted from the tensors (tiny model: its 256-entry
+    embeddings have no FP8 copy, so FP8 copies weigh less than 1 byte per parameter here)."""
+    rows = tiny["rows"]
+    mem, coat = rows["coat-mem"]["bytes_per_param"], rows["coat"]["bytes_per_param"]
+    linear = rows["coat"]["linear_params"] / rows["coat"]["params"]  # the share of parameters in COAT linears
+    assert mem["weights"] == pytest.approx(2.0, abs=0.01)
+    assert mem["grads"] == pytest.approx(2.0, abs=0.02)  # BF16 gradient buffers (128-element padding)
+    assert mem["master_weights"] == pytest.approx(2.0, abs=0.02)  # the int16 low words, no FP32 copy
+    assert 2.15 < mem["states"] < 2.25  # FP8 m and v + per-group scale, k, centre
+    assert mem["fp8_copies"] == pytest.approx(linear, rel=0.01)  # W only (W^T transposed per backward)
+    assert coat["fp8_copies"] == pytest.approx(2 * linear, rel=0.01) and coat["master_weights"] == pytest.approx(4.0, abs=0.02)
+    total = sum(mem[k] for k in ("weights", "fp8_copies", "grads", "master_weights", "states"))
+    assert total <= 9.5 and total == pytest.approx(8.2 + linear, abs=0.05)
+    md = (tiny["out"] / "tiny.md").read_text()
+    budget = md.split("### Bytes per parameter between steps: tiny")[1].split("\n\n")[1].splitlines()
+    assert budget[0].startswith("| mode | CUDA graphs | weights | FP8 copies | grads | master weights | optimizer states | counted |")
+    assert any(line.startswith("| coat-mem | none | 2.00 |") for line in budget), budget
 
 
 def test_markdown_has_every_row_ratios_and_goals(tiny):
     md = (tiny["out"] / "tiny.md").read_text()
     assert md == tiny["stdout"].split("report:")[0].rstrip() + "\n" or md in tiny["stdout"]
-    table = [line for line in md.splitlines() if line.startswith("| ")]
+    first = md.split("## End to end")[1].split("\n\n")[1]  # the end-to-end table (the byte budget follows it)
+    table = [line for line in first.splitlines() if line.startswith("| ")]
     by_mode = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in table}
     head = by_mode["mode"]
     coat, rows = by_mode["coat"], tiny["rows"]
@@ -149,7 +176,7 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
 
 
 def test_a_configuration_runs_in_a_fresh_process(tmp_path, monkeypatch):
-    """What --cuda-graphs does on one GPU (each mode x configuration in its own process), run here
+    """What every job does on one GPU (each mode x configuration in its own process), run here
     with the eager configuration: the row comes back from the child whole."""
     from coat_megatron.compare import job
     from coat_megatron.compare.presets import get_preset
@@ -158,8 +185,8 @@ def test_a_configuration_runs_in_a_fresh_process(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = job.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
     preset = get_preset("tiny").with_overrides(steps=4)
-    assert not job.isolate_graph_runs(preset, args)  # no GPU here, and no graphs asked for
-    monkeypatch.setattr(job, "isolate_graph_runs", lambda preset, args: True)  # as on a GPU with --cuda-graphs
+    assert not job.isolate_runs(preset, args)  # no GPU here
+    monkeypatch.setattr(job, "isolate_runs", lambda preset, args: True)  # as on one GPU
     assert job.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
     rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["graphs"] == "none" and len(rows[0]["losses"]) == 4

@@ -111,6 +111,34 @@ def test_speed_goals_compare_each_family_in_its_fastest_cuda_graph_configuration
     assert goals["end-to-end peak memory vs BF16, equal micro-batch"].measured == 0.7
 
 
+def test_memory_mode_goals_judge_coat_mem_and_whether_the_big_models_fit():
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    rows = [
+        _row("train", "g", mode, family, tokens_per_s=tps, peak_MiB=peak, micro_batch=4)
+        for mode, family, tps, peak in [("bf16", "bf16", 100.0, 1000.0), ("te-fp8-pa", "te-fp8", 90.0, 800.0),
+                                        ("coat", "coat", 120.0, 700.0), ("coat-mem", "coat", 119.0, 520.0)]
+    ] + [
+        {**_row("train", "llama2-7b", "bf16", "bf16", micro_batch=2), "status": "oom", "device": h100},
+        {**_row("train", "llama2-7b", "coat-mem", "coat", micro_batch=2, tokens_per_s=8400.0, peak_MiB=74000.0), "device": h100},
+        {**_row("train", "llama2-7b", "coat-mem", "coat", micro_batch=4, reason="out of memory"), "status": "oom", "device": h100},
+        {**_row("train", "llama2-13b", "coat-mem", "coat", micro_batch=1, tokens_per_s=3000.0, peak_MiB=120000.0), "device": h200},
+    ]
+    goals = {g.goal: g for g in evaluate(rows) if g.preset == "g" or "trains" in g.goal}
+    assert goals["end-to-end peak memory of coat-mem vs BF16, equal micro-batch"].measured == 0.52
+    assert goals["end-to-end peak memory of coat-mem vs te-fp8-pa, equal micro-batch"].measured == 0.65
+    speed = goals["coat-mem tokens/s vs coat, equal micro-batch (no loss of speed; 2% run-to-run noise)"]
+    assert speed.measured == round(119 / 120, 4) and speed.met
+    seven = goals["llama2-7b trains with coat-mem on one 80 GB GPU"]
+    assert seven.met and seven.measured == "micro-batch 2, 8400 tokens/s, peak 72.3 GiB"
+    assert goals["llama2-13b trains with coat-mem on one 141 GB GPU"].met
+    assert goals["llama2-7b trains on one GPU with COAT where BF16 does not fit"].met  # coat-mem counts as COAT
+    slow = [{**r, "tokens_per_s": 7600.0} if r["mode"] == "coat-mem" and r["preset"] == "llama2-7b" else r for r in rows]
+    missed = {g.goal: g for g in evaluate(slow)}["llama2-7b trains with coat-mem on one 80 GB GPU"]
+    assert missed.met is False and missed.missed_by == "5.0% below 8000 tokens/s"
+    on_h200 = [{**r, "device": h200} if r["preset"] == "llama2-7b" else r for r in rows]
+    assert {g.goal: g for g in evaluate(on_h200)}["llama2-7b trains with coat-mem on one 80 GB GPU"].met is None  # not an H100
+
+
 def test_progress_writes_a_line_per_tenth_into_a_log():
     stream = io.StringIO()
     p = Progress(40, "tiny coat", stream=stream)
