@@ -16,7 +16,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout
 from tiny_gpt import checkpoint_state, forward_backward, synthetic_batches, tiny_config, tiny_gpt, train_step
 
-from coat_kernels import quantize_expanded
+from coat_kernels import quantize_expanded, split_master
 from coat_megatron import CoatConfig
 from coat_megatron.optimizer import CoatDistributedOptimizer, coat_param_layout, coat_telemetry, get_coat_optimizer
 
@@ -500,15 +500,17 @@ def test_split_masters_refuse_fp32_gradient_buffers():
     assert "grad_reduce_in_fp32=False" in message and "--grad-reduce-in-bf16" in message
 
 
-def _gpu_train_save_resume(directory: str) -> dict:
+def _gpu_train_save_resume(directory: str, master_weights: str = "fp32") -> dict:
     batches = [{k: v.cuda() for k, v in b.items()} for b in synthetic_batches(2)]
-    model, optimizer = _build(device="cuda")
+    model, optimizer = _build(device="cuda", master_weights=master_weights)
     inner = _inner(optimizer)
     first = [train_step(model, optimizer, batches) for _ in range(3)]
     _save(directory, model, optimizer)
     expected = [train_step(model, optimizer, batches) for _ in range(2)]
-    bf16_written = all(torch.equal(p.detach().view(-1)[s:e], main.to(torch.bfloat16)) for p, main, s, e in inner._coat_shards())
-    model, optimizer = _build(seed=1, device="cuda")
+    # the fused step wrote the BF16 weights (split masters: their high halves, nearest with ties away from zero)
+    as_bf16 = (lambda x: split_master(x)[0]) if master_weights == "split" else (lambda x: x.to(torch.bfloat16))  # noqa: E731
+    bf16_written = all(torch.equal(p.detach().view(-1)[s:e], as_bf16(inner._main_fp32(main))) for p, main, s, e in inner._coat_shards())
+    model, optimizer = _build(seed=1, device="cuda", master_weights=master_weights)
     _load(directory, model, optimizer)
     resumed = [train_step(model, optimizer, batches) for _ in range(2)]
     return dict(first=first, expected=expected, resumed=resumed, bf16_written=bf16_written, telemetry=coat_telemetry(optimizer),
@@ -516,7 +518,8 @@ def _gpu_train_save_resume(directory: str) -> dict:
 
 
 @pytest.mark.gpu
-def test_on_one_gpu_with_megatrons_gpu_stack(tmp_path):
+@pytest.mark.parametrize("master_weights", ["fp32", "split"])
+def test_on_one_gpu_with_megatrons_gpu_stack(tmp_path, master_weights):
     """Megatron on CUDA (with TransformerEngine installed, Megatron builds TE's FusedAdam, which COAT
     replaces), the fused Triton step writing BF16 weights into DDP's buffer, and a bit-exact resume."""
     import torch.distributed as dist
@@ -526,7 +529,7 @@ def test_on_one_gpu_with_megatrons_gpu_stack(tmp_path):
         parallel_state.initialize_model_parallel(1, 1)
         try:
             (tmp_path / "checkpoint").mkdir()  # dist_checkpointing.save writes into an existing directory
-            r = _gpu_train_save_resume(str(tmp_path / "checkpoint"))
+            r = _gpu_train_save_resume(str(tmp_path / "checkpoint"), master_weights)
         finally:
             parallel_state.destroy_model_parallel()
     finally:

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The memory issue's GPU runs (issue 14; one GPU with torch 2.11, TransformerEngine 2.20.2 and
+# megatron-core 0.19.2 installed by ../shared/gpu/stage). Everything goes to $RES (default
+# /tmp/memory-results) and is packed into $OUT/memory.tgz.
+#
+#   bash scripts/gpu_memory.sh tests gpt1b llama7b      # the parts named, in order
+#
+# Parts:
+#   tests     the gpu-marked tests of the split master weights, the fused step, the wgrad into a BF16
+#             main_grad, the distributed optimizer on one GPU, and Megatron's CUDA graphs (~3 min)
+#   gpt1b     coat-compare gpt-1b, micro-batch 4, STEPS steps (default 20), GRAPHS (default local):
+#             bf16, te-fp8-pa, coat, coat-lean, coat-mem, each in a fresh process (~4 min)
+#   llama7b   coat-compare llama2-7b, micro-batch MB7 (default 2), 10 steps, eager: bf16, te-fp8-current,
+#             coat, coat-mem (one 80 GB H100: only coat-mem is expected to fit) (~6 min)
+#   llama13b  coat-compare llama2-13b, micro-batch 1, 8 steps, eager: coat-mem, and bf16 and coat for
+#             the record (one H200) (~5 min)
+#   speed7b   coat-compare llama2-7b at micro-batch 1 and 2 with bf16, te-fp8-current, coat (one H200:
+#             the speed issue's Llama-2-7B goal) (~8 min)
+#   summary   coat-compare --summarize over every report written so far
+set -uo pipefail
+dest=${OUT:-out}
+out=${RES:-/tmp/memory-results}
+steps=${STEPS:-20}
+graphs=${GRAPHS:-local}
+mkdir -p "$out" "$dest"
+export PYTHONUNBUFFERED=1
+big=(env "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}")  # the 7B/13B runs: less fragmentation near the limit
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+
+run() {  # run CAP_SECONDS NAME command...: the log goes to $out/NAME.log
+  local cap=$1 name=$2 start=$SECONDS
+  shift 2
+  echo "== $* (at most ${cap} s)"
+  timeout "$cap" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 124 ] && echo "   stopped after ${cap} s: see $out/$name.log"
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && { echo "   failed ($rc):"; tail -15 "$out/$name.log"; }
+  echo "   $((SECONDS - start)) s"
+}
+
+compare() {  # compare CAP NAME coat-compare-args...  (PRE: a command prefix, e.g. the allocator setting)
+  local cap=$1 name=$2
+  shift 2
+  run "$cap" "$name" ${PRE:-} python3 -m coat_megatron.compare --out "$out" --name "$name" "$@"
+  grep -E "^\| (bf16|te-fp8|coat)|^\| (llama|end-to-end|coat-mem)" "$out/$name.md" 2>/dev/null | cut -c1-220
+}
+
+for part in ${*:-tests gpt1b}; do
+  case $part in
+    tests)
+      run 400 pytest-gpu-memory python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_master.py tests/kernels/test_fp8_adamw.py \
+        tests/fp8/test_ops.py tests/megatron/test_coat_optimizer.py tests/megatron/test_cuda_graphs.py
+      tail -4 "$out/pytest-gpu-memory.log" ;;
+    gpt1b)
+      compare 570 gpt-1b-memory --preset gpt-1b --micro-batch 4 --steps "$steps" --modes bf16,te-fp8-pa,coat,coat-lean,coat-mem \
+        --cuda-graphs "$graphs" --no-plots ;;
+    llama7b)
+      PRE="${big[*]}" compare 590 "llama2-7b-mb${MB7:-2}" --preset llama2-7b --micro-batch "${MB7:-2}" --steps 10 --modes bf16,te-fp8-current,coat,coat-mem --no-plots ;;
+    llama13b)
+      PRE="${big[*]}" compare 590 llama2-13b --preset llama2-13b --micro-batch 1 --steps 8 --modes coat-mem,coat,bf16 --no-plots ;;
+    speed7b)
+      for mb in 1 2; do
+        PRE="${big[*]}" compare 290 "llama2-7b-speed-mb$mb" --preset llama2-7b --micro-batch "$mb" --steps 10 --modes bf16,te-fp8-current,coat --no-plots
+      done ;;
+    summary)
+      python3 -m coat_megatron.compare --summarize --out "$out" >/dev/null 2>&1
+      grep -E "coat-mem|llama2" "$out/summary.md" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
+tar czf "$dest/memory.tgz" -C "$out" .
+echo "total $SECONDS s"
