@@ -8,8 +8,11 @@
 # Parts:
 #   tests     the gpu-marked tests of the split master weights, the fused step, the wgrad into a BF16
 #             main_grad, the distributed optimizer on one GPU, and Megatron's CUDA graphs (~3 min)
-#   gpt1b     coat-compare gpt-1b, micro-batch 4, STEPS steps (default 20), GRAPHS (default local):
-#             bf16, te-fp8-pa, coat, coat-lean, coat-mem, each in a fresh process (~4 min)
+#   graphs    coat-compare tiny, bf16 and coat, eager and with Megatron's local and whole-step CUDA graphs
+#             (what tests/megatron/test_cuda_graphs.py checks; a run that dies leaves its log beside the report)
+#   gpt1b     coat-compare gpt-1b, micro-batch 4, STEPS steps (default 20), GRAPHS (default none,local:
+#             eager for the memory goals, local graphs for speed): bf16, te-fp8-pa, coat, coat-lean,
+#             coat-mem, each in a fresh process (~6 min)
 #   llama7b   coat-compare llama2-7b, micro-batch MB7 (default 2), 10 steps, eager: bf16, te-fp8-current,
 #             coat, coat-mem (one 80 GB H100: only coat-mem is expected to fit) (~6 min)
 #   llama13b  coat-compare llama2-13b, micro-batch 1, 8 steps, eager: coat-mem, and bf16 and coat for
@@ -21,7 +24,7 @@ set -uo pipefail
 dest=${OUT:-out}
 out=${RES:-/tmp/memory-results}
 steps=${STEPS:-20}
-graphs=${GRAPHS:-local}
+graphs=${GRAPHS:-none,local}
 mkdir -p "$out" "$dest"
 export PYTHONUNBUFFERED=1
 big=(env "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}")  # the 7B/13B runs: less fragmentation near the limit
@@ -52,6 +55,9 @@ for part in ${*:-tests gpt1b}; do
       run 400 pytest-gpu-memory python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_master.py tests/kernels/test_fp8_adamw.py \
         tests/fp8/test_ops.py tests/megatron/test_coat_optimizer.py tests/megatron/test_cuda_graphs.py
       tail -4 "$out/pytest-gpu-memory.log" ;;
+    graphs)
+      compare 400 tiny-graphs --preset tiny --modes bf16,coat --steps 12 --cuda-graphs none,local,full --no-plots
+      for f in "$out"/tiny-graphs-*-failed.log; do [ -f "$f" ] && { echo "== $f"; grep -v "^frame #" "$f" | tail -40; }; done ;;
     gpt1b)
       compare 570 gpt-1b-memory --preset gpt-1b --micro-batch 4 --steps "$steps" --modes bf16,te-fp8-pa,coat,coat-lean,coat-mem \
         --cuda-graphs "$graphs" --no-plots ;;

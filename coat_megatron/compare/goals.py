@@ -61,6 +61,15 @@ def _best_of_mode(rows: list[dict], mode: str, key: str, lowest: bool = True) ->
     return (min if lowest else max)(candidates, key=lambda r: r[key])
 
 
+def _memory_rows(train: list[dict]) -> list[dict]:
+    """The rows whose peak memory the memory goals compare: the eager ones when the run has any.
+    Under CUDA graphs the allocator's peak misses the graphs' private pools (a tensor made during a
+    capture counts as freed though the replays keep using its memory), so graphed peaks understate
+    what a mode holds and do not compare with each other or with eager ones."""
+    eager = [r for r in train if r.get("graphs", "none") == "none"]
+    return eager or train
+
+
 def best(rows: list[dict], family: str, key: str, lowest: bool = True) -> dict | None:
     """The best ``family`` row by ``key`` (lowest, or highest when ``lowest`` is False)."""
     candidates = [r for r in rows if r.get("family") == family and r.get(key) is not None]
@@ -78,6 +87,8 @@ def _ratio_goal(goal, preset, num, den, key, target, at_most, reference) -> Goal
     met = ratio <= target if at_most else ratio >= target
     missed = "" if met else f"{abs(ratio - target) / target:.1%} {'above' if at_most else 'below'} the target"
     where = f"{den.get('device', '?')}, memory from {den['memory_source']}" if "memory_source" in den else den.get("device", "?")
+    if key == "peak_MiB" and den.get("graphs", "none") != "none":
+        where += f"; CUDA graphs {den['graphs']}: the allocated peak, without the graphs' private pools"
     return Goal(goal, preset, f"{'<=' if at_most else '>='} {target}", round(ratio, 4), met, missed, f"vs {den['mode']}; {where}")
 
 
@@ -97,24 +108,27 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
             ]
         train = _ok(rows, group, "train")
         if train:
-            coat = _best_of_mode(train, COAT, "peak_MiB")
+            held = _memory_rows(train)
+            coat = _best_of_mode(held, COAT, "peak_MiB")
             mb = coat["micro_batch"] if coat else None
             same = [r for r in train if r["micro_batch"] == mb]
+            same_held = [r for r in held if r["micro_batch"] == mb]
             fastest = _best_of_mode(same, COAT, "tokens_per_s", lowest=False)
             goals += [
-                _ratio_goal("end-to-end peak memory vs BF16, equal micro-batch", preset, coat, best(same, "bf16", "peak_MiB"), "peak_MiB", 0.65, True, "BF16"),
-                _ratio_goal("end-to-end peak memory vs te-fp8-pa, equal micro-batch", preset, coat, _best_of_mode(same, "te-fp8-pa", "peak_MiB"), "peak_MiB", 0.85, True, "te-fp8-pa"),
+                _ratio_goal("end-to-end peak memory vs BF16, equal micro-batch", preset, coat, best(same_held, "bf16", "peak_MiB"), "peak_MiB", 0.65, True, "BF16"),
+                _ratio_goal("end-to-end peak memory vs te-fp8-pa, equal micro-batch", preset, coat, _best_of_mode(same_held, "te-fp8-pa", "peak_MiB"), "peak_MiB", 0.85, True, "te-fp8-pa"),
                 _ratio_goal("tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration", preset, fastest,
                             best(same, "bf16", "tokens_per_s", lowest=False), "tokens_per_s", 1.10, False, "BF16"),
                 _ratio_goal("tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration", preset, fastest,
                             best(same, "te-fp8", "tokens_per_s", lowest=False), "tokens_per_s", 1.10, False, "TE FP8"),
             ]
-            mem = _best_of_mode(train, MEM, "peak_MiB")
+            mem = _best_of_mode(held, MEM, "peak_MiB")
             if mem is not None:
                 same = [r for r in train if r["micro_batch"] == mem["micro_batch"]]
+                same_held = [r for r in held if r["micro_batch"] == mem["micro_batch"]]
                 goals += [
-                    _ratio_goal("end-to-end peak memory of coat-mem vs BF16, equal micro-batch", preset, mem, best(same, "bf16", "peak_MiB"), "peak_MiB", 0.55, True, "BF16"),
-                    _ratio_goal("end-to-end peak memory of coat-mem vs te-fp8-pa, equal micro-batch", preset, mem, _best_of_mode(same, "te-fp8-pa", "peak_MiB"), "peak_MiB", 0.70, True, "te-fp8-pa"),
+                    _ratio_goal("end-to-end peak memory of coat-mem vs BF16, equal micro-batch", preset, mem, best(same_held, "bf16", "peak_MiB"), "peak_MiB", 0.55, True, "BF16"),
+                    _ratio_goal("end-to-end peak memory of coat-mem vs te-fp8-pa, equal micro-batch", preset, mem, _best_of_mode(same_held, "te-fp8-pa", "peak_MiB"), "peak_MiB", 0.70, True, "te-fp8-pa"),
                     _ratio_goal("coat-mem tokens/s vs coat, equal micro-batch (no loss of speed; 2% run-to-run noise)", preset,
                                 _best_of_mode(same, MEM, "tokens_per_s", lowest=False), _best_of_mode(same, COAT, "tokens_per_s", lowest=False),
                                 "tokens_per_s", 0.98, False, "coat"),

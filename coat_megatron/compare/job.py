@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -167,7 +168,13 @@ def run_isolated(preset: Preset, mode: Mode, args, graphs: str) -> dict:
                   "--seq", str(preset.seq), "--seed", str(args.seed), "--cuda-graphs", graphs]
     result = run_probe(probe_args, 1)
     if result.row is None:
-        return {**row, "status": "failed", "reason": result.error, "seconds": round(result.seconds, 2)}
+        reason = result.error
+        if result.log and args.out:  # the whole output of the dead run, beside the report
+            log = Path(args.out) / f"{args.name or preset.name}-{mode.name}-{graphs}-failed.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(result.log)
+            reason += f" (log: {log.name})"
+        return {**row, "status": "failed", "reason": reason, "seconds": round(result.seconds, 2)}
     return result.row
 
 

@@ -10,6 +10,7 @@ written by 2 resumes in 1). The probe prints its one row as a line starting with
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -24,6 +25,22 @@ class ProbeResult:
     row: dict | None  # the probe's row, None when it printed none
     error: str  # why there is no row ("" when there is one)
     seconds: float
+    log: str = ""  # the run's stderr when there is no row (the whole of it, for a log file)
+
+
+# lines that say why a run died, best first: a Python exception, a C++ abort, a CUDA error
+_CAUSES = (re.compile(r"^[\w.]*(Error|Exception): "), re.compile(r"what\(\):|terminate called"), re.compile(r"CUDA error|illegal memory|Assertion"))
+
+
+def why_it_died(text: str) -> str:
+    """The line of a dead run's output that says why (the last Python exception, else an abort
+    message or CUDA error), or its last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    for cause in _CAUSES:
+        hits = [line for line in lines if cause.search(line)]
+        if hits:
+            return hits[-1]
+    return lines[-1] if lines else "no output"
 
 
 def probe_command(args: list[str], world_size: int) -> list[str]:
@@ -45,6 +62,6 @@ def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> Probe
     seconds = time.monotonic() - start
     lines = [line[len(PROBE_MARK):] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
     if not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return ProbeResult(None, f"the run exited with {proc.returncode} and no result: {' | '.join(tail)}"[:400], seconds)
+        text = proc.stderr or proc.stdout or ""
+        return ProbeResult(None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text)
     return ProbeResult(json.loads(lines[-1]), "", seconds)

@@ -146,14 +146,14 @@ def budget_table(rows: list[dict]) -> list[str]:
     if not ok:
         return []
     bf16_m = best(ok, "bf16", "peak_MiB")
-    head = ["mode", "CUDA graphs", *[name for _, name in BUDGET_PARTS], "counted", "other", "activations MiB", "peak MiB", "vs BF16"]
+    head = ["mode", "CUDA graphs", *[name for _, name in BUDGET_PARTS], "counted", "other", "activations MiB", "peak MiB", "reserved MiB", "vs BF16"]
 
     def lines_of(r):
         b = r["bytes_per_param"]
         counted = sum(b.get(k, 0.0) for k, _ in BUDGET_PARTS)
         return [f"| {r['mode']} | {r.get('graphs', 'none')} | " + " | ".join(_fmt(b.get(k)) for k, _ in BUDGET_PARTS)
                 + f" | {_fmt(counted)} | {_fmt(b.get('other'))} | {_fmt(r['activations_MiB'], 1)} | {_fmt(r['peak_MiB'], 1)} | "
-                f"{_ratio(r, bf16_m, 'peak_MiB')} |"]
+                f"{_fmt(r.get('peak_reserved_MiB'), 1)} | {_ratio(r, bf16_m, 'peak_MiB')} |"]
 
     return _table(head, ok, lines_of, _mode_and_graphs)
 
@@ -247,7 +247,10 @@ BUDGET_NOTE = ("Bytes each GPU holds between steps per parameter (of its model s
                "parameters), FP8 copies (COAT's per-linear weight caches), grads (DDP's buffers, FP32 or BF16), master weights "
                "(FP32 main params, TE's master params, COAT's split-master low words), optimizer states (moments as stored, with "
                "their scales); counted: their sum; other (GPU): allocated between steps beyond them (TE's FP8 weight copies, "
-               "workspaces, RNG states). Activations and peak as in the table above.")
+               "workspaces, RNG states). Activations and peak as in the table above; reserved MiB: the most memory the "
+               "allocator took from the GPU (GPU only). With CUDA graphs the allocated peak misses the graphs' private pools (a "
+               "captured tensor counts as freed though its memory stays taken for the replays): reserved is the footprint "
+               "there, and the memory goals are judged on eager rows when the run has them.")
 SEVERAL_GPUS = ("On several GPUs: memory columns are rank 0's, except the per-GPU lists (rank 0 / rank 1 / ...) and peak MiB "
                 "(the fullest GPU's); tokens/s is global. SP all-gather: bytes each rank sends per step (per fwd+bwd for a layer) "
                 "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "

@@ -76,7 +76,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
 
     losses, step_ms, skipped = [], [], 0
     gathered = Counter()
-    activations = static = warmup_peak = None
+    activations = static = warmup_peak = warmup_reserved = None
     with AllGatherBytes() as counter:
         for step in range(first, preset.steps):
             batch = {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in data.batch(generator).items()}
@@ -88,6 +88,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
                 torch.cuda.synchronize()
                 static = torch.cuda.memory_allocated()
                 warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
+                warmup_reserved = torch.cuda.max_memory_reserved()
                 torch.cuda.reset_peak_memory_stats()
             saved = SavedTensors(exclude=[*model.parameters(), *batch.values()]) if measure and not cuda else None
             before = counter.snapshot()
@@ -113,12 +114,16 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
         activations = torch.cuda.max_memory_allocated() - static
         parts["other"] = max(0, static - sum(parts.values()))  # TE's FP8 weights, workspaces, ...
         peak, source = max(torch.cuda.max_memory_allocated(), warmup_peak), "cuda-allocator"
+        # what the allocator held from the GPU: also the private pools of CUDA graphs, whose tensors
+        # count as freed once captured (a replay allocates nothing) though their memory stays taken
+        reserved = max(torch.cuda.max_memory_reserved(), warmup_reserved)
     else:
         peak, source = sum(parts.values()) + activations, "saved-tensors"
+        reserved = None
     budget = {k: v / params for k, v in parts.items()}  # bytes per parameter this GPU holds between steps
     parts["optimizer"] = parts["master_weights"] + parts["states"]
     parts["activations"] = activations
-    ranks = parallel.per_rank({"peak": peak, "optimizer": parts["optimizer"]})
+    ranks = parallel.per_rank({"peak": peak, "optimizer": parts["optimizer"], "reserved": reserved or 0})
     median_ms = statistics.median(step_ms)
     tokens_per_s = preset.micro_batch * dp * preset.seq / (median_ms / 1e3)
     result = {
@@ -137,6 +142,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
         "tokens_per_s_per_gpu": tokens_per_s / (tp * dp),
         "peak_MiB": max(r["peak"] for r in ranks) / MIB,  # the fullest GPU's
         "peak_MiB_per_rank": [r["peak"] / MIB for r in ranks],
+        "peak_reserved_MiB": max(r["reserved"] for r in ranks) / MIB if reserved is not None else None,
         **{f"{k}_MiB": v / MIB for k, v in parts.items()},  # rank 0's
         "optimizer_MiB_per_rank": [r["optimizer"] / MIB for r in ranks],
         "optimizer_bytes_per_param": parts["optimizer"] * dp / params,

@@ -97,7 +97,7 @@ def test_speed_goals_compare_each_family_in_its_fastest_cuda_graph_configuration
     rows = [
         _row("train", "g", mode, family, graphs=graphs, tokens_per_s=tps, peak_MiB=peak, micro_batch=4)
         for mode, family, graphs, tps, peak in [
-            ("bf16", "bf16", "none", 100.0, 1000.0), ("bf16", "bf16", "local", 150.0, 1100.0),
+            ("bf16", "bf16", "none", 100.0, 1000.0), ("bf16", "bf16", "local", 150.0, 600.0),
             ("te-fp8-current", "te-fp8", "none", 120.0, 900.0), ("te-fp8-current", "te-fp8", "full", 160.0, 950.0),
             ("coat", "coat", "none", 90.0, 700.0), ("coat", "coat", "local", 170.0, 760.0),
         ]
@@ -107,8 +107,13 @@ def test_speed_goals_compare_each_family_in_its_fastest_cuda_graph_configuration
     vs_te = goals["tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration"]
     assert (vs_bf16.measured, vs_bf16.met) == (round(170 / 150, 4), True)
     assert (vs_te.measured, vs_te.met, vs_te.missed_by) == (round(170 / 160, 4), False, "3.4% below the target")
-    # memory goals take COAT's leanest configuration
-    assert goals["end-to-end peak memory vs BF16, equal micro-batch"].measured == 0.7
+    # memory goals compare eager rows: a graphed row's allocated peak misses its graph pools (BF16's
+    # local row claims 600 MiB here), so the ratio is COAT eager against BF16 eager
+    memory = goals["end-to-end peak memory vs BF16, equal micro-batch"]
+    assert memory.measured == 0.7 and "CUDA graphs" not in memory.note
+    graphed_only = [r for r in rows if r["graphs"] != "none"]
+    memory = {g.goal: g for g in evaluate(graphed_only)}["end-to-end peak memory vs BF16, equal micro-batch"]
+    assert memory.measured == round(760 / 600, 4) and "without the graphs' private pools" in memory.note
 
 
 def test_memory_mode_goals_judge_coat_mem_and_whether_the_big_models_fit():
