@@ -54,7 +54,7 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "fprop_fast_accumulation": (dict(type=_switch, metavar="on|off"), "Hopper's fast FP8 accumulation in forward GEMMs (default on)"),
     "recompute_norm_output": (dict(type=_switch, metavar="on|off"), "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)"),
     "cache_weight_transpose": (dict(type=_switch, metavar="on|off"), "keep each weight's transposed FP8 copy between micro-batches (default on; off: 1 byte per parameter less, a transpose per backward)"),
-    "master_weights": (dict(choices=MASTER_WEIGHTS), "FP32 master weights as an FP32 copy (fp32, default) or as the BF16 weight plus an int16 low word (split: 2 bytes per parameter less, bit-exact; needs --grad-reduce-in-bf16)"),
+    "master_weights": (dict(choices=MASTER_WEIGHTS), "FP32 master weights as an FP32 copy (fp32, default) or as the BF16 weight plus an int16 low word (split: 2 bytes per parameter less, bit-exact; with --grad-reduce-in-bf16 the gradient buffers halve too)"),
 }
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 
@@ -184,8 +184,6 @@ def _optimizer_problems(args) -> list[str]:
         problems.append(f"COAT's optimizer runs on Megatron's DDP with the distributed optimizer: drop --use-megatron-fsdp / --use-torch-fsdp2{off}")
     if getattr(args, "fp8_param_gather", False):
         problems.append("--fp8-param-gather is TransformerEngine's FP8 weights: drop it")
-    if getattr(args, "coat_master_weights", None) == "split" and getattr(args, "accumulate_allreduce_grads_in_fp32", False):
-        problems.append("--coat-master-weights split steps the BF16 weights with BF16 gradients: add --grad-reduce-in-bf16 (and drop --accumulate-allreduce-grads-in-fp32)")
     return problems
 
 

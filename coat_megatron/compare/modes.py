@@ -18,6 +18,9 @@ coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimize
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
 coat-lean          coat with ``cache_weight_transpose=False``: each weight's transposed FP8 copy is
                    made in every backward instead of kept (1 byte per parameter less; same numbers)
+coat-split         coat with split master weights only (the BF16 weight + an int16 low word,
+                   ``master_weights="split"``; FP32 gradient buffers): 2 bytes per parameter less,
+                   the same FP32 masters
 coat-mem           COAT's memory mode: coat-lean with split master weights (the BF16 weight + an
                    int16 low word, ``master_weights="split"``) and BF16 gradient buffers
                    (``grad_reduce_in_fp32=False``): about 9.2 bytes per parameter between steps
@@ -93,6 +96,7 @@ MODES: dict[str, Mode] = {
         Mode("coat", "coat", "coat", coat_optimizer=True),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
         Mode("coat-lean", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False),
+        Mode("coat-split", "coat", "coat", coat_optimizer=True, master_weights="split"),
         Mode("coat-mem", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False, master_weights="split", grad_fp32=False),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),

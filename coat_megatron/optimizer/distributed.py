@@ -170,19 +170,13 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         """Replace each FP32 main shard of a BF16 parameter by the parameter's own BF16 shard (the
         master's high half) and an int16 low word in the optimizer's state (``master_weights=
         "split"``): 2 bytes per parameter instead of 4. The optimizer then steps the BF16 shards
-        in DDP's parameter buffer directly and reads their gradients from DDP's BF16 gradient
-        buffer (no FP32 copy of the gradients either). Megatron's grad-norm, clipping and zeroing
-        read FP32 ``.grad`` only; BF16 gradients go where its precision-aware path puts them,
-        ``.decoupled_grad``, and this optimizer's config copy says so
+        in DDP's parameter buffer directly and reads their gradients from DDP's gradient buffer,
+        FP32 or BF16, in place (no copy of the gradients either). Megatron's grad-norm, clipping
+        and zeroing take a param's ``.grad`` in the param's dtype; gradients in another dtype go
+        where its precision-aware path puts them, ``.decoupled_grad``, and this optimizer's config
+        copy says so
         (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``: the flag those paths test; its FP32
         main-param code is overridden here)."""
-        names = self._coat_names()
-        fp32_grads = [names[p] for group in self.model_float16_groups for p in group if getattr(p, "main_grad", p).dtype != p.dtype]
-        if fp32_grads:
-            raise ValueError(
-                f"master_weights='split' reads BF16 gradients, but DDP keeps {len(fp32_grads)} of them in FP32 (e.g. {fp32_grads[0]}): "
-                f"build DDP with DistributedDataParallelConfig(grad_reduce_in_fp32=False) (megatron.training: --grad-reduce-in-bf16)"
-            )
         inner = self.optimizer
         for model_group, model_shards, main_shards in zip(self.model_float16_groups, self.shard_float16_groups, self.shard_fp32_from_float16_groups):
             for j, (model_param, model_shard, main_shard) in enumerate(zip(model_group, model_shards, main_shards)):

@@ -41,8 +41,8 @@ def tiny(tmp_path_factory):
 
 def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     rows = tiny["rows"]
-    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-recompute", "coat-lean", "coat-mem"]
-    for mode in ("bf16", "bf16-local", "coat", "coat-recompute", "coat-lean", "coat-mem"):
+    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-recompute", "coat-lean", "coat-split", "coat-mem"]
+    for mode in ("bf16", "bf16-local", "coat", "coat-recompute", "coat-lean", "coat-split", "coat-mem"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
     if not TE:
@@ -64,6 +64,9 @@ def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     assert abs(sum(coat[-10:]) - sum(bf16[-10:])) / sum(bf16[-10:]) < 0.03
     assert rows["bf16"]["losses"] == rows["bf16-local"]["losses"]  # without TE, bf16 is the local spec
     assert rows["coat-lean"]["losses"] == rows["coat"]["losses"]  # W^T transposed per backward: the same bytes
+    # split masters alone: the same FP32 masters and gradients; BF16 weights differ at rounding ties only
+    split = rows["coat-split"]["losses"]
+    assert split[:2] == coat[:2] and split == pytest.approx(coat, abs=0.01), (split, coat)
     # split masters and BF16 gradients: the same FP32 masters, gradients rounded to BF16 once per step
     mem = rows["coat-mem"]["losses"]
     assert abs(sum(mem[-10:]) - sum(coat[-10:])) / sum(coat[-10:]) < 0.01, (mem[-10:], coat[-10:])
@@ -99,6 +102,8 @@ def test_coat_mem_holds_under_9_5_bytes_per_parameter_between_steps(tiny):
     assert 2.15 < mem["states"] < 2.25  # FP8 m and v + per-group scale, k, centre
     assert mem["fp8_copies"] == pytest.approx(linear, rel=0.01)  # W only (W^T transposed per backward)
     assert coat["fp8_copies"] == pytest.approx(2 * linear, rel=0.01) and coat["master_weights"] == pytest.approx(4.0, abs=0.02)
+    split = rows["coat-split"]["bytes_per_param"]
+    assert split["master_weights"] == pytest.approx(2.0, abs=0.02) and split["grads"] == pytest.approx(4.0, abs=0.02)
     total = sum(mem[k] for k in ("weights", "fp8_copies", "grads", "master_weights", "states"))
     assert total <= 9.5 and total == pytest.approx(8.2 + linear, abs=0.05)
     md = (tiny["out"] / "tiny.md").read_text()
