@@ -66,8 +66,9 @@ class CoatConfig:
             (``coat_kernels.master``): the same FP32 master bit for bit, 2 bytes per parameter.
             The BF16 weights are then rounded to nearest with ties away from zero (not to even:
             they differ from the FP32 path's at exact ties, 1 in 65536 values, by one BF16 unit).
-            Under Megatron it reads BF16 gradients: build DDP with ``grad_reduce_in_fp32=False``
-            (``--grad-reduce-in-bf16``).
+            Under Megatron it steps the BF16 shards in DDP's parameter buffer and reads DDP's
+            gradient buffer in place, FP32 or BF16; with BF16 buffers (``grad_reduce_in_fp32=
+            False``, ``--grad-reduce-in-bf16``) those halve too (COAT's memory mode).
     """
 
     activations: bool = True
