@@ -25,22 +25,9 @@ dest=${OUT:-out}
 out=${RES:-/tmp/memory-results}
 steps=${STEPS:-20}
 graphs=${GRAPHS:-none,local}
-mkdir -p "$out" "$dest"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_setup
 big=(env "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}")  # the 7B/13B runs: less fragmentation near the limit
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-
-run() {  # run CAP_SECONDS NAME command...: the log goes to $out/NAME.log
-  local cap=$1 name=$2 start=$SECONDS
-  shift 2
-  echo "== $* (at most ${cap} s)"
-  timeout "$cap" "$@" >"$out/$name.log" 2>&1
-  local rc=$?
-  [ $rc -eq 124 ] && echo "   stopped after ${cap} s: see $out/$name.log"
-  [ $rc -ne 0 ] && [ $rc -ne 124 ] && { echo "   failed ($rc):"; tail -15 "$out/$name.log"; }
-  echo "   $((SECONDS - start)) s"
-}
 
 compare() {  # compare CAP NAME coat-compare-args...  (PRE: a command prefix, e.g. the allocator setting)
   local cap=$1 name=$2

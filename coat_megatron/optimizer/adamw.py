@@ -363,7 +363,9 @@ class CoatAdamW(torch.optim.Optimizer):
 
 
     def _no_split_masters(self, what: str) -> None:
-        if self.split_masters:
+        """Refuse where a master weight is split (a BF16 param with a low word): FP32 params are
+        their own masters under either setting."""
+        if self.split_masters and any(p.dtype == torch.bfloat16 for group in self.param_groups for p in group["params"]):
             raise ValueError(
                 f"{what}: torch.optim.AdamW on these BF16 parameters has no FP32 master weights to carry split ones; "
                 f"read them with master_weight(p), or use master_weights='fp32' (Megatron: save a fully_reshardable checkpoint)"

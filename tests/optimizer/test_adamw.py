@@ -215,6 +215,16 @@ def test_errors_name_the_fix():
         opt.load_state_dict(adamw.state_dict())
     with pytest.raises(ValueError, match="amsgrad"):
         CoatAdamW([{"params": [p], "amsgrad": True}]).step()
+    # split masters: FP32 params are their own masters and export as ever; BF16 ones cannot
+    fp32_split = CoatAdamW([p], config=CoatConfig(master_weights="split"))
+    fp32_split.step()
+    assert set(fp32_split.fp32_state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    b = nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
+    b.grad = torch.randn_like(b)
+    bf16_split = CoatAdamW([b], config=CoatConfig(master_weights="split"))
+    bf16_split.step()
+    with pytest.raises(ValueError, match="master_weight"):
+        bf16_split.fp32_state_dict()
 
 
 @pytest.mark.gpu
