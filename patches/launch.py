@@ -52,10 +52,23 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
     try:
         with coat_megatron_patches(cpu=cpu):
             runpy.run_path(script, run_name="__main__")
+        _close_process_groups()
     except CoatArgumentError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"coat-megatron-run: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _close_process_groups() -> None:
+    """Tear down torch.distributed after the script returns, as torchrun-launched programs should:
+    Megatron's ``pretrain()`` leaves its process groups open, and a process that exits with gloo's
+    threads still running can abort in their destructors ("terminate called without an active
+    exception", seen once in CI after training had finished, exit code -6)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
