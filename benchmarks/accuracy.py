@@ -1,31 +1,59 @@
-"""BF16 vs COAT final loss over several seeds: the accuracy claim, with its loss curves.
+"""BF16 vs COAT validation loss over several seeds: the accuracy claim, with its noise floor.
 
-    python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--tail 0.1] [--out DIR]
-                                  [--modes bf16,coat,coat-act,coat-opt]
-    bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (one seed per command)
+    python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--modes bf16,coat,bf16@data2]
+                                  [--tail 0.1] [--eval-every N] [--max-runs N] [--jobs N] [--out DIR]
+    bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (as many runs per command as fit)
 
-For each seed, one ``coat-compare --preset P --modes bf16,coat --steps N --seed S`` job (same
-data, same initial weights for every mode; ``--modes`` adds the ablations), then per mode the mean loss over the last ``--tail``
-fraction of the steps (one step's loss is noisy), averaged over seeds; the gap
-(COAT - BF16) / BF16 of those means, per seed and overall; and a plot of the curves (moving
-average, and the gaps per seed) when matplotlib is installed. Writes accuracy.md, accuracy.jsonl, losses.json (every
-curve, 4 decimals) and accuracy.png; the per-seed reports stay in ``--out``/seedN.
+For each seed, ``coat-compare --preset P --modes ... --steps N --seed S`` jobs: the same initial
+weights and the same data order for every mode of a seed, and the same held-out validation
+windows for every mode and seed. A mode key is a mode of coat-compare, optionally with a variant:
+``MODE@dpN`` trains at DP N on the same global batch (only the order of reductions differs),
+``MODE@dataN`` with the N-th data order (data seed = seed + 1000 (N - 1)), the same initial
+weights. ``bf16@data2`` and ``bf16@dp2`` are noise floors: BF16 against BF16.
+
+Per seed and mode: the validation loss after the last step (the primary figure) and the mean
+training loss over the last ``--tail`` of the steps (beside it); the gap (mode - BF16) / BF16 of
+each. Over seeds: the mean of the per-seed gaps and its standard error (sample standard deviation
+/ sqrt(seeds)). The verdict (``verdict``): COAT's mean validation gap <= 0.25% and, against the
+noise floor's mean gap, gap_coat - gap_noise <= 2 sqrt(se_coat^2 + se_noise^2).
+
+Modes whose finished rows are already in ``--out``/seedN are not run again, so long runs can be
+split over several commands and an ablation added to finished seeds; ``--max-runs`` runs at most
+that many (seed, mode) runs and exits with status 75 when some are left (call again); ``--jobs N``
+runs up to N of them at once, each in its own process. Once all are
+there: accuracy.md, accuracy.jsonl, losses.json (every curve, 4 decimals) and accuracy.png (with
+matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
-import math
 import json
+import math
 import os
+import re
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
 from coat_megatron.compare.presets import get_preset
+
+GOAL_GAP = 0.0025  # issue 15: COAT's mean validation-loss gap to BF16 at most 0.25%
+DATA_ORDER_STRIDE = 1000  # data seed of the N-th data order: seed + DATA_ORDER_STRIDE * (N - 1)
+MORE_RUNS_LEFT = 75  # exit status when --max-runs left runs to do (EX_TEMPFAIL: call again)
+LEGEND = {
+    "coat-act": "coat-act: the COAT layer spec with Megatron's Adam (FP32 states).",
+    "coat-opt": "coat-opt: the BF16 layer spec with COAT's FP8 AdamW.",
+    "bf16@dp2": ("bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math and data, only the order "
+                 "of the gradient reduction differs: a noise floor."),
+    "bf16@data2": ("bf16@data2: BF16 with the same initial weights and another order of the training windows (data seed = "
+                   f"seed + {DATA_ORDER_STRIDE}): a noise floor, what a gap of this size means between two BF16 runs."),
+}
 
 
 def device_name() -> str:
@@ -38,93 +66,105 @@ def megatron_version() -> str:
     return version("megatron-core")
 
 
-def read_losses(directory: str, steps: int) -> dict[str, list[float]]:
-    """Every finished mode's per-step losses in the reports (``*.jsonl``) of one seed's directory."""
-    losses = {}
+KEY = re.compile(r"(?P<mode>[a-z0-9][a-z0-9.-]*?)(?:@dp(?P<dp>\d+))?(?:@data(?P<order>\d+))?")
+
+
+def parse_key(key: str) -> tuple[str, int, int]:
+    """``"bf16@data2"`` -> ("bf16", DP 1, data order 2); ``"bf16@dp2"`` -> ("bf16", 2, 1)."""
+    match = KEY.fullmatch(key)
+    if match is None or int(match["dp"] or 1) < 1 or int(match["order"] or 1) < 1:
+        raise SystemExit(f"--modes: {key!r} is not MODE, MODE@dpN or MODE@dataN (e.g. coat, bf16@dp2, bf16@data2)")
+    return match["mode"], int(match["dp"] or 1), int(match["order"] or 1)
+
+
+def mode_key(mode: str, dp: int = 1, order: int = 1) -> str:
+    return mode + (f"@dp{dp}" if dp > 1 else "") + (f"@data{order}" if order > 1 else "")
+
+
+def data_seed(seed: int, order: int) -> int:
+    return seed + DATA_ORDER_STRIDE * (order - 1)
+
+
+def read_runs(directory: str, seed: int, steps: int) -> dict[str, dict]:
+    """The finished train rows (with a validation loss) of ``seed`` in the reports (``*.jsonl``) of
+    its directory, by mode key."""
+    runs = {}
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        if name.endswith(".jsonl"):
-            with open(os.path.join(directory, name)) as f:
-                for line in f:
-                    row = json.loads(line)
-                    if row.get("kind") == "train" and row.get("status") == "ok" and len(row.get("losses", [])) == steps:
-                        losses[mode_key(row["mode"], row.get("dp", 1))] = row["losses"]
-    return losses
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                row = json.loads(line)
+                if (row.get("kind") != "train" or row.get("status") != "ok" or row.get("seed") != seed
+                        or len(row.get("losses", [])) != steps or row.get("valid_loss") is None):
+                    continue
+                order, rest = divmod(row.get("data_seed", seed) - seed, DATA_ORDER_STRIDE)
+                if rest == 0 and order >= 0:
+                    runs[mode_key(row["mode"], row.get("dp", 1), order + 1)] = row
+    return runs
 
 
-def mode_key(mode: str, dp: int = 1) -> str:
-    """``bf16`` at DP 1; ``bf16@dp2``: the same mode at DP 2 with the same global batch."""
-    return mode if dp == 1 else f"{mode}@dp{dp}"
+def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> float:
+    """One coat-compare job: ``names`` at DP ``dp`` in data order ``order``; returns its seconds."""
+    preset = get_preset(args.preset)
+    name = f"{args.preset}-{'+'.join(names)}" + (f"-dp{dp}" if dp > 1 else "") + (f"-data{order}" if order > 1 else "")
+    cmd = ["-m", "coat_megatron.compare", "--preset", args.preset, "--modes", ",".join(names), "--steps", str(args.steps),
+           "--seed", str(seed), "--data-seed", str(data_seed(seed, order)), "--out", os.path.join(args.out, f"seed{seed}"),
+           "--name", name, "--no-plots"]
+    if args.eval_every is not None:
+        cmd += ["--eval-every", str(args.eval_every)]
+    if dp > 1:  # the same global batch: micro-batch / DP per rank, one process per rank
+        if preset.micro_batch % dp:
+            raise SystemExit(f"{names[0]}@dp{dp}: the preset's micro-batch {preset.micro_batch} does not split over {dp} ranks")
+        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", *cmd, "--dp", str(dp),
+               "--micro-batch", str(preset.micro_batch // dp)]
+    directory = os.path.join(args.out, f"seed{seed}")
+    os.makedirs(directory, exist_ok=True)
+    log = os.path.join(directory, f"{name}.log")  # progress and warnings: the job's stderr
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, *cmd], stdout=subprocess.DEVNULL, stderr=f)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        with open(log) as f:
+            tail = f.read().splitlines()[-20:]
+        raise SystemExit("\n".join([*tail, f"seed {seed}: coat-compare {' '.join(cmd[1:])} failed ({proc.returncode}); its output: {log}"]))
+    print(f"seed {seed}: {', '.join(mode_key(n, dp, order) for n in names)} in {seconds:.0f} s (log: {log})", flush=True)
+    return seconds
 
 
-def parse_key(key: str) -> tuple[str, int]:
-    mode, _, dp = key.partition("@dp")
-    return mode, int(dp or 1)
+def prepare_corpus(args) -> None:
+    """Build (or check) the preset's corpus in the cache that every coat-compare job reads."""
+    from coat_megatron.corpus import load_corpus
+
+    preset = get_preset(args.preset)
+    load_corpus(preset.corpus, preset.corpus_max_bytes)
 
 
-def run_seed(preset: str, steps: int, seed: int, modes: list[str], out: str) -> dict[str, list[float]]:
-    """The seed's losses per mode. Modes whose finished rows are already in the seed's directory
-    are not run again (so that long runs can be split, one seed per command, and an ablation can
-    be added to finished seeds); the missing ones run in one job, same data and initial weights."""
-    directory = os.path.join(out, f"seed{seed}")
-    losses = read_losses(directory, steps)
-    missing = [m for m in modes if m not in losses]
-    for dp in sorted({parse_key(m)[1] for m in missing}):
-        names = [parse_key(m)[0] for m in missing if parse_key(m)[1] == dp]
-        name = preset if not losses and dp == 1 else f"{preset}-{'+'.join(names)}" + (f"-dp{dp}" if dp > 1 else "")
-        cmd = ["-m", "coat_megatron.compare", "--preset", preset, "--modes", ",".join(names),
-               "--steps", str(steps), "--seed", str(seed), "--out", directory, "--name", name, "--no-plots"]
-        if dp > 1:  # the same global batch: micro-batch / DP per rank, one process per rank
-            micro_batch = get_preset(preset).micro_batch
-            if micro_batch % dp:
-                raise SystemExit(f"{names[0]}@dp{dp}: the preset's micro-batch {micro_batch} does not split over {dp} ranks")
-            cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", *cmd, "--dp", str(dp), "--micro-batch", str(micro_batch // dp)]
-        subprocess.run([sys.executable, *cmd], check=True, stdout=subprocess.DEVNULL)
-    if missing:
-        losses = read_losses(directory, steps)
-    lacking = [m for m in modes if m not in losses]
-    if lacking:
-        raise SystemExit(f"seed {seed}: no finished {', '.join(lacking)} row in {directory}; see its .md reports")
-    return {m: losses[m] for m in modes}
-
-
-LEGEND = {
-    "coat-act": "coat-act: the COAT layer spec with Megatron's Adam (FP32 states).",
-    "coat-opt": "coat-opt: the BF16 layer spec with COAT's FP8 AdamW.",
-    "bf16@dp2": ("bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math, only the order "
-                 "of the gradient reduction differs, so its gap is the noise floor of a gap measured this way."),
-}
-
-
-def plot(runs: dict, rows: list[dict], modes: list[str], args, plt) -> None:
-    """Left: each mode's loss averaged over seeds (moving average), from 10% of the steps on.
-    Right: each mode's gap to BF16 per seed (dots), their mean and its standard error (bar)."""
-    others = modes[1:]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
-    window = max(1, args.steps // 30)
-    start = args.steps // 10
-    for mode, style in zip(modes, itertools.cycle(("-", "--", ":", "-."))):
-        mean = [statistics.fmean(runs[seed][mode][i] for seed in runs) for i in range(args.steps)]
-        smooth = [statistics.fmean(mean[max(0, i - window + 1) : i + 1]) for i in range(args.steps)]
-        left.plot(range(start, args.steps), smooth[start:], style, label=mode, linewidth=1.2)
-    left.set_xlabel("step")
-    left.set_ylabel(f"loss, mean of {len(runs)} seeds (moving average of {window})")
-    left.set_title(f"{args.preset}: loss")
-    left.legend(fontsize=8)
-    for x, mode in enumerate(others):
-        gaps = [100 * r[f"gap_{mode}"] for r in rows]
-        right.scatter([x] * len(gaps), gaps, s=14, alpha=0.6)
-        if len(gaps) > 1:
-            right.errorbar([x + 0.15], [statistics.fmean(gaps)], yerr=[statistics.stdev(gaps) / math.sqrt(len(gaps))],
-                           fmt="o", color="black", capsize=4)
-    right.axhline(0, color="grey", linewidth=0.8)
-    right.axhline(0.25, color="red", linewidth=0.8, linestyle="--", label="goal: +0.25%")
-    right.set_xticks(range(len(others)), others, fontsize=8)
-    right.set_ylabel("gap to BF16, % (per seed; mean +- standard error)")
-    right.set_title("final-loss gap")
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "accuracy.png"), dpi=110)
-    plt.close(fig)
+def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]]:
+    """Run the (seed, key) pairs that have no finished row, at most ``args.max_runs`` of them (in
+    seed order, then --modes order), one coat-compare job per seed, DP size and data order.
+    Returns the pairs still missing afterwards."""
+    missing = [(s, k) for s in seeds for k in keys if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)]
+    chosen = missing if args.max_runs is None else missing[: args.max_runs]
+    jobs: dict[tuple[int, int, int, str], list[str]] = {}
+    for seed, key in chosen:
+        mode, dp, order = parse_key(key)
+        # --jobs > 1: one job per run, so that runs can share the GPU
+        jobs.setdefault((seed, dp, order, mode if args.jobs > 1 else ""), []).append(mode)
+    if args.jobs > 1 and len(jobs) > 1:
+        prepare_corpus(args)  # built once, before processes that would all build it at once
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            for future in [pool.submit(coat_compare, args, seed, names, dp, order) for (seed, dp, order, _), names in jobs.items()]:
+                future.result()
+    else:
+        for (seed, dp, order, _), names in jobs.items():
+            coat_compare(args, seed, names, dp, order)
+    still = [(s, k) for s, k in missing if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)]
+    failed = [p for p in chosen if p in still]
+    if failed:
+        raise SystemExit(f"no finished row for {', '.join(f'seed {s} {k}' for s, k in failed)} in {args.out}/seedN: see its .md reports")
+    return still
 
 
 def tail_mean(losses: list[float], tail: float) -> float:
@@ -132,76 +172,228 @@ def tail_mean(losses: list[float], tail: float) -> float:
     return statistics.fmean(losses[-n:])
 
 
-def main():
+def standard_error(values: list[float]) -> float | None:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def verdict(coat_gaps: list[float], noise_gaps: list[float] | None, noise: str | None = None) -> dict:
+    """The goal on per-seed validation gaps (fractions of BF16's loss): met iff the mean COAT gap
+    <= GOAL_GAP and (mean COAT gap - mean noise-floor gap) <= 2 sqrt(se_coat^2 + se_noise^2), the
+    standard errors over seeds. ``met`` is None (not judged) without a noise floor or with one seed."""
+    coat, se_coat = statistics.fmean(coat_gaps), standard_error(coat_gaps)
+    out = {"kind": "verdict", "goal_gap": GOAL_GAP, "seeds": len(coat_gaps), "gap_coat": coat, "se_coat": se_coat, "noise_floor": noise,
+           "gap_noise": None, "se_noise": None, "difference": None, "allowed_difference": None, "met": None}
+    if noise_gaps is None:
+        out["note"] = "no noise floor: add bf16@data2 to --modes"
+        return out
+    out.update(gap_noise=statistics.fmean(noise_gaps), se_noise=standard_error(noise_gaps))
+    out["difference"] = coat - out["gap_noise"]
+    if se_coat is None or out["se_noise"] is None:
+        out["note"] = "standard errors need 2 seeds or more"
+        return out
+    out["allowed_difference"] = 2 * math.sqrt(se_coat**2 + out["se_noise"] ** 2)
+    out["met"] = coat <= GOAL_GAP and out["difference"] <= out["allowed_difference"]
+    out["note"] = "" if out["met"] else ("mean gap above 0.25%" if coat > GOAL_GAP else "further from the noise floor than two standard errors")
+    return out
+
+
+def verdict_line(v: dict) -> str:
+    rule = ("Goal (issue 15): COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors of the noise floor, "
+            "i.e. gap_coat <= 0.25% and gap_coat - gap_noise <= 2 sqrt(se_coat^2 + se_noise^2) (gaps: means of the per-seed gaps; "
+            "se: their standard errors).")
+    measured = f" Measured over {v['seeds']} seed(s): COAT {v['gap_coat']:+.3%}" + (f" (se {v['se_coat']:.3%})" if v["se_coat"] is not None else "")
+    if v["gap_noise"] is not None:
+        measured += f", noise floor {v['noise_floor']} {v['gap_noise']:+.3%}" + (f" (se {v['se_noise']:.3%})" if v["se_noise"] is not None else "")
+        measured += f", difference {v['difference']:+.3%}"
+        if v["allowed_difference"] is not None:
+            measured += f" against at most {v['allowed_difference']:.3%}"
+    result = "not judged" if v["met"] is None else ("**met**" if v["met"] else "**NOT met**")
+    return f"{rule}{measured}: {result}" + (f" ({v['note']})." if v.get("note") else ".")
+
+
+def table(title: str, per_seed: list[dict], keys: list[str]) -> list[str]:
+    """One markdown table: a loss per key per seed, the gaps to bf16, their mean and standard error."""
+    others = keys[1:]
+    names = [k.upper() if k in ("bf16", "coat") else k for k in keys]
+    lines = [title, "", "| seed | " + " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:]) + " |",
+             "|" + "---|" * (1 + len(keys) + len(others))]
+    for r in per_seed:
+        lines.append(f"| {r['seed']} | " + " | ".join(f"{r['loss'][k]:.4f}" for k in keys) + " | "
+                     + " | ".join(f"{r['gap'][k]:+.2%}" for k in others) + " |")
+    mean = {k: statistics.fmean(r["loss"][k] for r in per_seed) for k in keys}
+    gaps = {k: [r["gap"][k] for r in per_seed] for k in others}
+    lines.append("| **mean** | " + " | ".join(f"{mean[k]:.4f}" for k in keys) + " | "
+                 + " | ".join(f"**{statistics.fmean(gaps[k]):+.2%}**" for k in others) + " |")
+    if len(per_seed) > 1:
+        lines.append("| standard error | " + " | ".join("" for _ in keys) + " | " + " | ".join(f"{standard_error(gaps[k]):.2%}" for k in others) + " |")
+    return lines
+
+
+def summarize(per_seed: list[dict], keys: list[str]) -> dict:
+    """The mean row of one figure: mean loss per key, mean gap and its standard error per key."""
+    others = keys[1:]
+    return {"loss": {k: statistics.fmean(r["loss"][k] for r in per_seed) for k in keys},
+            "gap": {k: statistics.fmean(r["gap"][k] for r in per_seed) for k in others},
+            "se": {k: standard_error([r["gap"][k] for r in per_seed]) for k in others}}
+
+
+def figure(runs: dict[int, dict[str, dict]], keys: list[str], value) -> list[dict]:
+    """Per seed: {seed, loss: {key: value(row)}, gap: {key: (loss - bf16's) / bf16's}}."""
+    out = []
+    for seed, rows in runs.items():
+        loss = {k: value(rows[k]) for k in keys}
+        out.append({"seed": seed, "loss": loss, "gap": {k: (loss[k] - loss["bf16"]) / loss["bf16"] for k in keys[1:]}})
+    return out
+
+
+def data_line(rows: list[dict]) -> str:
+    first = rows[0]
+    width = first["seq"] + 1
+    windows = first["steps"] * first["micro_batch"] * first.get("dp", 1)
+    return (f"Data: the {first['corpus']} corpus ({first['corpus_files']} files; train split {first['corpus_train_bytes']:,} bytes, "
+            f"SHA-256 `{first['corpus_train_sha256']}`; validation split {first['corpus_valid_bytes']:,} bytes, SHA-256 "
+            f"`{first['corpus_valid_sha256']}`; split by file). Each run trains on {windows:,} distinct windows of {width} bytes "
+            f"({windows * width / first['corpus_train_bytes']:.1%} of the train split, each byte at most once). Validation: "
+            f"{first['eval_windows']} windows of {width} held-out bytes (SHA-256 `{first['valid_windows_sha256'][:16]}`), the same "
+            f"for every mode and seed, every {first['eval_every']} steps and after the last (forward only, mean per-token loss).")
+
+
+def check_same_data(runs: dict[int, dict[str, dict]], out: str) -> list[dict]:
+    """Every row's corpus and validation windows must be the same ones: otherwise the validation
+    losses are not comparable. Returns the rows."""
+    rows = [row for per_key in runs.values() for row in per_key.values()]
+    fields = ("corpus_train_sha256", "corpus_valid_sha256", "valid_windows_sha256", "eval_every")
+    for field in fields:
+        values = {row.get(field) for row in rows}
+        if len(values) > 1:
+            raise SystemExit(f"the runs in {out}/seedN differ in {field} ({', '.join(map(str, sorted(values, key=str)))}): "
+                             "they trained or validated on other data; run them again into a fresh --out")
+    return rows
+
+
+def plot(runs, keys, valid_rows, noise, args, plt) -> None:
+    """Left: each key's validation loss averaged over seeds (and its training loss, moving
+    average, thin). Right: each key's validation gap to BF16 per seed (dots), their mean and its
+    standard error (bar), the goal."""
+    others = keys[1:]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    window = max(1, args.steps // 30)
+    start = args.steps // 10
+    for key, style in zip(keys, itertools.cycle(("-", "--", ":", "-."))):
+        steps = [s for s, _ in runs[next(iter(runs))][key]["valid_losses"]]
+        valid = [statistics.fmean(runs[seed][key]["valid_losses"][i][1] for seed in runs) for i in range(len(steps))]
+        (line,) = left.plot(steps, valid, style, marker="o", markersize=3, label=f"{key} validation", linewidth=1.4)
+        train = [statistics.fmean(runs[seed][key]["losses"][i] for seed in runs) for i in range(args.steps)]
+        smooth = [statistics.fmean(train[max(0, i - window + 1) : i + 1]) for i in range(args.steps)]
+        left.plot(range(start + 1, args.steps + 1), smooth[start:], style, color=line.get_color(), linewidth=0.6, alpha=0.5)
+    left.set_xlabel("step")
+    left.set_ylabel(f"loss, mean of {len(runs)} seeds")
+    left.set_title(f"{args.preset}: validation loss (markers), training loss (thin, moving average of {window})", fontsize=9)
+    left.legend(fontsize=8)
+    for x, key in enumerate(others):
+        gaps = [100 * r["gap"][key] for r in valid_rows]
+        right.scatter([x] * len(gaps), gaps, s=14, alpha=0.6, color="grey" if key == noise else None)
+        if len(gaps) > 1:
+            right.errorbar([x + 0.15], [statistics.fmean(gaps)], yerr=[statistics.stdev(gaps) / math.sqrt(len(gaps))],
+                           fmt="o", color="black", capsize=4)
+    right.axhline(0, color="grey", linewidth=0.8)
+    right.axhline(100 * GOAL_GAP, color="red", linewidth=0.8, linestyle="--", label="goal: +0.25%")
+    right.set_xticks(range(len(others)), [k + (" (noise floor)" if k == noise else "") for k in others], fontsize=8)
+    right.set_ylabel("validation gap to BF16, % (per seed; mean +- se)")
+    right.set_title("final validation-loss gap")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "accuracy.png"), dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--modes", default="bf16,coat",
+    p.add_argument("--modes", default="bf16,coat,bf16@data2",
                    help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 "
-                        "layers, COAT's AdamW) and noise floors (bf16@dp2: BF16 at DP 2, the same global batch: only the "
-                        "reduction order differs)")
-    p.add_argument("--tail", type=float, default=0.1, help="fraction of the last steps whose mean loss is compared")
+                        "layers, COAT's AdamW) and noise floors (bf16@data2: another data order; bf16@dp2: BF16 at DP 2, the same "
+                        "global batch, another reduction order); the first bf16 variant listed is the verdict's noise floor")
+    p.add_argument("--tail", type=float, default=0.1, help="fraction of the last steps whose mean training loss is shown")
+    p.add_argument("--eval-every", type=int, help="validation every N steps (default: the preset's: tiny 20, gpt-125m 100)")
+    p.add_argument("--max-runs", type=int, help="run at most N missing (seed, mode) runs, then exit (status 75 when some are left)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once, each its own process (on one GPU: an eager run of a small model leaves the GPU idle "
+                        "between launches, which another run's kernels fill; each run's numbers do not depend on it)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    keys = [m.strip() for m in args.modes.split(",")]
+    if keys[0] != "bf16" or "coat" not in keys:
+        p.error("--modes: start with bf16 (the reference) and include coat, e.g. bf16,coat,bf16@data2,coat-act,coat-opt")
+    for key in keys:
+        parse_key(key)
+    if args.eval_every == 0:
+        p.error("--eval-every 0 turns validation off, and validation loss is what this compares: give N > 0")
+    return args, keys
+
+
+def main(argv=None) -> int:
+    args, keys = parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    modes = [m.strip() for m in args.modes.split(",")]
-    if modes[0] != "bf16" or "coat" not in modes:
-        raise SystemExit("--modes: start with bf16 (the reference) and include coat, e.g. bf16,coat,coat-act,coat-opt")
-    others = modes[1:]
     os.makedirs(args.out, exist_ok=True)
+    left = run_missing(args, seeds, keys)
+    if left:
+        print(f"{len(left)} run(s) left ({', '.join(f'seed {s} {k}' for s, k in left)}): run the same command again", flush=True)
+        return MORE_RUNS_LEFT
 
-    runs = {seed: run_seed(args.preset, args.steps, seed, modes, args.out) for seed in seeds}
-    rows = []
-    for seed, losses in runs.items():
-        tails = {m: tail_mean(losses[m], args.tail) for m in modes}
-        rows.append({"seed": seed, **tails, **{f"gap_{m}": (tails[m] - tails["bf16"]) / tails["bf16"] for m in others}})
-    mean = {m: statistics.fmean(r[m] for r in rows) for m in modes}
-    mean_row = {"seed": "mean", **mean, **{f"gap_{m}": (mean[m] - mean["bf16"]) / mean["bf16"] for m in others}}
-    gap = mean_row["gap_coat"]
+    runs = {seed: {k: read_runs(os.path.join(args.out, f"seed{seed}"), seed, args.steps)[k] for k in keys} for seed in seeds}
+    rows = check_same_data(runs, args.out)
+    others = keys[1:]
+    noise = next((k for k in others if parse_key(k)[0] == "bf16"), None)
+    valid = figure(runs, keys, lambda row: row["valid_loss"])
+    train = figure(runs, keys, lambda row: tail_mean(row["losses"], args.tail))
+    result = verdict([r["gap"]["coat"] for r in valid], [r["gap"][noise] for r in valid] if noise else None, noise)
+
     with open(os.path.join(args.out, "accuracy.jsonl"), "w") as f:
-        for r in [*rows, mean_row]:
-            f.write(json.dumps({"preset": args.preset, "steps": args.steps, "tail": args.tail, **r, "gap": r["gap_coat"]}) + "\n")
-
+        common = {"preset": args.preset, "steps": args.steps, "tail": args.tail, "corpus": rows[0]["corpus"],
+                  "corpus_train_sha256": rows[0]["corpus_train_sha256"], "corpus_valid_sha256": rows[0]["corpus_valid_sha256"]}
+        for v, t in zip(valid, train):
+            f.write(json.dumps({**common, "kind": "seed", "seed": v["seed"], "valid": v["loss"], "gap_valid": v["gap"],
+                                "train_tail": t["loss"], "gap_train_tail": t["gap"]}) + "\n")
+        mv, mt = summarize(valid, keys), summarize(train, keys)
+        f.write(json.dumps({**common, "kind": "mean", "seed": "mean", "valid": mv["loss"], "gap_valid": mv["gap"], "se_gap_valid": mv["se"],
+                            "train_tail": mt["loss"], "gap_train_tail": mt["gap"], "se_gap_train_tail": mt["se"]}) + "\n")
+        f.write(json.dumps({**common, **result}) + "\n")
     with open(os.path.join(args.out, "losses.json"), "w") as f:  # every curve, compact: what the plot draws
-        json.dump({"preset": args.preset, "steps": args.steps, "modes": modes,
-                   "losses": {str(seed): {m: [round(x, 4) for x in losses[m]] for m in modes} for seed, losses in runs.items()}}, f)
+        json.dump({"preset": args.preset, "steps": args.steps, "modes": keys,
+                   "losses": {str(s): {k: [round(x, 4) for x in runs[s][k]["losses"]] for k in keys} for s in seeds},
+                   "valid_losses": {str(s): {k: [[n, round(x, 4)] for n, x in runs[s][k]["valid_losses"]] for k in keys} for s in seeds}}, f)
 
-    command = f"python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --tail {args.tail}"
-    if modes != ["bf16", "coat"]:
-        command += f" --modes {args.modes}"
-    header = "| seed | " + " | ".join(m.upper() if m in ("bf16", "coat") else m for m in modes) + " | " + " | ".join(f"gap {m}" for m in others) + " |"
-    lines = [f"# BF16 vs COAT loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}", "",
-             f"`{command}`", "", f"On {device_name()}, torch {torch.__version__}, megatron-core {megatron_version()}.", "",
-             f"Loss: mean over the last {args.tail:.0%} of the steps; gap: (mode - BF16) / BF16.", ""]
-    if others != ["coat"]:
-        lines += ["Same data and initial weights in every column of a seed. "
-                  + " ".join(text for key, text in LEGEND.items() if key in others), ""]
-    lines += [header, "|" + "---|" * (1 + len(modes) + len(others))]
-    for r in [*rows, mean_row]:
-        bold = "**" if r is mean_row else ""
-        lines.append(f"| {bold}{r['seed']}{bold} | " + " | ".join(f"{r[m]:.4f}" for m in modes) + " | "
-                     + " | ".join(f"{bold}{r[f'gap_{m}']:+.2%}{bold}" for m in others) + " |")
-    if len(rows) > 1:
-        spread = {m: statistics.stdev(r[f"gap_{m}"] for r in rows) for m in others}
-        lines.append("| std over seeds | " + " | ".join("" for _ in modes) + " | " + " | ".join(f"{spread[m]:.2%}" for m in others) + " |")
-    lines += ["", f"Goal (issue 7): the COAT gap <= 0.25% of the BF16 loss, averaged over seeds: {'met' if gap <= 0.0025 else 'NOT met'}"
-              + (f" (standard error of the mean gap over {len(rows)} seeds: {spread['coat'] / math.sqrt(len(rows)):.2%})." if len(rows) > 1 else ".")]
+    command = f"python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --modes {args.modes} --tail {args.tail}"
+    if args.eval_every is not None:
+        command += f" --eval-every {args.eval_every}"
+    lines = [f"# BF16 vs COAT validation loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}", "", f"`{command}`", "",
+             f"On {device_name()}, torch {torch.__version__}, megatron-core {megatron_version()}.", "", data_line(rows), "",
+             "Every column of a seed starts from the same initial weights and, but for the `@dataN` columns, trains on the same "
+             "batches. " + " ".join(text for key, text in LEGEND.items() if key in others), "",
+             *table("Validation loss after the last step (the primary figure); gap: (mode - BF16) / BF16 per seed; mean: over seeds, "
+                    "with the standard error of the mean gap (sample standard deviation / sqrt(seeds)).", valid, keys), "",
+             *table(f"Training loss, mean over the last {args.tail:.0%} of the steps, beside it (also on text each run sees once; "
+                    "the `@dataN` columns average other batches).", train, keys), "",
+             verdict_line(result)]
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        plot(runs, rows, modes, args, plt)
-        lines += ["", "![loss curves](accuracy.png)"]
+        plot(runs, keys, valid, noise, args, plt)
+        lines += ["", "![validation and training loss, gaps per seed](accuracy.png)"]
     except ImportError:
         lines += ["", "(plots skipped: pip install matplotlib)"]
     text = "\n".join(lines) + "\n"
     with open(os.path.join(args.out, "accuracy.md"), "w") as f:
         f.write(text)
     print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

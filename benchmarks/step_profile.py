@@ -50,18 +50,16 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
 
     from coat_megatron.compare import parallel
     from coat_megatron.compare.build import build_gpt, set_learning_rate
-    from coat_megatron.compare.train import corpus, forward_backward_function, train_step
-    from coat_megatron.corpus import ByteBatches
+    from coat_megatron.compare.train import forward_backward_function, train_step, training_windows
 
     parallel.free_memory()
     parallel.seed_everything(seed)
     model, optimizer = build_gpt(preset, mode, seed, graphs=graphs)
     forward_backward = forward_backward_function(graphs)
-    data = ByteBatches(corpus(), preset.seq, preset.micro_batch, vocab_size=preset.vocab)
-    generator = torch.Generator().manual_seed(seed)
+    data = training_windows(preset.with_overrides(steps=preset.warmup_steps + 1 + steps), seed)
 
     def step(i):
-        batch = {k: v.cuda() for k, v in data.batch(generator).items()}
+        batch = {k: v.cuda() for k, v in data.batch(i).items()}
         set_learning_rate(optimizer, preset, i)
         return train_step(model, optimizer, batch, preset, None, forward_backward)
 

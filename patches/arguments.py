@@ -54,8 +54,9 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "fprop_fast_accumulation": (dict(type=_switch, metavar="on|off"), "Hopper's fast FP8 accumulation in forward GEMMs (default on)"),
     "recompute_norm_output": (dict(type=_switch, metavar="on|off"), "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)"),
     "cache_weight_transpose": (dict(type=_switch, metavar="on|off"), "keep each weight's transposed FP8 copy between micro-batches (default on; off: 1 byte per parameter less, a transpose per backward)"),
-    "master_weights": (dict(choices=MASTER_WEIGHTS), "FP32 master weights as an FP32 copy (fp32, default) or as the BF16 weight plus an int16 low word (split: 2 bytes per parameter less, bit-exact; with --grad-reduce-in-bf16 the gradient buffers halve too)"),
+    "master_weights": (dict(choices=MASTER_WEIGHTS), "how COAT's optimizer keeps the FP32 master weights: as the BF16 weight plus an int16 low word (split, default: 2 bytes per parameter less than fp32, bit-exact; with --grad-reduce-in-bf16 the gradient buffers halve too) or as an FP32 copy (fp32: what dp_zero_gather_scatter checkpoints load into). Does not apply with --coat-optimizer off (Megatron's optimizer keeps FP32 masters)"),
 }
+SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 
 
@@ -103,21 +104,28 @@ def check_coat_args(args: argparse.Namespace) -> None:
     try:
         coat = CoatConfig.from_args(args)
     except ValueError as e:
-        message = str(e)
-        for f in fields(CoatConfig):
-            message = re.sub(rf"\b{f.name}=", f"{flag(f.name)} ", message)
-        raise CoatArgumentError(f"--coat-fp8: {message}") from None
+        raise CoatArgumentError(f"--coat-fp8: {_in_flag_words(str(e))}") from None
     problems = _precision_problems(args)
     if coat.activations:
         problems += _layer_problems(args, coat)
     if coat.optimizer:
         problems += _optimizer_problems(args)
-    elif coat.master_weights == "split":
-        problems.append("--coat-master-weights split is how COAT's optimizer keeps master weights: drop it, or drop --coat-optimizer off")
     if not coat.any_enabled:
         problems.append("--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8")
     if problems:
         raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
+
+
+def _in_flag_words(message: str) -> str:
+    """A CoatConfig error in command-line words: ``k_min=0.1`` -> ``--coat-k-min 0.1``,
+    ``master_weights='split'`` -> ``--coat-master-weights split``, ``optimizer=False`` -> ``--coat-optimizer off``."""
+    names = "|".join(f.name for f in fields(CoatConfig))
+
+    def as_flag(match: re.Match) -> str:
+        name, value = match.groups()
+        return f"{flag(name)} {SWITCH_WORDS.get(value, value.strip("'"))}"
+
+    return re.sub(rf"\b({names})=('[^']*'|[^\s,;:)]+)", as_flag, message)
 
 
 def _precision_problems(args) -> list[str]:

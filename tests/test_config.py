@@ -13,7 +13,19 @@ def test_defaults_are_coats_recipe():
     assert (c.group_size, c.forward_format, c.backward_format, c.weight_format) == (16, "e4m3", "e5m2", "e4m3")
     assert (c.m_format, c.v_format, c.m_expansion, c.v_expansion) == ("e4m3", "e4m3", True, True)
     assert (c.k_min, c.k_max, c.optimizer_group_size, c.fprop_fast_accumulation, c.recompute_norm_output) == (1 / 16, 16.0, 128, True, False)
-    assert c.activations and c.optimizer and c.any_enabled and c.cache_weight_transpose
+    assert c.activations and c.optimizer and c.any_enabled and c.cache_weight_transpose and c.master_weights == "split"
+
+
+def test_master_weights_default_to_split_only_where_coats_optimizer_keeps_them():
+    assert CoatConfig() == CoatConfig(master_weights="split") != CoatConfig(master_weights="fp32")
+    assert CoatConfig(master_weights="fp32").master_weights == "fp32"
+    # Megatron's own optimizer keeps FP32 masters: the default resolves to what runs
+    assert CoatConfig(optimizer="off").master_weights == "fp32" and CoatConfig(optimizer=False) == CoatConfig(optimizer=False, master_weights="fp32")
+    with pytest.raises(ValueError, match=r"drop master_weights='split' \(or set master_weights='fp32'\), or set optimizer=True"):
+        CoatConfig(optimizer=False, master_weights="split")
+    with pytest.raises(ValueError, match="drop master_weights='split'"):  # replace passes the resolved "split" on
+        dataclasses.replace(CoatConfig(), optimizer=False)
+    assert dataclasses.replace(CoatConfig(), optimizer=False, master_weights=None).master_weights == "fp32"
 
 
 def test_frozen():
@@ -47,6 +59,7 @@ def test_unknown_switch_values_raise(bad):
         ({"k_max": 100.0}, "must satisfy"),
         ({"k_min": 0.1}, "not a multiple of 1/16; round it, e.g. to 0.125"),
         ({"k_max": float("inf")}, "must be a number"),
+        ({"master_weights": "bf16"}, "master_weights='bf16' is not supported: use one of fp32, split"),
     ],
 )
 def test_invalid_values_name_the_fix(kwargs, message):

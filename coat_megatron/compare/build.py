@@ -36,6 +36,15 @@ TE_NAMES = {
 # --cuda-graphs value -> Megatron's TransformerConfig.cuda_graph_impl
 CUDA_GRAPHS = {"none": "none", "local": "local", "full": "full_iteration"}
 
+# te-fp8-pa's OptimizerConfig fields: what megatron.training makes of --use-precision-aware-optimizer
+# --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 (arguments.py maps 'fp8' to torch.uint8, TE FusedAdam's
+# name for E4M3 with one scale per tensor; main params and grads keep their FP32 defaults).
+# tests/optimizer/test_pa_emulation.py checks them against megatron.training's own parsing.
+PRECISION_AWARE_FP8_FIELDS = dict(
+    use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
+    main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+)
+
 
 def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = True, graphs: str = "none"):
     """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
@@ -88,7 +97,10 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
 
 
 def coat_config(mode: Mode) -> CoatConfig:
-    return CoatConfig(recompute_norm_output=mode.recompute_norm_output, cache_weight_transpose=mode.cache_weight_transpose, master_weights=mode.master_weights)
+    return CoatConfig(
+        optimizer=mode.coat_optimizer, recompute_norm_output=mode.recompute_norm_output,
+        cache_weight_transpose=mode.cache_weight_transpose, master_weights=mode.master_weights,
+    )
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -210,12 +222,11 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads
     fields = dict(
-        optimizer="adam", lr=preset.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
+        optimizer="adam", lr=preset.lr, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
         bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True, fp8_recipe=mode.fp8_recipe,
     )
     if mode.precision_aware:
-        fields.update(use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
-                      main_params_dtype=torch.float32, main_grads_dtype=torch.float32)
+        fields.update(PRECISION_AWARE_FP8_FIELDS)
     opt_config = OptimizerConfig(**fields)
     if mode.coat_optimizer:
         optimizer = get_coat_optimizer(opt_config, [model], coat_config(mode))
@@ -246,12 +257,18 @@ def lr_warmup_steps(steps: int) -> int:
     return max(1, int(LR_WARMUP_FRACTION * steps), min(LR_WARMUP_MIN_STEPS, steps // 2))
 
 
+WEIGHT_DECAY = 0.1
+
+
 def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
-    """Linear warm-up (``lr_warmup_steps``), then constant."""
+    """Linear warm-up (``lr_warmup_steps``), then constant; and each group's weight decay as
+    Megatron's scheduler sets it (``WEIGHT_DECAY`` x the group's ``wd_mult``: 0 for biases and
+    norm weights), which the groups do not hold until a scheduler writes it."""
     warmup = lr_warmup_steps(preset.steps)
     lr = preset.lr * min(1.0, (step + 1) / warmup)
     for group in optimizer.param_groups:
         group["lr"] = lr
+        group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
 
 
 def unwrap_optimizers(optimizer) -> list:

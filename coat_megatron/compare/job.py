@@ -9,6 +9,7 @@
     torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --tp 2   # TP 2, sequence parallel
     torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --dp 2   # DP 2, distributed optimizer
     coat-compare --preset gpt-1b --modes coat --dp 2 --resume-check   # DP 2 checkpoint -> DP 1 and DP 2
+    coat-compare --preset gpt-125m --modes bf16,coat --seed 1 --data-seed 2   # same weights, another data order
 
 Writes ``{out}/{preset}.jsonl`` (one JSON object per row), ``{out}/{preset}.md`` (tables with
 ratios, the goals) and PNG plots (with matplotlib), and prints the markdown. ``--search`` writes
@@ -18,6 +19,11 @@ mode of an end-to-end preset in each CUDA graph configuration named (one row eac
 mode is also reported in its fastest configuration, and the goals compare those. Under ``torchrun``, ``--tp`` x
 ``--dp`` processes share the model (sequence parallel on when ``--tp`` > 1) and rank 0 writes the
 report; ``--search`` and ``--resume-check`` start their own processes (run them with plain python).
+
+End-to-end presets train on a byte corpus (``--corpus``: the standard library's docstrings, or
+Python sources of the installed packages; built once into a cache, see ``coat_megatron.corpus``),
+each window of text at most once, in the order of ``--data-seed``, and measure the loss on its
+held-out validation windows every ``--eval-every`` steps (eager runs only).
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from ..corpus import SOURCES
 from . import parallel
 from .goals import evaluate
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
@@ -53,7 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps (end-to-end presets; default: the preset's)")
     p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
+    data = p.add_argument_group("data (end-to-end presets)")
+    data.add_argument("--data-seed", type=int, help="order of the training windows (default: --seed): another order, same weights")
+    data.add_argument("--corpus", choices=list(SOURCES), help="docstrings (the standard library's, 1.4 MB) or packages (Python sources "
+                      "of the standard library and the installed packages); default: the preset's (tiny: docstrings)")
+    data.add_argument("--corpus-bytes", type=int, metavar="N",
+                      help="the corpus's size: whole files until N bytes (default: all of the docstrings; 100 MiB of package sources)")
+    data.add_argument("--eval-every", type=int, metavar="N",
+                      help="validation loss after every N steps and after the last; 0: none (default: the preset's: tiny 20, "
+                           "gpt-125m 100, others 0; runs with CUDA graphs 0)")
+    data.add_argument("--eval-windows", type=int, metavar="N", help="validation windows of seq + 1 bytes (default: the preset's: 64 tiny, 256 others)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch tp x dp processes with torchrun)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="report directory (default $OUT or ./out)")
@@ -90,7 +108,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
     if args.probe and len(args.cuda_graphs) != 1:
         p.error("--probe is one run: give one --cuda-graphs value")
+    if args.eval_every and args.cuda_graphs != ["none"]:
+        p.error("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
+                "give --cuda-graphs none, or --eval-every 0")
+    for name in ("corpus_bytes", "eval_windows"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be 1 or more")
+    if args.eval_every is not None and args.eval_every < 0:
+        p.error("--eval-every must be 0 (no validation) or more")
     return args
+
+
+def data_args(args, **overrides) -> list[str]:
+    """The data options given on the command line (or in ``overrides``), to pass on to the runs a
+    job starts."""
+    given = []
+    for name in ("data_seed", "corpus", "corpus_bytes", "eval_every", "eval_windows"):
+        value = overrides.get(name, getattr(args, name, None))
+        if value is not None:
+            given += [f"--{name.replace('_', '-')}", str(value)]
+    return given
+
+
+def preset_for(preset: Preset, graphs: str) -> Preset:
+    """``preset`` as one CUDA graph configuration trains it: validation runs eagerly only, so a
+    graphed run leaves out the preset's default validation (an asked-for one is refused above)."""
+    return preset if graphs == "none" else replace(preset, eval_every=0)
 
 
 def parse_graphs(text: str) -> list[str]:
@@ -111,7 +154,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.summarize:
         return summarize(args.out)
-    preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, seq=args.seq)
+    preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, seq=args.seq, corpus=args.corpus,
+                                                    corpus_bytes=args.corpus_bytes, eval_every=args.eval_every, eval_windows=args.eval_windows)
     modes = parse_modes(args.modes)
     check_layout(preset, args)
     if args.search or args.resume_check:
@@ -165,7 +209,7 @@ def run_isolated(preset: Preset, mode: Mode, args, graphs: str) -> dict:
         return row
     print(f"{preset.name} {mode.name} (graphs: {graphs}): a fresh process", file=sys.stderr, flush=True)
     probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(preset.steps), "--micro-batch", str(preset.micro_batch),
-                  "--seq", str(preset.seq), "--seed", str(args.seed), "--cuda-graphs", graphs]
+                  "--seq", str(preset.seq), "--seed", str(args.seed), "--cuda-graphs", graphs, *data_args(args)]
     result = run_probe(probe_args, 1)
     if result.row is None:
         reason = result.error
@@ -196,8 +240,8 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             label = f"{preset.name} {mode.name}" + ("" if graphs == "none" else f" (graphs: {graphs})")
             progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
             save_step = preset.steps // 2 if args.save_step is None else args.save_step
-            result = train(preset, mode, args.seed, tp=args.tp, dp=args.dp, progress=progress, save=args.save, save_step=save_step,
-                           load=args.load, graphs=graphs)
+            result = train(preset_for(preset, graphs), mode, args.seed, data_seed=args.data_seed, tp=args.tp, dp=args.dp,
+                           progress=progress, save=args.save, save_step=save_step, load=args.load, graphs=graphs)
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
         row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300])
@@ -248,8 +292,10 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
         if row.get("status") == "skipped":
             rows.append(row)
             continue
+        # a try measures fit and speed: no validation
         probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
-                      "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp), "--cuda-graphs", graphs]
+                      "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp), "--cuda-graphs", graphs,
+                      *data_args(args, eval_every=0)]
         fits = probe_fits(probe_args, args.tp * args.dp, args.fit_memory)
 
         def reporting(n, fits=fits, mode=mode, graphs=graphs):
@@ -272,6 +318,8 @@ def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -
     """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
     row = {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
            "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp, "graphs": graphs}
+    if preset.kind == "train":
+        row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
     reason = why_not_here(preset, mode)
     if reason is None and graphs != "none" and not torch.cuda.is_available():
         reason = "CUDA graphs need a CUDA GPU"
@@ -311,11 +359,29 @@ def report(out: str, name: str, preset: Preset, rows: list[dict], plots: bool = 
     if plots:
         _, note = draw(out, name, rows)
         notes.append(note)
-    header = [f"{preset.description}. {versions()}. Command: `coat-compare {' '.join(sys.argv[1:])}`"]
+    header = [f"{preset.description}. {versions()}. Command: `coat-compare {' '.join(sys.argv[1:])}`", *data_lines(rows)]
     _, md = write_report(out, name, f"coat-compare: {name}", header, rows, evaluate(rows), notes)
     with open(md) as f:
         print(f.read())
     print(f"report: {md} (and {name}.jsonl)", file=sys.stderr)
+
+
+def data_lines(rows: list[dict]) -> list[str]:
+    """What the end-to-end rows trained and were validated on (corpus splits by SHA-256), one
+    line per distinct corpus."""
+    lines = []
+    for r in rows:
+        if r.get("kind") != "train" or r.get("status") != "ok" or "corpus" not in r:
+            continue
+        line = (f"Data: the {r['corpus']} corpus ({r['corpus_files']} files), train split {r['corpus_train_bytes']:,} bytes "
+                f"(SHA-256 {r['corpus_train_sha256']}), validation split {r['corpus_valid_bytes']:,} bytes (SHA-256 {r['corpus_valid_sha256']}); "
+                "each training window used at most once")
+        if r.get("eval_every"):
+            line += (f"; validation loss on {r['eval_windows']} held-out windows of {r['seq'] + 1} bytes (SHA-256 {r['valid_windows_sha256'][:16]}) "
+                     f"every {r['eval_every']} steps and after the last")
+        if line + "." not in lines:
+            lines.append(line + ".")
+    return lines
 
 
 def summarize(out: str) -> int:

@@ -14,15 +14,15 @@ te-fp8-store       te-fp8-current + Megatron's ``activation_func_fp8_input_store
 te-fp8-pa          te-fp8-current + Megatron's precision-aware optimizer with FP8 Adam states
                    (TE FusedAdam, ``exp_avg_dtype = exp_avg_sq_dtype = torch.uint8``, FP32 main
                    params)
-coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimizer``)
+coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimizer``) with its
+                   default split master weights (the BF16 weight + an int16 low word,
+                   ``master_weights="split"``; FP32 gradient buffers)
+coat-fp32          coat with an FP32 copy of the master weights (``master_weights="fp32"``,
+                   Megatron's FP32 main params): 2 bytes per parameter more, the same FP32 masters
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
 coat-lean          coat with ``cache_weight_transpose=False``: each weight's transposed FP8 copy is
                    made in every backward instead of kept (1 byte per parameter less; same numbers)
-coat-split         coat with split master weights only (the BF16 weight + an int16 low word,
-                   ``master_weights="split"``; FP32 gradient buffers): 2 bytes per parameter less,
-                   the same FP32 masters
-coat-mem           COAT's memory mode: coat-lean with split master weights (the BF16 weight + an
-                   int16 low word, ``master_weights="split"``) and BF16 gradient buffers
+coat-mem           COAT's memory mode: coat-lean (split master weights) with BF16 gradient buffers
                    (``grad_reduce_in_fp32=False``): about 9.2 bytes per parameter between steps
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW
@@ -55,7 +55,8 @@ class Mode:
         coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
         recompute_norm_output: ``CoatConfig.recompute_norm_output``.
         cache_weight_transpose: ``CoatConfig.cache_weight_transpose``.
-        master_weights: ``CoatConfig.master_weights``.
+        master_weights: ``CoatConfig.master_weights``; None: its default ("split" with COAT's
+            optimizer).
         grad_fp32: DDP's ``grad_reduce_in_fp32`` (FP32 gradient buffers).
         family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     """
@@ -69,7 +70,7 @@ class Mode:
     coat_optimizer: bool = False
     recompute_norm_output: bool = False
     cache_weight_transpose: bool = True
-    master_weights: str = "fp32"
+    master_weights: str | None = None
     grad_fp32: bool = True
 
     @property
@@ -94,9 +95,9 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-store", "te", "te-fp8", fp8_recipe="tensorwise", fp8_input_store=True),
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
         Mode("coat", "coat", "coat", coat_optimizer=True),
+        Mode("coat-fp32", "coat", "coat", coat_optimizer=True, master_weights="fp32"),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
         Mode("coat-lean", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False),
-        Mode("coat-split", "coat", "coat", coat_optimizer=True, master_weights="split"),
         Mode("coat-mem", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False, master_weights="split", grad_fp32=False),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),

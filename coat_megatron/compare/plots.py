@@ -1,8 +1,8 @@
 """PNG plots of a report, when matplotlib is installed (the ``report`` extra).
 
-End to end: loss per step (one line per mode), memory per mode as stacked bars (weights, grads,
-optimizer, activations, other), and the time of every measured step. Per layer: fwd+bwd time and
-activation memory per mode. Without matplotlib nothing is drawn and ``draw`` says how to get it.
+End to end: loss per step (one line per mode, validation losses as markers), memory per mode as
+stacked bars (weights, grads, optimizer, activations, other), and the time of every measured step.
+Per layer: fwd+bwd time and activation memory per mode. Without matplotlib nothing is drawn and ``draw`` says how to get it.
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ def draw(out: str, name: str, rows: list[dict]) -> tuple[list[str], str]:
     if train:
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in train:
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["mode"])
-        ax.set(xlabel="step", ylabel="loss", title=f"{name}: loss per step")
+            (line,) = ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["mode"], linewidth=1)
+            if r.get("valid_losses"):  # held-out loss: markers in the colour of the training curve
+                steps, valid = zip(*r["valid_losses"])
+                ax.plot(steps, valid, "o--", color=line.get_color(), markersize=4, label=f"{r['mode']} validation")
+        ax.set(xlabel="step", ylabel="loss", title=f"{name}: training loss per step, validation loss (markers)")
         ax.legend()
         save(fig, "loss")
 

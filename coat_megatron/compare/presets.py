@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..corpus import DEFAULT_MAX_BYTES
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -22,7 +24,14 @@ class Preset:
         layers, hidden, ffn, heads: the Llama-style shape (RMSNorm, SwiGLU, RoPE, no biases).
         kv_heads: query groups for grouped-query attention; None = one per head.
         seq, micro_batch: tokens of one micro-batch per data-parallel rank.
-        vocab: vocabulary size (train presets; the built-in corpus uses byte tokens below 256).
+        vocab: vocabulary size (train presets; the built-in corpora use byte tokens below 256).
+        corpus: what a train preset trains on (``coat_megatron.corpus``): "docstrings" (the standard
+            library's docstrings, 1.4 MB) or "packages" (Python sources of the installed packages).
+        corpus_bytes: the corpus's size; None: its default (``corpus_max_bytes``).
+        eval_every: validation loss on held-out windows after every this many steps and after the
+            last; 0: none.
+        eval_windows: how many validation windows of seq + 1 bytes (rounded up to a multiple of the
+            global batch).
         steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
             left out of the timing and memory statistics (allocation, FP8 scale start-up).
         lr: peak learning rate (linear warm-up over 10% of the steps, at least 10 or half of a
@@ -43,6 +52,10 @@ class Preset:
     steps: int = 200
     warmup_steps: int = 3
     lr: float = 3e-4
+    corpus: str = "packages"
+    corpus_bytes: int | None = None
+    eval_every: int = 0
+    eval_windows: int = 256
     needs_gpu: bool = True
     description: str = ""
 
@@ -50,8 +63,15 @@ class Preset:
     def tokens_per_micro_batch(self) -> int:
         return self.seq * self.micro_batch
 
+    @property
+    def corpus_max_bytes(self) -> int | None:
+        """The corpus's size: ``corpus_bytes``, else the corpus's default (all of the docstrings,
+        100 MiB of package sources); None: every file the source has."""
+        return self.corpus_bytes if self.corpus_bytes is not None else DEFAULT_MAX_BYTES[self.corpus]
+
     def with_overrides(self, **overrides) -> "Preset":
-        """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``, ``--seq``)."""
+        """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``, ``--seq``,
+        ``--corpus``, ``--corpus-bytes``, ``--eval-every``, ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -59,7 +79,7 @@ PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
         Preset("tiny", "train", layers=2, hidden=64, ffn=128, heads=4, seq=64, micro_batch=8, vocab=256, steps=40,
-               warmup_steps=2, lr=3e-3, needs_gpu=False,
+               warmup_steps=2, lr=3e-3, corpus="docstrings", eval_every=20, eval_windows=64, needs_gpu=False,
                description="2-layer Llama-shaped GPT on the standard library's docstrings (byte tokens); runs on a CPU"),
         Preset("tiny-layer", "layer", layers=1, hidden=64, ffn=128, heads=4, seq=64, micro_batch=8, vocab=256, needs_gpu=False,
                description="one tiny layer: exercises the per-layer measurement on a CPU"),
@@ -68,8 +88,9 @@ PRESETS: dict[str, Preset] = {
         Preset("llama3-8b-layer", "layer", layers=1, hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=8192, micro_batch=1,
                description="one Llama-3-8B layer (GQA, 8 KV heads), seq 8192 x micro-batch 1"),
         Preset("gpt-125m", "train", layers=12, hidden=768, ffn=3072, heads=12, seq=1024, micro_batch=16, vocab=256,
-               steps=2000, lr=6e-4,
-               description="GPT-2-small-sized Llama-style GPT (12 x 768, SwiGLU 3072: 113M parameters) on the docstring corpus (byte tokens): the accuracy runs"),
+               steps=2000, lr=6e-4, eval_every=100, eval_windows=256,
+               description="GPT-2-small-sized Llama-style GPT (12 x 768, SwiGLU 3072: 113M parameters) on 100 MiB of Python sources "
+                           "(byte tokens; each byte trained on at most once), validation loss every 100 steps: the accuracy runs"),
         Preset("gpt-1b", "train", layers=16, hidden=2048, ffn=5632, heads=16, seq=2048, micro_batch=4,
                description="Llama-style 1.1B GPT, seq 2048, vocab 32000"),
         Preset("llama2-7b", "train", layers=32, hidden=4096, ffn=11008, heads=32, seq=2048, micro_batch=1, lr=1.5e-4,

@@ -114,7 +114,7 @@ def train_table(rows: list[dict]) -> list[str]:
     bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     several = _several_gpus(rows)
     head = ["mode", "CUDA graphs", "micro-batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "peak MiB", "vs BF16", "vs best TE",
-            "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last"]
+            "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last", "valid loss"]
     if several:
         head += ["tokens/s per GPU", "peak MiB per GPU", "optimizer MiB per GPU", "SP all-gather MiB/step (FP8)", "vs BF16", "DP all-gather MiB/step"]
 
@@ -124,7 +124,7 @@ def train_table(rows: list[dict]) -> list[str]:
             f"{_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
-            f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |"
+            f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {_fmt(r.get('valid_loss'), 4)} |"
         )
         if several:
             line += (
@@ -236,7 +236,9 @@ COLUMNS = {
     "step ms: median optimizer-step time after the warm-up steps; tokens/s: global tokens per second at that step time; "
     "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's "
     "gradient buffers (FP32, BF16 in coat-mem); optimizer: master weights + Adam states as stored; activations: peak during a step minus "
-    "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter.",
+    "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter; loss: training "
+    "loss of the first and last step; valid loss: mean per-token loss on the held-out validation windows after the last step "
+    "(- without validation: --eval-every 0, or CUDA graphs).",
     "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process); "
     "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
     "resume": "A dist checkpoint (dp_reshardable) written after the step named, by the uninterrupted run; the resumed runs load it at "

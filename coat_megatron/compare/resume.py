@@ -33,8 +33,10 @@ def resume_check(args, preset, mode, row: dict) -> dict:
     if not 0 < save_step < preset.steps - preset.warmup_steps:
         raise SystemExit(f"--save-step {save_step} must lie between 0 and --steps {preset.steps} minus {preset.warmup_steps} warm-up steps "
                          f"(the resumed runs measure their own warm-up); use --steps {save_step + preset.warmup_steps + 3} or more")
+    from .job import data_args  # the job imports this module
+
     common = ["--preset", preset.name, "--modes", mode.name, "--steps", str(preset.steps), "--seq", str(preset.seq),
-              "--seed", str(args.seed), "--tp", str(args.tp)]
+              "--seed", str(args.seed), "--tp", str(args.tp), *data_args(args)]
     runs = {}
     parent = args.checkpoint_dir
     if parent:

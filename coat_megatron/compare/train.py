@@ -1,20 +1,24 @@
-"""A GPT trained end to end with one mode: loss per step, step time, tokens/s and memory.
+"""A GPT trained end to end with one mode: loss per step, validation loss, step time, tokens/s and memory.
 
-Reads like the training loop it is: build the model and optimizer, then per step draw the same
-batch every mode draws (the built-in docstring corpus, byte tokens, one generator seeded by the
-job's seed), run Megatron's forward-backward schedule, step the optimizer. The first
-``preset.warmup_steps`` steps (allocation of optimizer states, FP8 scale start-up, autotuning) are
-left out of the timing, activation and communication statistics.
+Reads like the training loop it is: build the model and optimizer, then per step take the next
+batch of the data order every mode takes (``TrainingWindows`` over the preset's corpus: byte
+tokens, each window of text at most once, in an order drawn from the data seed), run Megatron's
+forward-backward schedule, step the optimizer; every ``preset.eval_every`` steps and after the
+last, the mean per-token loss on the corpus's held-out validation windows (the same ones for
+every mode, seed and data order; forward only, ``model.eval()``, outside the step timing). The
+first ``preset.warmup_steps`` steps (allocation of optimizer states, FP8 scale start-up,
+autotuning) are left out of the timing, activation and communication statistics.
 
 Under ``torchrun`` every rank trains its shard (``tp``) on its slice of the global batch (``dp``:
 micro-batch x dp sequences per step, drawn whole by every rank, so the global batch does not depend
-on the DP size). Memory is measured on every rank: the row has rank 0's parts, the fullest GPU's
-peak and every rank's peak and optimizer bytes. All-gather bytes per step (``comm``) are rank 0's.
+on the DP size; validation batches likewise). Memory is measured on every rank: the row has rank
+0's parts, the fullest GPU's peak and every rank's peak and optimizer bytes. All-gather bytes per
+step (``comm``) are rank 0's.
 """
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import os
 import statistics
 import time
@@ -22,7 +26,7 @@ from collections import Counter
 
 import torch
 
-from ..corpus import ByteBatches, stdlib_docstrings
+from ..corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
 from . import parallel
 from .build import build_gpt, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -31,29 +35,52 @@ from .memory import MIB, SavedTensors, static_parts
 from .modes import Mode
 from .presets import Preset
 
-CORPUS_BYTES = 4 << 20
+
+def training_windows(preset: Preset, data_seed: int, dp: int = 1, corpus: Corpus | None = None) -> TrainingWindows:
+    """The training batches of ``preset``'s corpus in the order of ``data_seed``: micro-batch x
+    ``dp`` windows per step, checked to last ``preset.steps`` steps without repeating a byte."""
+    if corpus is None:
+        corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
+    data = TrainingWindows(corpus.train, preset.seq, preset.micro_batch * dp, seed=data_seed, vocab_size=preset.vocab)
+    data.check_steps(preset.steps)
+    return data
 
 
-@functools.cache
-def corpus() -> bytes:
-    return stdlib_docstrings(CORPUS_BYTES)
+def validation_set(preset: Preset, corpus: Corpus, dp: int = 1) -> tuple[list[dict], str]:
+    """The validation batches (global batches of micro-batch x ``dp`` windows: ``preset.eval_windows``
+    rounded up to a multiple) and the SHA-256 of their bytes, which names them in the report."""
+    global_batch = preset.micro_batch * dp
+    count = -(-preset.eval_windows // global_batch) * global_batch
+    windows = validation_windows(corpus.valid, preset.seq, count)
+    digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
+    return validation_batches(windows, global_batch, preset.vocab), digest
 
 
-def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, progress=None,
+def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None, tp: int = 1, dp: int = 1, progress=None,
           save: str | None = None, save_step: int | None = None, load: str | None = None, graphs: str = "none") -> dict:
     """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_megatron.compare``).
 
+    ``seed``: the initial weights; ``data_seed``: the order of the training windows (default: ``seed``).
+
     ``graphs``: "none" (eager), "local" (Megatron's per-layer CUDA graphs, captured at the end of
     the first step) or "full" (the forward+backward of a whole step in one graph, captured at the
-    second step); either way before the timed steps.
+    second step); either way before the timed steps. Validation runs eagerly only: with graphs,
+    ``preset.eval_every`` must be 0.
 
     ``save``: write a dist checkpoint into this directory after ``save_step`` steps (and go on).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
-    learning rate and the batches continue from there (the batches of the steps before are drawn
-    and dropped), so a resumed run sees what the uninterrupted one saw.
+    learning rate and the batches continue from there, so a resumed run sees what the
+    uninterrupted one saw.
     """
     from megatron.core import parallel_state
 
+    if graphs != "none" and preset.eval_every:
+        raise ValueError("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
+                         "use --cuda-graphs none, or --eval-every 0")
+    data_seed = seed if data_seed is None else data_seed
+    corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
+    data = training_windows(preset, data_seed, dp, corpus)
+    validation, validation_sha256 = validation_set(preset, corpus, dp) if preset.eval_every else (None, None)
     model, optimizer = build_gpt(preset, mode, seed, tp, graphs=graphs)
     forward_backward = forward_backward_function(graphs)
     if save is not None:
@@ -67,19 +94,18 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
         raise ValueError(f"--steps {preset.steps} leaves nothing to measure after step {first} and {preset.warmup_steps} warm-up steps; "
                          f"use --steps {first + preset.warmup_steps + 5} or more")
     device = parallel.device()
-    data = ByteBatches(corpus(), preset.seq, preset.micro_batch * dp, vocab_size=preset.vocab)
     rank = parallel_state.get_data_parallel_rank()
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(first):
-        data.batch(generator)
-    cuda = device.type == "cuda"
 
-    losses, step_ms, skipped = [], [], 0
+    def local(batch: dict) -> dict:  # this DP rank's slice of a global batch, on its device
+        return {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in batch.items()}
+
+    cuda = device.type == "cuda"
+    losses, step_ms, skipped, valid_losses = [], [], 0, []
     gathered = Counter()
     activations = static = warmup_peak = warmup_reserved = None
     with AllGatherBytes() as counter:
         for step in range(first, preset.steps):
-            batch = {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in data.batch(generator).items()}
+            batch = local(data.batch(step))
             if save is not None and step == save_step:
                 save_checkpoint(save, model, optimizer, step=step)
             set_learning_rate(optimizer, preset, step)
@@ -103,8 +129,11 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
                 activations = saved.bytes
             skipped += not ok
             losses.append(loss)
+            done = step + 1
+            if validation is not None and (done % preset.eval_every == 0 or done == preset.steps):
+                valid_losses.append([done, validation_loss(model, [local(b) for b in validation], preset)])
             if progress is not None:
-                progress.update(step + 1, loss=loss)
+                progress.update(done, loss=loss, **({"valid": valid_losses[-1][1]} if valid_losses else {}))
     if progress is not None:
         progress.close()
 
@@ -149,6 +178,13 @@ def train(preset: Preset, mode: Mode, seed: int, *, tp: int = 1, dp: int = 1, pr
         "bytes_per_param": budget,  # rank 0's parts between steps, per parameter of its model shard
         **all_gather_fields({k: v / len(step_ms) for k, v in gathered.items()}),
         "losses": losses,
+        "data_seed": data_seed,
+        **corpus.identity(),
+        "eval_every": preset.eval_every,
+        "eval_windows": len(validation) * preset.micro_batch * dp if validation else 0,
+        "valid_windows_sha256": validation_sha256,
+        "valid_losses": valid_losses,  # [step, loss] after that many steps
+        "valid_loss": valid_losses[-1][1] if valid_losses else None,
         "skipped_steps": skipped,
         "memory_source": source,
     }
@@ -197,6 +233,34 @@ def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensor
     total = torch.stack([o["lm loss"] for o in outputs]).sum(0).float()
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return (total[0] / total[1]).item(), bool(ok)
+
+
+def validation_loss(model, batches: list[dict], preset: Preset) -> float:
+    """Mean per-token loss of ``model`` on ``batches`` (this DP rank's slices; the sums and token
+    counts are reduced over DP): forward only (Megatron's schedule with ``forward_only=True``),
+    in eval mode and without autograd, then back to training mode. Nothing the next step reads
+    changes (COAT's FP8 weight copies follow the weights; TE's delayed scaling, whose amax
+    history a forward updates, is the exception)."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=len(batches),
+                seq_length=preset.seq,
+                micro_batch_size=preset.micro_batch,
+                forward_only=True,
+            )
+    finally:
+        model.train()
+    total = torch.stack([o["lm loss"] for o in outputs]).double().sum(0)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return (total[0] / total[1]).item()
 
 
 def forward_step(data_iterator, model):

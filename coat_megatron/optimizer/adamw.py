@@ -10,14 +10,17 @@ element 0 of p):
                                            FP32, (ceil(n / G),); absent when that moment's
                                            expansion is off
 
-that is 2 + 6 x 4 / 128 = 2.19 bytes per parameter with G = 128, against 8 for FP32 AdamW. With
-``CoatConfig.master_weights="split"`` the parameters are BF16 (the model weights) and each also has
+that is 2 + 6 x 4 / 128 = 2.19 bytes per parameter with G = 128, against 8 for FP32 AdamW. FP32
+parameters are their own master weights. BF16 parameters (the model weights) are the high halves of
+theirs under ``CoatConfig.master_weights="split"`` (the default), and each also has
 
     master_low                             int16, p's shape: the low half of its FP32 master
                                            weight (``coat_kernels.master``), 2 bytes per parameter
 
-Codes are kept as uint8 so that ``load_state_dict`` (which casts floating-point state to the parameter's dtype)
-and gloo (which rejects float8) leave them alone.
+``load_state_dict`` moves a checkpoint between the two: see there.
+
+Codes are kept as uint8 so that gloo (which rejects float8) leaves them alone; ``load_state_dict`` keeps
+every state tensor's dtype (torch's would cast them all to a floating-point parameter's dtype).
 
 The update is torch.optim.AdamW's (decoupled weight decay, bias correction, eps outside the square
 root) on FP32 parameters, done by one fused multi-tensor kernel per parameter group
@@ -27,7 +30,7 @@ root) on FP32 parameters, done by one fused multi-tensor kernel per parameter gr
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -44,13 +47,15 @@ class CoatAdamW(torch.optim.Optimizer):
     """AdamW with FP8 states and per-group dynamic range expansion.
 
     Args:
-        params: FP32 parameters (or param group dicts), as for torch.optim.AdamW; BF16 ones with
-            ``config.master_weights="split"`` (their FP32 masters are the BF16 value and an int16
-            low word this optimizer keeps: a BF16 model trained with exact FP32 master weights).
+        params: FP32 parameters (or param group dicts), as for torch.optim.AdamW, or BF16 ones
+            with ``config.master_weights="split"`` (the default: their FP32 masters are the BF16
+            value and an int16 low word this optimizer keeps, a BF16 model trained with exact FP32
+            master weights).
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
         config: formats, expansion switches, k limits and group size of the states
-            (``CoatConfig.m_format`` ... ``optimizer_group_size``); defaults to ``CoatConfig()``:
-            E4M3 for m and v, expansion on, k in [1/16, 16], groups of 128.
+            (``CoatConfig.m_format`` ... ``optimizer_group_size``) and ``master_weights``; defaults
+            to ``CoatConfig()``: E4M3 for m and v, expansion on, k in [1/16, 16], groups of 128,
+            split masters.
         exact_math: None (default): the Triton step uses the hardware's exp2/log2 per element on CUDA
             (bandwidth-bound; within about 2^-16 of the reference), True: IEEE-only math, bit-identical to
             the torch reference on any device (compute-bound on H100/H200). See coat_kernels.expanded.
@@ -107,14 +112,21 @@ class CoatAdamW(torch.optim.Optimizer):
     def split_masters(self) -> bool:
         return self.config.master_weights == "split"
 
+    def _has_low_word(self, p: torch.Tensor) -> bool:
+        """Whether p's FP32 master is split (p BF16, its low word in the state) rather than p itself;
+        raises for a parameter this optimizer cannot step."""
+        if p.dtype == torch.float32:
+            return False
+        if p.dtype == torch.bfloat16 and self.split_masters:
+            return True
+        split = "BF16 parameters with CoatConfig(master_weights='split') (the default)"
+        raise TypeError(
+            f"CoatAdamW updates FP32 parameters, or {split}; got {p.dtype} of shape {tuple(p.shape)}: "
+            + ("leave master_weights at its default" if p.dtype == torch.bfloat16 else "convert the model with .float() or .bfloat16()")
+        )
+
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
-        split = self.split_masters and p.dtype == torch.bfloat16
-        if p.dtype != torch.float32 and not split:
-            raise TypeError(
-                f"CoatAdamW updates FP32 parameters, got {p.dtype} of shape {tuple(p.shape)}: keep FP32 master "
-                f"weights (Megatron's distributed optimizer does; for a plain model, .float() it and use autocast), "
-                f"or use CoatConfig(master_weights='split') for BF16 parameters"
-            )
+        split = self._has_low_word(p)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         if split:  # the master starts as the BF16 value itself
             state[LOW] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
@@ -198,8 +210,14 @@ class CoatAdamW(torch.optim.Optimizer):
                 state[LOW].zero_()
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state held (codes + metadata; the CPU step counters not counted)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for key, t in s.items() if key != "step")
+        """Bytes of Adam states held: m and v's codes and metadata (2.19 per parameter with groups
+        of 128). Neither the CPU step counters nor the split masters' low words (``master_bytes``)."""
+        return sum(t.numel() * t.element_size() for s in self.state.values() for key, t in s.items() if key not in ("step", LOW))
+
+    def master_bytes(self) -> int:
+        """Bytes of master weights this optimizer holds beyond the parameters: the split masters'
+        int16 low words (2 per BF16 parameter; 0 with FP32 parameters, their own masters)."""
+        return sum(s[LOW].numel() * s[LOW].element_size() for s in self.state.values() if LOW in s)
 
     # ---------------------------------------------------------------- the step
 
@@ -295,11 +313,29 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        # this state dict holds the parameters' low words when the masters are split: record how
+        # how the masters were kept (a reader's note: loading goes by each parameter's own state)
         sd["coat"] = {**self.format_record(), "master_weights": self.config.master_weights}
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict, masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Load a ``state_dict()`` of a CoatAdamW with the same state formats (``format_record``),
+        keeping every state tensor's dtype (torch would cast them to a BF16 parameter's), and carry
+        each master weight between FP32 and split masters:
+
+        - saved with an FP32 master (an FP32 parameter: no low word), loaded into a BF16 parameter
+          with split masters: ``masters`` gives that parameter's FP32 master, the FP32 parameter
+          the checkpoint's model saved (``{p: saved_model[name] for name, p in
+          model.named_parameters()}``); the parameter becomes its high half and the low word the
+          rest, bit for bit. Load the model's state dict before this, not after (it would round
+          the parameters to BF16 again).
+        - saved with a split master, loaded into an FP32 parameter: the parameter must hold the
+          saved BF16 weight (load the model's state dict first); it becomes the FP32 master
+          joined from that weight and the saved low word.
+
+        ``masters`` also sets the split master of a parameter the checkpoint has no state for (never
+        stepped). Either way the loaded optimizer continues bit for bit as the one that saved
+        would. Everything is checked before anything is loaded.
+        """
         state_dict = dict(state_dict)
         record = state_dict.pop("coat", None)
         if record is None:
@@ -307,24 +343,56 @@ class CoatAdamW(torch.optim.Optimizer):
                 "this state dict has no 'coat' record: it is not a CoatAdamW state dict. To start from a "
                 "torch.optim.AdamW state dict (FP32 exp_avg/exp_avg_sq), use load_fp32_state_dict()"
             )
-        record = {"master_weights": "fp32", **record}  # written before split masters existed: FP32
-        mine = {**self.format_record(), "master_weights": self.config.master_weights}
-        if record != mine:
+        record = {key: value for key, value in record.items() if key != "master_weights"}
+        if record != self.format_record():
             raise ValueError(
-                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {mine}: "
+                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {self.format_record()}: "
                 f"use a CoatConfig that matches the checkpoint, or convert through fp32_state_dict()/load_fp32_state_dict()"
             )
+        groups = state_dict["param_groups"]
+        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("the checkpoint has other param groups than this optimizer: build CoatAdamW with the same parameters in the same groups")
+        params = [p for group in self.param_groups for p in group["params"]]
+        indices = [i for group in groups for i in group["params"]]
+        saved = {p: state_dict["state"].get(i, {}) for p, i in zip(params, indices)}
+        masters = {} if masters is None else masters
+        for position, (p, s) in enumerate(saved.items()):
+            self._check_master_source(position, p, s, masters)
         super().load_state_dict(state_dict)
-        # torch casts every state tensor of a floating-point param to the param's dtype: codes come back
-        # as FP32 numbers 0..255 (exact), restore the bytes
-        for state in self.state.values():
-            for key, value in state.items():
-                if key.endswith(".codes") and value.dtype != torch.uint8:
-                    state[key] = value.to(torch.uint8)
-                elif key == LOW:
-                    state[key] = value.to(torch.int16)
-                elif key != "step" and value.dtype != torch.float32:
-                    state[key] = value.float()
+        with torch.no_grad():
+            for p, s in saved.items():
+                state = self.state[p]
+                for key, value in s.items():  # the saved tensors as they are, copied
+                    state[key] = value.clone() if key == "step" else value.to(p.device, copy=True)
+                if self._has_low_word(p) and LOW not in s and (s or p in masters):  # saved with an FP32 master
+                    if state:
+                        state[LOW] = torch.empty(p.shape, dtype=torch.int16, device=p.device)
+                    self.set_master_weight(p, masters[p])  # p = its high half, the low word the rest
+                elif LOW in s and not self._has_low_word(p):  # saved split, loaded into an FP32 parameter
+                    p.copy_(join_master(p.detach().to(torch.bfloat16), state.pop(LOW).view(p.shape)))
+
+    def _check_master_source(self, position: int, p: torch.Tensor, saved: dict, masters: Mapping) -> None:
+        """Raise unless ``load_state_dict`` can set p's master weight exactly from its ``saved``
+        state (empty if the checkpoint never stepped p) and ``masters``."""
+        what = f"parameter {position} ({tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
+        if self._has_low_word(p) and LOW not in saved and (saved or p in masters):
+            master = masters.get(p)
+            if master is None:
+                raise ValueError(
+                    f"{what} has a split master weight here, and the checkpoint was saved with FP32 masters, which live in its "
+                    f"model's FP32 parameters: pass them, load_state_dict(state_dict, masters={{param: saved FP32 parameter}}), "
+                    f"or load into FP32 parameters"
+                )
+            if master.dtype != torch.float32 or master.shape != p.shape:
+                raise ValueError(f"masters gives {what} a {master.dtype} tensor of shape {tuple(master.shape)}: pass the saved FP32 parameter of its shape")
+        elif LOW in saved and not self._has_low_word(p):
+            value = p.detach()
+            if not torch.equal(value.to(torch.bfloat16).to(value.dtype), value):
+                raise ValueError(
+                    f"{what} is its own FP32 master here, and the checkpoint split its master into the model's BF16 weight and a "
+                    f"low word: the parameter must hold that BF16 weight to be joined with it, and holds other values. Load the "
+                    f"model's state dict first, then the optimizer's"
+                )
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state as torch.optim.AdamW would hold it (FP32 exp_avg, exp_avg_sq):
@@ -368,7 +436,7 @@ class CoatAdamW(torch.optim.Optimizer):
         if self.split_masters and any(p.dtype == torch.bfloat16 for group in self.param_groups for p in group["params"]):
             raise ValueError(
                 f"{what}: torch.optim.AdamW on these BF16 parameters has no FP32 master weights to carry split ones; "
-                f"read them with master_weight(p), or use master_weights='fp32' (Megatron: save a fully_reshardable checkpoint)"
+                f"read them with master_weight(p), or train FP32 parameters (their own masters; Megatron: save a fully_reshardable checkpoint)"
             )
 
 

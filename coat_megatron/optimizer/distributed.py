@@ -335,7 +335,10 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             self.load_parameter_state_from_fully_reshardable(state_dict["param_state"])
         elif sharding_type == "dp_zero_gather_scatter":
             if self._split():
-                raise NotImplementedError("a dp_zero_gather_scatter checkpoint loads into FP32 main params: load it with master_weights='fp32', save again, then split")
+                raise NotImplementedError(
+                    "a dp_zero_gather_scatter checkpoint loads into FP32 main params only: load it with --coat-master-weights fp32 "
+                    "(CoatConfig(master_weights='fp32')) and save it as dp_reshardable or fully_reshardable, which load into split masters"
+                )
             self.load_parameter_state_from_dp_zero(state_dict["param_state"])
         else:
             raise NotImplementedError(f"COAT checkpoints support dp_reshardable and fully_reshardable, not {sharding_type!r}")
@@ -401,8 +404,8 @@ def get_coat_optimizer(config: OptimizerConfig, model_chunks: list, coat_config:
             and decoupled weight decay (AdamW); lr, betas, eps, weight decay, clipping, loss scaling
             and param-group overrides work as in Megatron.
         model_chunks: the DDP-wrapped model chunks, laid out with ``coat_param_layout``.
-        coat_config: state formats, expansion and group size (``CoatConfig``; defaults: E4M3 m and v,
-            expansion on, groups of 128).
+        coat_config: state formats, expansion, group size and master weights (``CoatConfig``;
+            defaults: E4M3 m and v, expansion on, groups of 128, split master weights).
         kwargs: passed to ``get_megatron_optimizer``.
     Returns:
         What ``get_megatron_optimizer`` returns (a DistributedOptimizer, or a ChainedOptimizer of

@@ -1,6 +1,9 @@
-"""benchmarks/accuracy.py: BF16 vs COAT (and the ablations) over seeds, on the tiny preset."""
+"""benchmarks/accuracy.py: BF16 vs COAT validation loss over seeds with the noise floors and the
+ablations, on the tiny preset; and its verdict rule on made-up gaps."""
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,65 +13,121 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "accuracy.py")
 STEPS = 6
+MODES = "bf16,coat,coat-act,coat-opt,bf16@data2,bf16@dp2"
 
 
 def accuracy(out, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(STEPS), "--seeds", "1", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=600, env=env)
-    return proc
+    return subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(STEPS), "--seeds", "1", "--eval-every", "3",
+                           "--out", str(out), *args], capture_output=True, text=True, timeout=600, env=env)
 
 
-def test_gaps_per_mode_reuse_of_finished_seeds_and_the_ablations(tmp_path):
-    first = accuracy(tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    reports = sorted(os.listdir(tmp_path / "seed1"))
-    assert "tiny.jsonl" in reports
-    mtime = os.path.getmtime(tmp_path / "seed1" / "tiny.jsonl")
+def load_script():
+    spec = importlib.util.spec_from_file_location("accuracy_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
-    # the ablations and the noise floor are added to the finished seed: bf16 and coat are not trained again
-    second = accuracy(tmp_path, "--modes", "bf16,coat,coat-act,coat-opt,bf16@dp2")
+
+def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_path):
+    # a call runs at most --max-runs (seed, mode) runs and says that more are left
+    first = accuracy(tmp_path, "--modes", MODES, "--max-runs", "4")  # one job: same DP size and data order
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert "2 run(s) left (seed 1 bf16@data2, seed 1 bf16@dp2): run the same command again" in first.stdout
+    assert not (tmp_path / "accuracy.md").exists()
+    done = tmp_path / "seed1" / "tiny-bf16+coat+coat-act+coat-opt.jsonl"
+    mtime = os.path.getmtime(done)
+
+    # the next call runs the rest, two processes at once; the finished modes are not trained again
+    second = accuracy(tmp_path, "--modes", MODES, "--jobs", "2")
     assert second.returncode == 0, second.stderr[-3000:]
-    assert os.path.getmtime(tmp_path / "seed1" / "tiny.jsonl") == mtime
-    assert (tmp_path / "seed1" / "tiny-coat-act+coat-opt.jsonl").exists()
-    assert (tmp_path / "seed1" / "tiny-bf16-dp2.jsonl").exists()
+    assert os.path.getmtime(done) == mtime
+    for name in ("tiny-bf16-data2", "tiny-bf16-dp2"):
+        assert (tmp_path / "seed1" / f"{name}.jsonl").exists(), name
 
-    rows = [json.loads(line) for line in (tmp_path / "accuracy.jsonl").read_text().splitlines()]
-    assert [r["seed"] for r in rows] == [1, "mean"]
-    for r in rows:
-        for mode in ("bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"):
-            assert 0 < r[mode] < 10, (mode, r)  # a byte-level LM's loss: below ln 256 = 5.5 after a few steps
-        for mode in ("coat", "coat-act", "coat-opt", "bf16@dp2"):
-            assert r[f"gap_{mode}"] == pytest.approx((r[mode] - r["bf16"]) / r["bf16"])
-        assert r["gap"] == r["gap_coat"]
-    # the same data and initial weights in every mode: the first step's loss agrees
-    losses = {}
+    rows = {}
     for name in os.listdir(tmp_path / "seed1"):
         if name.endswith(".jsonl"):
             for line in (tmp_path / "seed1" / name).read_text().splitlines():
                 row = json.loads(line)
                 if row.get("kind") == "train":
-                    losses[row["mode"] + ("@dp2" if row["dp"] == 2 else "")] = row["losses"]
-    assert set(losses) == {"bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"}
-    assert all(len(v) == STEPS for v in losses.values())
-    first_losses = [v[0] for v in losses.values()]
-    assert max(first_losses) - min(first_losses) < 0.02
-    # coat-opt has BF16's layers: before the first update its loss is BF16's, bit for bit
-    assert losses["coat-opt"][0] == losses["bf16"][0]
-    # BF16 at DP 2 on the same global batch: the same math, reduced in another order
-    assert losses["bf16@dp2"] == pytest.approx(losses["bf16"], abs=5e-3)
+                    rows[row["mode"] + ("@dp2" if row["dp"] == 2 else "") + ("@data2" if row["data_seed"] != 1 else "")] = row
+    assert set(rows) == set(MODES.split(","))
+    assert rows["bf16@data2"]["data_seed"] == 1001 and rows["bf16@data2"]["seed"] == 1
+    assert len({r["valid_windows_sha256"] for r in rows.values()}) == 1  # one set of validation windows for every mode
+    assert all([s for s, _ in r["valid_losses"]] == [3, 6] for r in rows.values())
+    losses = {k: r["losses"] for k, r in rows.items()}
+    # the same initial weights everywhere and, but for bf16@data2, the same first batch
+    assert max(v[0] for k, v in losses.items() if k != "bf16@data2") - min(v[0] for k, v in losses.items() if k != "bf16@data2") < 0.02
+    assert losses["coat-opt"][0] == losses["bf16"][0]  # BF16's layers: before the first update, BF16's loss bit for bit
+    assert losses["bf16@dp2"] == pytest.approx(losses["bf16"], abs=5e-3)  # the same math, another reduction order
+    assert losses["bf16@data2"][0] != losses["bf16"][0]  # another batch at step 1
+
+    summary = [json.loads(line) for line in (tmp_path / "accuracy.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in summary] == ["seed", "mean", "verdict"]
+    seed = summary[0]
+    for key in MODES.split(","):
+        assert seed["valid"][key] == rows[key]["valid_loss"]
+        assert seed["train_tail"][key] == pytest.approx(rows[key]["losses"][-1])  # the last 10% of 6 steps: one step
+    for key in MODES.split(",")[1:]:
+        assert seed["gap_valid"][key] == pytest.approx((seed["valid"][key] - seed["valid"]["bf16"]) / seed["valid"]["bf16"])
+    verdict = summary[2]
+    assert verdict["noise_floor"] == "bf16@data2" and verdict["met"] is None  # one seed: no standard error
+    assert verdict["gap_coat"] == pytest.approx(seed["gap_valid"]["coat"])
+    assert summary[0]["corpus_valid_sha256"] == rows["bf16"]["corpus_valid_sha256"]
 
     curves = json.loads((tmp_path / "losses.json").read_text())
-    assert curves["modes"] == ["bf16", "coat", "coat-act", "coat-opt", "bf16@dp2"]
-    assert curves["losses"]["1"]["coat"] == pytest.approx(losses["coat"], abs=1e-4)
+    assert curves["modes"] == MODES.split(",")
+    assert curves["valid_losses"]["1"]["coat"] == [[s, pytest.approx(v, abs=1e-4)] for s, v in rows["coat"]["valid_losses"]]
 
     md = (tmp_path / "accuracy.md").read_text()
-    assert "| seed | BF16 | COAT | coat-act | coat-opt | bf16@dp2 | gap coat | gap coat-act | gap coat-opt | gap bf16@dp2 |" in md
-    assert "--modes bf16,coat,coat-act,coat-opt,bf16@dp2" in md
-    assert "coat-act: the COAT layer spec" in md and "the noise floor" in md
-    assert "Goal (issue 7): the COAT gap <= 0.25%" in md
+    header = "| seed | BF16 | COAT | coat-act | coat-opt | bf16@data2 | bf16@dp2 | gap COAT | gap coat-act | gap coat-opt | gap bf16@data2 | gap bf16@dp2 |"
+    assert md.count(header) == 2  # validation loss (primary), then training loss
+    assert md.index("Validation loss after the last step (the primary figure)") < md.index("Training loss, mean over the last 10%")
+    assert f"SHA-256 `{rows['bf16']['corpus_train_sha256']}`" in md and "each byte at most once" in md
+    assert "coat-act: the COAT layer spec" in md and "bf16@data2: BF16 with the same initial weights and another order" in md
+    assert "Goal (issue 15): COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors" in md
+    assert "gap_coat - gap_noise <= 2 sqrt(se_coat^2 + se_noise^2)" in md and ": not judged (standard errors need 2 seeds or more)." in md
 
 
-def test_modes_must_start_with_the_bf16_reference(tmp_path):
-    proc = accuracy(tmp_path, "--modes", "coat,bf16")
-    assert proc.returncode != 0 and "start with bf16" in proc.stderr
+def test_the_modes_start_with_the_bf16_reference(capsys):
+    script = load_script()
+    with pytest.raises(SystemExit):
+        script.parse_args(["--modes", "coat,bf16"])
+    assert "start with bf16" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="is not MODE, MODE@dpN or MODE@dataN"):
+        script.parse_args(["--modes", "bf16,coat,bf16@data0"])
+    assert script.parse_args(["--modes", "bf16,coat,bf16@data2"])[1] == ["bf16", "coat", "bf16@data2"]
+
+
+def test_the_verdict_rule():
+    script = load_script()
+    assert script.parse_key("bf16@data2") == ("bf16", 1, 2) and script.parse_key("coat-act@dp2") == ("coat-act", 2, 1)
+    assert script.mode_key("bf16", 1, 2) == "bf16@data2" and script.data_seed(3, 2) == 1003
+
+    def se(values):
+        mean = sum(values) / len(values)
+        return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
+
+    noise = [0.001, -0.002, 0.0025]  # mean +0.05%, se 0.13%
+    allowed = lambda coat: 2 * math.sqrt(se(coat) ** 2 + se(noise) ** 2)  # noqa: E731
+
+    close = [0.0015, 0.0025, 0.002]  # mean +0.20%: under 0.25% and 0.15 points from the noise floor
+    v = script.verdict(close, noise, "bf16@data2")
+    assert v["met"] is True and v["gap_coat"] == pytest.approx(0.002) and v["gap_noise"] == pytest.approx(0.0005)
+    assert v["allowed_difference"] == pytest.approx(allowed(close)) and v["difference"] == pytest.approx(0.0015)
+
+    above = [0.0025, 0.0035, 0.003]  # mean +0.30%: above the goal though within the noise
+    v = script.verdict(above, noise)
+    assert v["met"] is False and v["note"] == "mean gap above 0.25%" and v["difference"] <= v["allowed_difference"]
+
+    quiet_noise = [0.0001, -0.0001, 0.0]  # se 0.006%: COAT's +0.20% is far outside two standard errors of it
+    tight = [0.0019, 0.0021, 0.002]
+    v = script.verdict(tight, quiet_noise)
+    assert v["met"] is False and v["note"] == "further from the noise floor than two standard errors"
+    assert v["difference"] > v["allowed_difference"] == pytest.approx(2 * math.sqrt(se(tight) ** 2 + se(quiet_noise) ** 2))
+
+    assert script.verdict(close, None)["met"] is None and "add bf16@data2" in script.verdict(close, None)["note"]
+    assert script.verdict([0.001], [0.0])["met"] is None  # one seed: no standard error
+    line = script.verdict_line(script.verdict(close, noise, "bf16@data2"))
+    assert "COAT +0.200% (se " in line and "noise floor bf16@data2 +0.050%" in line and line.endswith("**met**.")

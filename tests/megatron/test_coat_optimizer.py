@@ -420,6 +420,7 @@ def _train_masters(master_weights: str, grad_fp32: bool, steps: int) -> dict:
         param_dtypes={p.dtype for p in opt_params},
         grad_dtypes={b.grad_data.dtype for b in model.buffers},
         state_bytes=inner.optimizer.state_bytes(),
+        master_bytes=inner.optimizer.master_bytes(),
         shard_numel=sum(end - start for _, _, start, end in inner._coat_shards()),
         # the optimizer's BF16 params are the model's own shards: views of DDP's parameter buffer
         in_param_buffer=all(p.untyped_storage().data_ptr() == model.buffers[0].param_data.untyped_storage().data_ptr() for p in opt_params),
@@ -440,8 +441,8 @@ def test_split_master_weights_train_like_fp32_masters_with_2_bytes_per_parameter
     assert losses == pytest.approx(split1["losses"], abs=0.01)
     for r in split2:
         assert r["param_dtypes"] == {torch.bfloat16} and r["grad_dtypes"] == {torch.bfloat16} and r["in_param_buffer"]
-        # FP8 states (2.19 bytes) + the master's low word (2 bytes) per element of this rank's shard
-        assert 4.1 * r["shard_numel"] <= r["state_bytes"] <= 4.3 * r["shard_numel"]
+        # FP8 states (2.19 bytes) and the master's low word (2 bytes) per element of this rank's shard
+        assert 2.1 * r["shard_numel"] <= r["state_bytes"] <= 2.3 * r["shard_numel"] and r["master_bytes"] == 2 * r["shard_numel"]
     assert standard["param_dtypes"] == {torch.float32}
     for name, p in split2[0]["params"].items():
         assert torch.equal(p, split2[1]["params"][name]), name
@@ -499,7 +500,7 @@ def test_split_masters_with_fp32_gradient_buffers_train_like_fp32_masters():
     assert losses == pytest.approx(standard["losses"], abs=0.01), (losses, standard["losses"])
     for r in split:
         assert r["param_dtypes"] == {torch.bfloat16} and r["grad_dtypes"] == {torch.float32} and r["in_param_buffer"]
-        assert 4.1 * r["shard_numel"] <= r["state_bytes"] <= 4.3 * r["shard_numel"]
+        assert 2.1 * r["shard_numel"] <= r["state_bytes"] <= 2.3 * r["shard_numel"] and r["master_bytes"] == 2 * r["shard_numel"]
 
 
 def _gpu_train_save_resume(directory: str, master_weights: str = "fp32") -> dict:

@@ -90,6 +90,88 @@ def test_state_dict_resume_is_bit_exact(seed):
     assert states_equal(opt_straight, opt_resumed)
 
 
+SHAPES = [(300,), (64, 130)]  # ragged last groups of 128
+
+
+def masters_optimizer(kind: str, masters: list[torch.Tensor]) -> tuple[list[nn.Parameter], CoatAdamW]:
+    """FP32 parameters that are their own masters ("fp32"), or BF16 ones with split masters
+    ("split"), starting from the FP32 ``masters``."""
+    if kind == "fp32":
+        params = [nn.Parameter(m.clone()) for m in masters]
+        return params, CoatAdamW(params, config=CoatConfig(master_weights="fp32"), **HYPER)
+    params = [nn.Parameter(torch.zeros(m.shape, dtype=torch.bfloat16)) for m in masters]
+    opt = CoatAdamW(params, **HYPER)  # split masters: the default
+    for p, m in zip(params, masters):
+        opt.set_master_weight(p, m)
+    return params, opt
+
+
+def step_with(opt: CoatAdamW, params: list[nn.Parameter], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One step with FP32 ``grads`` (a BF16 parameter takes its FP32 gradient as ``decoupled_grad``,
+    as under Megatron); returns the FP32 master weights after it."""
+    for p, g in zip(params, grads):
+        if p.dtype == torch.bfloat16:
+            p.decoupled_grad = g.clone()
+        else:
+            p.grad = g.clone()
+    opt.step()
+    return [opt.master_weight(p).clone() for p in params]
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+def adam_states(opt: CoatAdamW, params: list[nn.Parameter]) -> list[dict]:
+    return [{k: t for k, t in opt.state[p].items() if k != "master_low"} for p in params]
+
+
+@pytest.mark.parametrize("saved_as", ["fp32", "split"])
+def test_checkpoints_move_between_fp32_and_split_masters_and_step_on_bit_exactly(seed, saved_as):
+    g = torch.Generator().manual_seed(seed)
+    start = [torch.randn(shape, generator=g) * 0.1 for shape in SHAPES]
+    grads = [[torch.randn(shape, generator=g) * 1e-2 for shape in SHAPES] for _ in range(4)]
+    params, opt = masters_optimizer(saved_as, start)
+    for step_grads in grads[:3]:
+        step_with(opt, params, step_grads)
+    buffer = io.BytesIO()
+    torch.save({"model": [p.detach().clone() for p in params], "opt": opt.state_dict()}, buffer)
+    assert any((m != m.bfloat16().float()).any() for m in [opt.master_weight(p) for p in params])  # rounding would show
+    expected = step_with(opt, params, grads[3])
+
+    for load_as in ("fp32", "split"):
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        loaded, opt_loaded = masters_optimizer(load_as, [torch.randn(shape, generator=g) for shape in SHAPES])
+        if load_as != saved_as:  # the checkpoint lacks what this optimizer needs: refused, nothing loaded
+            needs = "masters=" if load_as == "split" else "Load the model's state dict first"
+            with pytest.raises(ValueError, match=needs):
+                opt_loaded.load_state_dict(saved["opt"])
+        with torch.no_grad():  # the model's state dict first (a BF16 model rounds FP32 weights to nearest even)
+            for p, w in zip(loaded, saved["model"]):
+                p.copy_(w)
+        masters = dict(zip(loaded, saved["model"])) if saved_as == "fp32" else None
+        opt_loaded.load_state_dict(saved["opt"], masters=masters)
+        assert [p.dtype for p in loaded] == [torch.float32 if load_as == "fp32" else torch.bfloat16] * len(SHAPES)
+        assert ("master_low" in opt_loaded.state[loaded[0]]) == (load_as == "split")
+        # the state tensors keep their dtypes and bytes (torch's load would cast them to BF16)
+        for mine, theirs in zip(adam_states(opt_loaded, loaded), saved["opt"]["state"].values()):
+            assert all(torch.equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine)
+        assert same_bits(step_with(opt_loaded, loaded, grads[3]), expected), (saved_as, load_as)
+        assert all(all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(adam_states(opt_loaded, loaded), adam_states(opt, params)))
+
+
+def test_loading_fp32_masters_into_split_ones_checks_the_masters_given():
+    fp32_params, fp32_opt = masters_optimizer("fp32", [torch.randn(shape) for shape in SHAPES])
+    step_with(fp32_opt, fp32_params, [torch.randn(shape) for shape in SHAPES])
+    params, opt = masters_optimizer("split", [torch.zeros(shape) for shape in SHAPES])
+    with pytest.raises(ValueError, match=r"parameter 1 \(\(64, 130\), bfloat16\) has a split master weight here"):
+        opt.load_state_dict(fp32_opt.state_dict(), masters={params[0]: fp32_params[0].detach()})
+    with pytest.raises(ValueError, match="pass the saved FP32 parameter of its shape"):
+        opt.load_state_dict(fp32_opt.state_dict(), masters={p: w.detach().bfloat16() for p, w in zip(params, fp32_params)})
+    assert all(not opt.state[p]["master_low"].any() for p in params)  # refused before anything was loaded
+
+
 def test_param_groups_and_lr_schedule_follow_torch_adamw(seed):
     model, x, y = regression_problem(seed)
     reference = copy.deepcopy(model)
@@ -198,8 +280,12 @@ def test_non_finite_grads_are_skipped_by_the_grad_scaler(seed):
 
 
 def test_errors_name_the_fix():
-    with pytest.raises(TypeError, match="FP32 master"):
+    with pytest.raises(TypeError, match="leave master_weights at its default"):
         p = nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
+        p.grad = torch.randn_like(p)
+        CoatAdamW([p], config=CoatConfig(master_weights="fp32")).step()
+    with pytest.raises(TypeError, match=r"got torch.float16 of shape \(10,\): convert the model with .float\(\) or .bfloat16\(\)"):
+        p = nn.Parameter(torch.randn(10, dtype=torch.float16))
         p.grad = torch.randn_like(p)
         CoatAdamW([p]).step()
     p = nn.Parameter(torch.randn(10))

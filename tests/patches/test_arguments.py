@@ -64,13 +64,26 @@ def test_memory_switches_reach_the_config(monkeypatch):
     assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=False, recompute_norm_output=True)
 
 
-def test_split_master_weights_with_either_gradient_reduction(monkeypatch):
-    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-master-weights", "split", "--grad-reduce-in-bf16")
-    assert coat_config_from_args(args) == CoatConfig(master_weights="split") and not args.accumulate_allreduce_grads_in_fp32
-    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-master-weights", "split")
-    assert coat_config_from_args(args) == CoatConfig(master_weights="split") and args.accumulate_allreduce_grads_in_fp32
+def test_split_master_weights_are_the_default_with_either_gradient_reduction(monkeypatch):
+    for explicit in ([], ["--coat-master-weights", "split"]):
+        args = parse(monkeypatch, *LLAMA, "--coat-fp8", *explicit, "--grad-reduce-in-bf16")
+        assert coat_config_from_args(args).master_weights == "split" and not args.accumulate_allreduce_grads_in_fp32
+        args = parse(monkeypatch, *LLAMA, "--coat-fp8", *explicit)
+        assert coat_config_from_args(args).master_weights == "split" and args.accumulate_allreduce_grads_in_fp32
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-master-weights", "fp32")
+    assert coat_config_from_args(args) == CoatConfig(master_weights="fp32")
+
+
+def test_optimizer_off_ignores_the_split_default_and_refuses_an_explicit_split(monkeypatch):
+    # Megatron's optimizer keeps FP32 masters: the run's config says so, whether or not fp32 is named
+    for explicit in ([], ["--coat-master-weights", "fp32"]):
+        args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-optimizer", "off", *explicit)
+        assert coat_config_from_args(args) == CoatConfig(optimizer=False) and coat_config_from_args(args).master_weights == "fp32"
     text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--coat-master-weights", "split", "--grad-reduce-in-bf16", "--coat-optimizer", "off")
-    assert "--coat-master-weights split is how COAT's optimizer keeps master weights" in text
+    assert text == (
+        "--coat-fp8: --coat-master-weights split keeps the masters' low words in COAT's optimizer, and --coat-optimizer off uses "
+        "Megatron's, whose masters are FP32: drop --coat-master-weights split (or set --coat-master-weights fp32), or set --coat-optimizer on"
+    )
 
 
 def test_transformer_engine_fp8_is_refused(monkeypatch):

@@ -87,6 +87,7 @@ def test_coat_fp8_builds_coat_layers_and_optimizer(path):
         assert built["final_norm"] == "CoatNorm"
         assert (built["optimizer"], built["inner"]) == ("CoatDistributedOptimizer", "CoatAdamW")
         assert "exp_avg.codes" in built["state_keys"] and "exp_avg_sq.scale" in built["state_keys"]
+        assert "master_low" in built["state_keys"]  # split master weights, the default
         assert built["stepped"] and built["starts_on_groups"]
 
 

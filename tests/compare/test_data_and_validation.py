@@ -1,0 +1,86 @@
+"""coat-compare's data on a CPU: validation loss rows (the same held-out windows for every mode),
+validation that leaves the training untouched, the corpus recorded by SHA-256, the packages corpus
+at a small budget, and the refusals that name their fix."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coat_megatron.compare import job
+from coat_megatron.compare.presets import get_preset
+from coat_megatron.compare.report import read_jsonl
+from coat_megatron.compare.train import training_windows
+from coat_megatron.corpus import load_corpus
+
+
+def coat_compare(out, *args, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--steps", "6", "--out", str(out), "--no-plots", *args],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["mode"]: r for r in read_jsonl(out / "tiny.jsonl") if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def validated(tmp_path_factory):
+    return coat_compare(tmp_path_factory.mktemp("validated"), "--modes", "bf16,coat", "--eval-every", "3")
+
+
+def test_every_mode_is_validated_on_the_same_held_out_windows(validated):
+    bf16, coat = validated["bf16"], validated["coat"]
+    for r in (bf16, coat):
+        assert r["status"] == "ok" and r["data_seed"] == r["seed"] == 1234
+        assert [step for step, _ in r["valid_losses"]] == [3, 6]  # every 3 steps and after the last
+        assert r["valid_loss"] == r["valid_losses"][-1][1] and all(math.isfinite(v) for _, v in r["valid_losses"])
+        assert r["valid_losses"][1][1] < r["valid_losses"][0][1] < 5.6  # it learns, from ln 256 = 5.55
+        assert r["corpus"] == "docstrings" and r["eval_windows"] == 64
+    for field in ("valid_windows_sha256", "corpus_train_sha256", "corpus_valid_sha256"):
+        assert bf16[field] == coat[field]
+    docstrings = load_corpus("docstrings")
+    assert bf16["corpus_train_sha256"] == docstrings.manifest["train"]["sha256"]
+    # same weights, same batches, same windows: COAT's validation loss tracks BF16's closely
+    assert coat["valid_loss"] == pytest.approx(bf16["valid_loss"], rel=0.01)
+
+
+def test_validation_leaves_the_training_untouched_and_the_report_shows_it(validated, tmp_path):
+    plain = coat_compare(tmp_path, "--modes", "coat", "--eval-every", "0")["coat"]
+    assert plain["losses"] == validated["coat"]["losses"]  # forward-only passes change nothing the steps read
+    assert plain["valid_losses"] == [] and plain["valid_loss"] is None and plain["valid_windows_sha256"] is None
+    md = (tmp_path / "tiny.md").read_text()
+    assert "| loss first -> last | valid loss |" in md and "Data: the docstrings corpus (" in md
+
+
+def test_the_packages_corpus_and_another_data_order(tmp_path):
+    cache = tmp_path / "corpus"
+    rows = coat_compare(tmp_path, "--modes", "bf16", "--corpus", "packages", "--corpus-bytes", "3000000", "--data-seed", "99",
+                       "--eval-every", "6", "--eval-windows", "16", env={"COAT_CORPUS_DIR": str(cache)})
+    row = rows["bf16"]
+    built = load_corpus("packages", 3_000_000, cache_dir=str(cache))
+    assert row["status"] == "ok" and row["seed"] == 1234 and row["data_seed"] == 99
+    assert row["corpus"] == "packages" and row["corpus_train_sha256"] == built.manifest["train"]["sha256"]
+    assert row["corpus_train_bytes"] + row["corpus_valid_bytes"] >= 3_000_000
+    # a few MB hold few validation files (2% of the files): 16 windows here, 256 of 100 MiB in the accuracy runs
+    assert [step for step, _ in row["valid_losses"]] == [6] and row["valid_loss"] < 5.6 and row["eval_windows"] == 16
+    assert len(os.listdir(cache)) == 1  # built once, then read
+
+
+def test_a_run_longer_than_its_corpus_is_refused_with_the_fix():
+    preset = get_preset("tiny")
+    data = training_windows(preset, 1)  # the tiny run fits the docstrings many times over
+    with pytest.raises(ValueError, match=rf"use --steps {len(data)} or fewer, or a bigger corpus \(--corpus packages, --corpus-bytes\)"):
+        training_windows(preset.with_overrides(steps=len(data) + 1), 1)
+
+
+def test_validation_with_cuda_graphs_is_refused_and_otherwise_left_out(capsys):
+    with pytest.raises(SystemExit):
+        job.parse_args(["--preset", "tiny", "--cuda-graphs", "none,local", "--eval-every", "5"])
+    assert "give --cuda-graphs none, or --eval-every 0" in capsys.readouterr().err
+    preset = get_preset("tiny")
+    assert job.preset_for(preset, "none").eval_every == 20 and job.preset_for(preset, "local").eval_every == 0
+    args = job.parse_args(["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"])
+    assert job.data_args(args) == ["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"]  # passed on to fresh processes
+    json.dumps(job.data_args(args))
