@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # coat-compare's te-fp8-pa diverges (gpt-1b: loss 10.5 -> 129 in 30 steps on an H100). This
-# reproduces it with Megatron's own training loop and Megatron's own arguments, nothing of ours in
-# the path: examples/pretrain_gpt.py (plain megatron.training.pretrain; no coat_patches) started by
-# torchrun, the gpt-1b shape, TE FP8 current scaling, and
+# reproduces it with Megatron's own training loop and Megatron's own arguments: examples/pretrain_gpt.py
+# (plain megatron.training.pretrain) started by coat-megatron-run WITHOUT --coat-fp8, so that of ours
+# only the packaging fix applies (the megatron-core wheel ships the compiled dataset helpers but not
+# their Makefile, and a bare start fails in `make`: patches/wheel.py), the gpt-1b shape, TE FP8
+# current scaling, and
 #   --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8
 # next to controls that change one thing each. Data: coat-compare's corpus (Python standard-library
 # docstrings, byte tokens, so 256 of the 32000 vocabulary entries occur), or DATA=mock.
@@ -80,7 +82,7 @@ for name in $RUNS; do
     start=$(date +%s)
     set +e
     # shellcheck disable=SC2086  # $flags is a list of arguments
-    timeout 150 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 1 "$ROOT/examples/pretrain_gpt.py" \
+    timeout 150 "$PYTHON" -m coat_patches.launch "$ROOT/examples/pretrain_gpt.py" \
         "${COMMON[@]}" $flags >"$OUT/$name.log" 2>&1
     status=$?
     set -e

@@ -317,7 +317,7 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
 def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
     """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
     row = {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-           "shape": shape(preset), "device": parallel.device_name(), "seed": args.seed, "tp": args.tp, "dp": args.dp, "graphs": graphs}
+           "shape": shape(preset), "device": parallel.device_name(), "software": versions(), "seed": args.seed, "tp": args.tp, "dp": args.dp, "graphs": graphs}
     if preset.kind == "train":
         row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
     reason = why_not_here(preset, mode)
