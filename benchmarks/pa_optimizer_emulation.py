@@ -194,16 +194,6 @@ class EmulatedAdamW:
 # ------------------------------------------------------------------------------ the model
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
 def rope(x: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of (batch, heads, seq, head_dim) queries or keys (base 10000)."""
     seq, dim = x.shape[-2], x.shape[-1]
@@ -218,10 +208,10 @@ class Block(nn.Module):
     def __init__(self, dim: int, heads: int, ffn: int):
         super().__init__()
         self.heads = heads
-        self.input_layernorm = RMSNorm(dim)
+        self.input_layernorm = nn.RMSNorm(dim, eps=1e-5)
         self.linear_qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.linear_proj = nn.Linear(dim, dim, bias=False)
-        self.pre_mlp_layernorm = RMSNorm(dim)
+        self.pre_mlp_layernorm = nn.RMSNorm(dim, eps=1e-5)
         self.linear_fc1 = nn.Linear(dim, 2 * ffn, bias=False)
         self.linear_fc2 = nn.Linear(ffn, dim, bias=False)
 
@@ -241,7 +231,7 @@ class LlamaGPT(nn.Module):
         super().__init__()
         self.embedding = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
-        self.final_layernorm = RMSNorm(dim)
+        self.final_layernorm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():  # coat-compare's init_weights_by_name: N(0, 0.02), output projections / sqrt(2 L)

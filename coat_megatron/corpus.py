@@ -391,17 +391,12 @@ class ByteBatches:
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long().clamp_(max=vocab_size - 1)
         split = int(len(tokens) * (1 - holdout))
         self.train, self.valid = tokens[:split], tokens[split:]
-        self.seq_length, self.batch_size = seq_length, batch_size
+        self.seq_length, self.batch_size, self.vocab_size = seq_length, batch_size, vocab_size
 
     def batch(self, generator: torch.Generator, split: str = "train") -> dict[str, torch.Tensor]:
         data = self.train if split == "train" else self.valid
         starts = torch.randint(0, len(data) - self.seq_length - 1, (self.batch_size,), generator=generator)
-        window = torch.stack([data[s : s + self.seq_length + 1] for s in starts.tolist()])
-        return {
-            "tokens": window[:, :-1].contiguous(),
-            "labels": window[:, 1:].contiguous(),
-            "position_ids": torch.arange(self.seq_length).expand(self.batch_size, -1).contiguous(),
-        }
+        return _as_tokens(torch.stack([data[s : s + self.seq_length + 1] for s in starts.tolist()]), self.vocab_size)
 
 
 class ByteWindows(torch.utils.data.Dataset):
