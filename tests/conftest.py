@@ -30,7 +30,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def seed():
-    """A fresh seed per test, printed so that a failure can be replayed."""
-    s = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+    """A fresh seed per test, printed so that a failure can be replayed: COAT_TEST_SEED=<seed> pins it."""
+    pinned = os.environ.get("COAT_TEST_SEED")
+    s = int(pinned) if pinned else int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
     print(f"seed={s}")
     return s
