@@ -7,6 +7,7 @@
 #
 # Parts:
 #   tests    every gpu-marked test (pytest -m gpu), log in pytest-gpu.log (~3 min)
+#   quick    the same less the one that trains coat-compare six times under graphs (~1.5 min)
 #   host     benchmarks/host_overhead.py: host time per op and per layer, cProfile (~1 min)
 #   profile  benchmarks/step_profile.py, gpt-1b: bf16, te-fp8-current, coat, each eager and with PROFILE_GRAPHS
 #            (default local) graphs (~4 min)
@@ -16,6 +17,10 @@
 #   kernels  benchmarks/layer_profile.py: GPU time per kernel class of that layer, coat vs TE FP8 current vs BF16 (~1 min)
 #   pretrain scripts/gpu_pretrain.sh (1B through megatron.training, BF16 vs --coat-fp8) with GRAPHS_PRETRAIN
 #            (default local) Megatron CUDA graphs, ITERS (default 30) iterations (~4 min)
+#   speed7b  coat-compare llama2-7b on one H200 at each micro-batch in MB7 (default "1 2"): bf16,
+#            te-fp8-current, coat, each eager and with Megatron's per-layer graphs (MODES7, GRAPHS7
+#            override), 8 steps on the docstrings corpus (speed only: the corpus builds in seconds);
+#            each micro-batch in its own folder, llama2-7b-mb<N>/ (~5 min each)
 #   summary  coat-compare --summarize over every report written so far
 set -uo pipefail
 dest=${OUT:-out}
@@ -37,6 +42,21 @@ for part in ${*:-tests host}; do
     tests)
       run 420 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider
       tail -4 "$out/pytest-gpu.log" ;;
+    quick)
+      run 300 pytest-gpu python3 -m pytest -m gpu -q -p no:cacheprovider -k "not trains_alike_with_megatrons_cuda_graphs"
+      tail -4 "$out/pytest-gpu.log"
+      run 120 lean-path python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/megatron/test_lean_path.py
+      grep -E "launches|passed|failed" "$out/lean-path.log" | cut -c1-300 ;;
+    speed7b)
+      for mb in ${MB7:-1 2}; do
+        # the whole run's memory near the limit: fewer fragments (the same for every mode)
+        RES_MB="$out/llama2-7b-mb$mb"
+        mkdir -p "$RES_MB"
+        run "${CAP7:-480}" "llama2-7b-mb$mb" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m coat_megatron.compare \
+          --out "$RES_MB" --name "llama2-7b-mb$mb" --preset llama2-7b --micro-batch "$mb" --steps "${STEPS7:-8}" \
+          --modes "${MODES7:-bf16,te-fp8-current,coat}" --cuda-graphs "${GRAPHS7:-none,local}" --corpus "${CORPUS7:-docstrings}" --no-plots
+        grep -E "^\| (bf16|te-fp8|coat)" "$RES_MB/llama2-7b-mb$mb.md" 2>/dev/null | cut -c1-200
+      done ;;
     host)
       run 240 host python3 benchmarks/host_overhead.py --out "$out"
       grep -E "^\| (coat|bf16|te-fp8)" "$out/host_overhead.md" ;;
