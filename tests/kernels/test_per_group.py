@@ -66,9 +66,9 @@ def test_round_trip_error_within_one_step_of_the_format(device, fmt, bound, grou
     assert q.float().abs().amax() <= f.max
 
 
-def test_zero_constant_outlier_and_subnormal_groups(device):
+def test_zero_constant_outlier_and_subnormal_groups(device, seed):
     g = 16
-    x = torch.randn(4, 8 * g)
+    x = torch.randn(4, 8 * g, generator=torch.Generator().manual_seed(seed))
     x[0, 0:g] = 0.0  # all-zero group
     x[1, g : 2 * g] = -3.25  # constant group
     x[2, 2 * g : 3 * g] = 1e-3
@@ -82,9 +82,13 @@ def test_zero_constant_outlier_and_subnormal_groups(device):
     assert torch.allclose(y[1, g : 2 * g], x[1, g : 2 * g], rtol=2.0**-23, atol=0)
     assert y[2, 2 * g + 5] == pytest.approx(3.0e4, rel=2.0**-4)
     assert torch.isfinite(s).all() and (s > 0).all() and torch.isfinite(y).all()
-    # the outlier costs only its own group: the other groups of its row keep their precision
+    # the outlier costs only its own group: the other groups of its row keep their precision (one
+    # E4M3 step relative; an element below the group's smallest normal code, |x| < amax * 2^-6 / 448,
+    # half a subnormal step (2^-9) times the group's scale)
     other = torch.cat([x[2, : 2 * g], x[2, 3 * g :]])
-    assert ((torch.cat([y[2, : 2 * g], y[2, 3 * g :]]) - other).abs() <= other.abs() * 2.0**-4).all()
+    other_scale = torch.cat([s[2, :2], s[2, 3:]]).repeat_interleave(g)
+    tolerance = torch.maximum(other.abs() * 2.0**-4, other_scale * 2.0**-9 / 2)
+    assert ((torch.cat([y[2, : 2 * g], y[2, 3 * g :]]) - other).abs() <= tolerance).all()
     assert (s[3, 3] > 0) and torch.isfinite(s[3, 3])
     assert (y[3, 3 * g : 4 * g] - x[3, 3 * g : 4 * g]).abs().max() < 1e-38
 

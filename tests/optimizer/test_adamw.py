@@ -188,8 +188,12 @@ def test_param_groups_and_lr_schedule_follow_torch_adamw(seed):
     fit(model, coat, x, y, 60, torch.optim.lr_scheduler.LambdaLR(coat, warmup))
     fit(reference, fp32, x, y, 60, torch.optim.lr_scheduler.LambdaLR(fp32, warmup))
     assert coat.param_groups[1]["lr"] == fp32.param_groups[1]["lr"] == 1e-2
-    for a, b in zip(model.parameters(), reference.parameters()):
-        assert (a - b).norm() < 0.15 * b.norm(), ((a - b).norm(), b.norm())
+    # each parameter within 15% of FP32 AdamW's, plus a quarter of one step of its group's lr: the
+    # output layer's 1-element bias can end near 0, where its own norm is no yardstick (measured
+    # over 80 seeds: the weights within 6%, that bias within 0.10 lr, median 0.026 lr)
+    for group, ref_group in zip(coat.param_groups, fp32.param_groups):
+        for a, b in zip(group["params"], ref_group["params"]):
+            assert (a - b).norm() < 0.15 * b.norm() + 0.25 * group["lr"], ((a - b).norm(), b.norm(), group["lr"])
     # lr 0 leaves parameters untouched (decay 1, step size 0), and still advances the states
     before = [p.clone() for p in model.parameters()]
     for group in coat.param_groups:
