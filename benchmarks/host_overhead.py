@@ -28,11 +28,12 @@ import io
 import os
 import pstats
 import time
-from collections import Counter
 
 import torch
 import triton
 import triton.language as tl
+
+from coat_megatron.compare.layer import kernel_launches
 
 
 @triton.jit
@@ -57,18 +58,6 @@ def host_us(fn, calls: int = 200) -> tuple[float, float]:
     torch.cuda.synchronize()
     end = time.perf_counter()
     return (issued - start) * 1e6 / calls, (end - start) * 1e6 / calls
-
-
-def launches(fn) -> Counter:
-    """Kernels launched by one call of fn, by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def primitives(rows: list) -> None:
@@ -134,7 +123,7 @@ def coat_ops(rows: list) -> None:
                 g.grad = None
 
         host, wall = host_us(call)
-        n = sum(launches(call).values())
+        n = sum(kernel_launches(call).values())
         rows.append({"section": "coat op", "name": name, "host_us": host, "wall_us": wall, "launches": n})
 
 
@@ -169,7 +158,7 @@ def layers(rows: list, profile_calls: int) -> str:
     for mode in layer_modes():
         step, layer = build_layer_step(small, mode)
         host, wall = host_us(step, calls=100)
-        kinds = launches(step)
+        kinds = kernel_launches(step)
         rows.append({"section": "layer 256 tokens", "name": mode.name, "host_us": host, "wall_us": wall,
                      "launches": sum(kinds.values()), "launches_by_kernel": dict(kinds.most_common())})
         if mode.name == "coat":

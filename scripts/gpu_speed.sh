@@ -49,9 +49,9 @@ for part in ${*:-tests host}; do
       grep -E "launches|passed|failed" "$out/lean-path.log" | cut -c1-300 ;;
     speed7b)
       for mb in ${MB7:-1 2}; do
-        # the whole run's memory near the limit: fewer fragments (the same for every mode)
         RES_MB="$out/llama2-7b-mb$mb"
         mkdir -p "$RES_MB"
+        # expandable segments: memory runs near the GPU's limit at 7B, fewer fragments (every mode alike)
         run "${CAP7:-480}" "llama2-7b-mb$mb" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m coat_megatron.compare \
           --out "$RES_MB" --name "llama2-7b-mb$mb" --preset llama2-7b --micro-batch "$mb" --steps "${STEPS7:-8}" \
           --modes "${MODES7:-bf16,te-fp8-current,coat}" --cuda-graphs "${GRAPHS7:-none,local}" --corpus "${CORPUS7:-docstrings}" --no-plots

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -62,6 +63,19 @@ class LayerStep:
     def clear_grads(self) -> None:
         for t in [self.x, *self.params]:
             t.grad = None
+
+
+def kernel_launches(fn) -> Counter:
+    """The CUDA kernels (and memsets/copies) one call of ``fn`` launches, by name (torch.profiler),
+    after one unprofiled call so that first-call work (compilation, caches) is not counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def measure_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1) -> dict:

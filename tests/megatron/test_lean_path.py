@@ -13,7 +13,6 @@ import contextlib
 from collections import Counter
 
 import pytest
-import torch
 from distributed import run_distributed
 
 from coat_megatron.compare.modes import MODES, unavailable_reason
@@ -35,28 +34,26 @@ def _count_dispatch(mode: str, tp: int) -> dict:
     run.step()  # the first step builds the FP8 weight copies
     run.clear_grads()
     calls: Counter = Counter()
-    real = Fp8Tensor.__dict__["__torch_dispatch__"].__func__
+    made = [0]
+    saved = {name: Fp8Tensor.__dict__[name] for name in ("__torch_dispatch__", "__new__")}
 
-    def counting(cls, func, types, args=(), kwargs=None):
+    def counting_dispatch(cls, func, types, args=(), kwargs=None):
         calls[str(func)] += 1
-        return real(cls, func, types, args, kwargs)
-
-    Fp8Tensor.__torch_dispatch__ = classmethod(counting)
-    made = Counter()
-    real_new = Fp8Tensor.__new__
+        return saved["__torch_dispatch__"].__func__(cls, func, types, args, kwargs)
 
     def counting_new(cls, *args, **kwargs):
-        made["Fp8Tensor"] += 1
-        return real_new(cls, *args, **kwargs)
+        made[0] += 1
+        return saved["__new__"].__func__(cls, *args, **kwargs)
 
-    Fp8Tensor.__new__ = counting_new
+    Fp8Tensor.__torch_dispatch__ = classmethod(counting_dispatch)
+    Fp8Tensor.__new__ = staticmethod(counting_new)
     try:
         run.step()
         run.clear_grads()
     finally:
-        Fp8Tensor.__torch_dispatch__ = classmethod(real)
-        Fp8Tensor.__new__ = real_new
-    return {"dispatch": dict(calls), "made": made["Fp8Tensor"]}
+        for name, attribute in saved.items():
+            setattr(Fp8Tensor, name, attribute)
+    return {"dispatch": dict(calls), "made": made[0]}
 
 
 @pytest.mark.parametrize("mode", ["coat", "coat-lean"])
@@ -84,20 +81,9 @@ def megatron_on_one_gpu():
         yield
 
 
-def _launches(step) -> Counter:
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
 @pytest.mark.gpu
 def test_a_coat_layer_launches_no_more_kernels_than_te_fp8(megatron_on_one_gpu):
-    from coat_megatron.compare.layer import LayerStep
+    from coat_megatron.compare.layer import LayerStep, kernel_launches
 
     reason = unavailable_reason(MODES["te-fp8-current"], "layer")
     if reason:
@@ -110,7 +96,7 @@ def test_a_coat_layer_launches_no_more_kernels_than_te_fp8(megatron_on_one_gpu):
             run.step()
             run.clear_grads()
 
-        counts[mode] = _launches(step)
+        counts[mode] = kernel_launches(step)
     coat, te = (sum(counts[m].values()) for m in ("coat", "te-fp8-current"))
     print(f"kernel launches per fwd+bwd: coat {coat}, te-fp8-current {te}")
     print("coat:", dict(counts["coat"].most_common()))
