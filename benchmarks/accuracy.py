@@ -40,7 +40,7 @@ import subprocess
 import sys
 import time
 
-from coat_megatron.compare.presets import get_preset
+from coat_compare.presets import get_preset
 
 GOAL_GAP = 0.0025  # issue 15: COAT's mean validation-loss gap to BF16 at most 0.25%
 DATA_ORDER_STRIDE = 1000  # data seed of the N-th data order: seed + DATA_ORDER_STRIDE * (N - 1)
@@ -105,7 +105,7 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
     """One coat-compare job: ``names`` at DP ``dp`` in data order ``order``; returns its seconds."""
     preset = get_preset(args.preset)
     name = f"{args.preset}-{'+'.join(names)}" + (f"-dp{dp}" if dp > 1 else "") + (f"-data{order}" if order > 1 else "")
-    cmd = ["-m", "coat_megatron.compare", "--preset", args.preset, "--modes", ",".join(names), "--steps", str(args.steps),
+    cmd = ["-m", "coat_compare", "--preset", args.preset, "--modes", ",".join(names), "--steps", str(args.steps),
            "--seed", str(seed), "--data-seed", str(data_seed(seed, order)), "--out", os.path.join(args.out, f"seed{seed}"),
            "--name", name, "--no-plots"]
     if args.eval_every is not None:
@@ -132,7 +132,7 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
 
 def prepare_corpus(args) -> None:
     """Build (or check) the preset's corpus in the cache that every coat-compare job reads."""
-    from coat_megatron.corpus import load_corpus
+    from coat_compare.corpus import load_corpus
 
     preset = get_preset(args.preset)
     load_corpus(preset.corpus, preset.corpus_max_bytes)

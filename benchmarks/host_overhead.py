@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from coat_megatron.compare.layer import kernel_launches
+from coat_compare.layer import kernel_launches
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def coat_ops(rows: list) -> None:
 
 
 def layer_modes():
-    from coat_megatron.compare.modes import MODES, unavailable_reason
+    from coat_compare.modes import MODES, unavailable_reason
 
     return [MODES[m] for m in ("coat", "bf16", "te-fp8-current", "bf16-local") if unavailable_reason(MODES[m], "layer") is None]
 
@@ -136,7 +136,7 @@ def layer_modes():
 def build_layer_step(preset, mode, seed: int = 1234):
     """(step, layer): fwd+bwd of one TransformerLayer of ``mode`` (as coat-compare builds it), the
     gradients dropped after each step."""
-    from coat_megatron.compare.layer import LayerStep
+    from coat_compare.layer import LayerStep
 
     run = LayerStep(preset, mode, seed)
 
@@ -148,7 +148,7 @@ def build_layer_step(preset, mode, seed: int = 1234):
 
 
 def layers(rows: list, profile_calls: int) -> str:
-    from coat_megatron.compare.presets import Preset, get_preset
+    from coat_compare.presets import Preset, get_preset
 
     small = Preset("host-layer", "layer", layers=1, hidden=512, ffn=1408, heads=8, seq=256, micro_batch=1)
     big = get_preset("gpt-1b")
@@ -188,7 +188,7 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/host_overhead.py measures the host side of GPU launches: run it on a CUDA machine")
-    from coat_megatron.compare import parallel
+    from coat_compare import parallel
 
     rows: list = []
     with contextlib.ExitStack() as stack:
@@ -214,7 +214,7 @@ def main():
             lines += ["```"]
     lines += ["", "## cProfile of the COAT layer fwd+bwd (256 tokens), by own time", "", "```", cprofile_text, "```"]
     text = "\n".join(lines) + "\n"
-    from coat_megatron.compare.report import write_markdown_and_rows
+    from coat_compare.report import write_markdown_and_rows
 
     write_markdown_and_rows(args.out, "host_overhead", text, rows)
 

@@ -40,7 +40,7 @@ def kernel_class(name: str) -> str:
 def profile_layer(preset, mode, repeats: int, seed: int = 1234) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from coat_megatron.compare.layer import LayerStep
+    from coat_compare.layer import LayerStep
 
     run = LayerStep(preset, mode, seed)
 
@@ -75,9 +75,9 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/layer_profile.py profiles GPU kernels: run it on a CUDA machine")
-    from coat_megatron.compare import parallel
-    from coat_megatron.compare.modes import parse_modes
-    from coat_megatron.compare.presets import get_preset
+    from coat_compare import parallel
+    from coat_compare.modes import parse_modes
+    from coat_compare.presets import get_preset
 
     preset = get_preset(args.preset)
     rows = []
@@ -101,7 +101,7 @@ def main():
         lines += [f"{ms:8.3f}  {kernel_class(name):28s} {name[:100]}" for name, ms in list(r["kernels_ms"].items())[:30]]
         lines += ["```"]
     text = "\n".join(lines) + "\n"
-    from coat_megatron.compare.report import write_markdown_and_rows
+    from coat_compare.report import write_markdown_and_rows
 
     write_markdown_and_rows(args.out, "layer_profile", text, rows)
 

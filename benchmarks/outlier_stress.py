@@ -12,7 +12,7 @@ every optimizer step a few channels of one weight per injected layer are multipl
 the same channels, factor and step in every mode, so their activations grow geometrically (x1.03 per
 step: x1.4e5 over 400 steps) through E4M3's range (448) and E5M2's (57344) and past them. Each mode
 trains the same model from the same initial weights on the same batches
-(``coat_megatron.compare``'s ``build_gpt``, ``training_windows``, ``set_learning_rate`` and
+(``coat_compare``'s ``build_gpt``, ``training_windows``, ``set_learning_rate`` and
 ``train_step``: Megatron's schedule and distributed optimizer, or COAT's), each in its own process.
 
 ``--target`` picks the weight (its rows are output channels):
@@ -53,9 +53,9 @@ import time
 
 import torch
 
-from coat_megatron.compare.modes import Mode, parse_modes, unavailable_reason
-from coat_megatron.compare.presets import Preset, get_preset
-from coat_megatron.corpus import SOURCES
+from coat_compare.modes import Mode, parse_modes, unavailable_reason
+from coat_compare.presets import Preset, get_preset
+from coat_compare.corpus import SOURCES
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 TARGETS = ("swiglu", "gate", "up", "residual")
@@ -75,7 +75,7 @@ class OutlierInjection:
     """
 
     def __init__(self, model: torch.nn.Module, optimizers: list, target: str, layers: list[int], channels: list[int]):
-        from coat_megatron.compare.build import parameter_name
+        from coat_compare.build import parameter_name
 
         self.optimizers, self.target = optimizers, target
         fc = "linear_fc2" if target == "residual" else "linear_fc1"
@@ -200,10 +200,10 @@ def parse_layers(text: str, num_layers: int) -> list[int]:
 
 def train_mode(preset: Preset, mode: Mode, args) -> list[dict]:
     """Train ``mode`` with the injection (in this process): one row per step."""
-    from coat_megatron.compare import parallel
-    from coat_megatron.compare.build import build_gpt, set_learning_rate, unwrap_optimizers
-    from coat_megatron.compare.progress import Progress
-    from coat_megatron.compare.train import forward_backward_function, train_step, training_windows
+    from coat_compare import parallel
+    from coat_compare.build import build_gpt, set_learning_rate, unwrap_optimizers
+    from coat_compare.progress import Progress
+    from coat_compare.train import forward_backward_function, train_step, training_windows
 
     rows = []
     with contextlib.ExitStack() as stack:
@@ -322,7 +322,7 @@ def run_mode(preset: Preset, mode: Mode, args) -> list[dict]:
     except subprocess.TimeoutExpired:
         failure = f"stopped after {args.mode_timeout} s (--mode-timeout)"
     if failure is not None:
-        from coat_megatron.compare.probe import why_it_died
+        from coat_compare.probe import why_it_died
 
         with open(log_path) as f:
             reason = f"{failure}: {why_it_died(f.read())}"[:400]

@@ -66,7 +66,7 @@ from torch import nn
 
 from coat_kernels import dequantize_expanded, quantize_expanded
 from coat_megatron import CoatConfig
-from coat_megatron.corpus import ByteBatches, stdlib_docstrings
+from coat_compare.corpus import ByteBatches, stdlib_docstrings
 
 E4M3_MAX = 448.0  # FusedAdam.dtype_to_range_map[torch.uint8]
 # An update counts as blown up above this multiple of exact Adam's largest: rounding m and v to E4M3

@@ -2,7 +2,7 @@
 
     python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--cuda-graphs none,local,full] [--out DIR]
 
-Builds the model and optimizer exactly as ``coat-compare`` does (``coat_megatron.compare``), runs a
+Builds the model and optimizer exactly as ``coat-compare`` does (``coat_compare``), runs a
 few warm-up steps, then profiles ``--steps`` steps with ``torch.profiler``. Per mode: the wall time
 of a step, the time the GPU was busy (the union of kernel intervals: a step whose GPU is busy far
 less than its wall time is bound by the host: Python, launches), the kernels run and the host's
@@ -48,9 +48,9 @@ ROW_MARK = "STEP-PROFILE-ROW "
 def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from coat_megatron.compare import parallel
-    from coat_megatron.compare.build import build_gpt, set_learning_rate
-    from coat_megatron.compare.train import forward_backward_function, train_step, training_windows
+    from coat_compare import parallel
+    from coat_compare.build import build_gpt, set_learning_rate
+    from coat_compare.train import forward_backward_function, train_step, training_windows
 
     parallel.free_memory()
     parallel.seed_everything(seed)
@@ -100,10 +100,10 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/step_profile.py profiles GPU steps: run it on a CUDA machine")
 
-    from coat_megatron.compare import parallel
-    from coat_megatron.compare.job import parse_graphs
-    from coat_megatron.compare.modes import parse_modes
-    from coat_megatron.compare.presets import get_preset
+    from coat_compare import parallel
+    from coat_compare.job import parse_graphs
+    from coat_compare.modes import parse_modes
+    from coat_compare.presets import get_preset
 
     preset = get_preset(args.preset).with_overrides(micro_batch=args.micro_batch, steps=100)
     configs = [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]
@@ -115,7 +115,7 @@ def main():
     rows = []
     for mode, graphs in configs:
         # each configuration in a fresh process: CUDA graph memory pools outlive their models
-        # (see coat_megatron.compare.job.isolate_runs)
+        # (see coat_compare.job.isolate_runs)
         cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--modes", mode.name, "--cuda-graphs", graphs,
                "--steps", str(args.steps), "--seed", str(args.seed), "--one"]
         if args.micro_batch:
@@ -140,7 +140,7 @@ def main():
         name = r["mode"] + ("" if r["graphs"] == "none" else f" with {r['graphs']} CUDA graphs")
         lines += ["", f"## {name}: GPU time by kernel", "", "```", r["top_gpu"], "```", "", f"## {name}: host time by function", "", "```", r["top_cpu"], "```"]
     text = "\n".join(lines) + "\n"
-    from coat_megatron.compare.report import write_markdown_and_rows
+    from coat_compare.report import write_markdown_and_rows
 
     write_markdown_and_rows(args.out, "step_profile", text, [{k: v for k, v in r.items() if not k.startswith("top_")} for r in rows])
 

@@ -23,7 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from coat_megatron import CoatConfig
-from coat_megatron.corpus import ByteBatches, stdlib_docstrings
+from coat_compare.corpus import ByteBatches, stdlib_docstrings
 from coat_megatron.optimizer import coat_param_layout, coat_telemetry, get_coat_optimizer
 from coat_megatron.spec import get_gpt_block_coat_spec
 from coat_patches.cpu import megatron_on_cpu

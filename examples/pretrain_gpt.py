@@ -6,7 +6,7 @@ Megatron's ``GPTModel`` built from the command line (``GPTModelConfig``, as 0.19
 ``pretrain_gpt.py`` does); the data is one of
 
 - ``--byte-corpus stdlib_docstrings``: the Python standard library's docstrings as bytes
-  (``coat_megatron.corpus``; real text, nothing downloaded; use ``--vocab-size 256``),
+  (``coat_compare.corpus``; real text, nothing downloaded; use ``--vocab-size 256``),
 - ``--mock-data``: Megatron's ``MockGPTDataset`` (random tokens),
 - ``--data-path``: Megatron's indexed ``GPTDataset`` (``tools/preprocess_data.py`` output).
 
@@ -35,14 +35,14 @@ BYTE_CORPORA = ("stdlib_docstrings",)
 def add_data_arguments(parser):
     group = parser.add_argument_group(title="examples/pretrain_gpt.py data")
     group.add_argument("--byte-corpus", choices=BYTE_CORPORA, default=None,
-                       help="train on a built-in byte-level corpus (coat_megatron.corpus) instead of --data-path / --mock-data")
+                       help="train on a built-in byte-level corpus (coat_compare.corpus) instead of --data-path / --mock-data")
     group.add_argument("--byte-corpus-bytes", type=int, default=4 << 20, help="bytes of the corpus to use (default 4 MiB: all of it)")
     return parser
 
 
 def byte_corpus_datasets(num_samples, args):
     """Train / validation / test ``ByteWindows`` over the first 90% / next 5% / last 5% of the corpus."""
-    from coat_megatron.corpus import ByteWindows, stdlib_docstrings
+    from coat_compare.corpus import ByteWindows, stdlib_docstrings
 
     if get_tokenizer().vocab_size < 256:
         raise ValueError(f"--byte-corpus needs a vocabulary of 256 bytes: pass --vocab-size 256 (the tokenizer has {get_tokenizer().vocab_size})")

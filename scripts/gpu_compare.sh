@@ -26,7 +26,7 @@ run() {  # run CAP_SECONDS NAME coat-compare-args...: the log goes to $out/NAME.
   local cap=$1 name=$2 start=$SECONDS
   shift 2
   echo "== coat-compare $* (at most ${cap} s)"
-  timeout "$cap" python3 -m coat_megatron.compare --out "$out" "$@" >"$out/$name.log" 2>&1
+  timeout "$cap" python3 -m coat_compare --out "$out" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 124 ] && echo "   stopped after ${cap} s: see $out/$name.log"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && { echo "   failed ($rc):"; tail -5 "$out/$name.log"; }
@@ -52,7 +52,7 @@ if [ "${FULL:-0}" = 1 ]; then  # one command per mode: each stays under 10 minut
   done
 fi
 
-python3 -m coat_megatron.compare --summarize --out "$out" 2>/dev/null
+python3 -m coat_compare --summarize --out "$out" 2>/dev/null
 # the device machine hands back only a few files from $OUT: pack everything into one
 tar czf /tmp/compare.tgz -C "$out" . && mv /tmp/compare.tgz "$out/compare.tgz"
 echo "total $SECONDS s; reports, logs and plots in $out/ (and all of them in $out/compare.tgz)"

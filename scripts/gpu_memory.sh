@@ -32,7 +32,7 @@ big=(env "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments
 compare() {  # compare CAP NAME coat-compare-args...  (PRE: a command prefix, e.g. the allocator setting)
   local cap=$1 name=$2
   shift 2
-  run "$cap" "$name" ${PRE:-} python3 -m coat_megatron.compare --out "$out" --name "$name" "$@"
+  run "$cap" "$name" ${PRE:-} python3 -m coat_compare --out "$out" --name "$name" "$@"
   grep -E "^\| (bf16|te-fp8|coat)|^\| (llama|end-to-end|coat-mem)" "$out/$name.md" 2>/dev/null | cut -c1-220
 }
 
@@ -57,7 +57,7 @@ for part in ${*:-tests gpt1b}; do
         PRE="${big[*]}" compare 290 "llama2-7b-speed-mb$mb" --preset llama2-7b --micro-batch "$mb" --steps 10 --modes bf16,te-fp8-current,coat --no-plots
       done ;;
     summary)
-      python3 -m coat_megatron.compare --summarize --out "$out" >/dev/null 2>&1
+      python3 -m coat_compare --summarize --out "$out" >/dev/null 2>&1
       grep -E "coat-mem|llama2" "$out/summary.md" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

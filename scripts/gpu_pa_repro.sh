@@ -43,7 +43,7 @@ case "$DATA" in
     *)     echo "DATA=$DATA: use bytes or mock" >&2; exit 2 ;;
 esac
 
-# gpt-1b (coat_megatron/compare/presets.py) in Megatron's arguments
+# gpt-1b (coat_compare/presets.py) in Megatron's arguments
 COMMON=(
     --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
     --seq-length 2048 --max-position-embeddings 2048

@@ -33,7 +33,7 @@ gpu_setup
 compare() {  # compare CAP NAME coat-compare-args...
   local cap=$1 name=$2
   shift 2
-  run "$cap" "$name" python3 -m coat_megatron.compare --out "$out" --name "$name" "$@"
+  run "$cap" "$name" python3 -m coat_compare --out "$out" --name "$name" "$@"
   grep -E "^\| (bf16|te-fp8|coat)" "$out/$name.md" 2>/dev/null | cut -c1-160
 }
 
@@ -52,7 +52,7 @@ for part in ${*:-tests host}; do
         RES_MB="$out/llama2-7b-mb$mb"
         mkdir -p "$RES_MB"
         # expandable segments: memory runs near the GPU's limit at 7B, fewer fragments (every mode alike)
-        run "${CAP7:-480}" "llama2-7b-mb$mb" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m coat_megatron.compare \
+        run "${CAP7:-480}" "llama2-7b-mb$mb" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m coat_compare \
           --out "$RES_MB" --name "llama2-7b-mb$mb" --preset llama2-7b --micro-batch "$mb" --steps "${STEPS7:-8}" \
           --modes "${MODES7:-bf16,te-fp8-current,coat}" --cuda-graphs "${GRAPHS7:-none,local}" --corpus "${CORPUS7:-docstrings}" --no-plots
         grep -E "^\| (bf16|te-fp8|coat)" "$RES_MB/llama2-7b-mb$mb.md" 2>/dev/null | cut -c1-200
@@ -78,7 +78,7 @@ for part in ${*:-tests host}; do
       run 570 "pretrain-$g" env OUT="$out/pretrain-$g" GRAPHS="$g" ITERS="${ITERS:-30}" PYTHON=python3 bash scripts/gpu_pretrain.sh
       cat "$out/pretrain-$g/comparison.md" 2>/dev/null ;;
     summary)
-      python3 -m coat_megatron.compare --summarize --out "$out" >/dev/null 2>&1
+      python3 -m coat_compare --summarize --out "$out" >/dev/null 2>&1
       grep -E "^\| tokens/s at equal|^\| per-layer fwd" "$out/summary.md" ;;
     *) echo "unknown part $part"; exit 2 ;;
   esac

@@ -43,8 +43,8 @@ compare() {  # compare CAP_SECONDS NAME PROCESSES coat-compare-args...: the log 
   shift 3
   local launch=(python3)
   [ "$procs" -gt 1 ] && launch=(python3 -m torch.distributed.run --standalone --nproc-per-node "$procs")
-  echo "== ${launch[*]} -m coat_megatron.compare $* (at most ${cap} s)" | tee -a "$res/commands.txt"
-  timeout "$cap" "${launch[@]}" -m coat_megatron.compare --out "$res" --name "$name" "$@" >"$res/$name.log" 2>&1
+  echo "== ${launch[*]} -m coat_compare $* (at most ${cap} s)" | tee -a "$res/commands.txt"
+  timeout "$cap" "${launch[@]}" -m coat_compare --out "$res" --name "$name" "$@" >"$res/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 124 ] && echo "   stopped after ${cap} s: see $name.log"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && { echo "   failed ($rc):"; grep -v -i warn "$res/$name.log" | tail -5; }
@@ -70,6 +70,6 @@ for part in "${parts[@]}"; do
   esac
 done
 
-python3 -m coat_megatron.compare --summarize --out "$res" 2>/dev/null   # prints summary.md
+python3 -m coat_compare --summarize --out "$res" 2>/dev/null   # prints summary.md
 tar czf "$out/two-gpu.tgz" -C "$(dirname "$res")" "$(basename "$res")"
 echo "total $SECONDS s; everything in $out/two-gpu.tgz ($(du -h "$out/two-gpu.tgz" | cut -f1))"

@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from coat_megatron.compare import job
-from coat_megatron.compare.presets import get_preset
-from coat_megatron.compare.report import read_jsonl
-from coat_megatron.compare.train import training_windows
-from coat_megatron.corpus import load_corpus
+from coat_compare import job
+from coat_compare.presets import get_preset
+from coat_compare.report import read_jsonl
+from coat_compare.train import training_windows
+from coat_compare.corpus import load_corpus
 
 
 def coat_compare(out, *args, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--steps", "6", "--out", str(out), "--no-plots", *args],
+    proc = subprocess.run([sys.executable, "-m", "coat_compare", "--preset", "tiny", "--steps", "6", "--out", str(out), "--no-plots", *args],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["mode"]: r for r in read_jsonl(out / "tiny.jsonl") if r["kind"] == "train"}

@@ -2,7 +2,7 @@
 TransformerEngine modes are skipped rows), the tiny per-layer preset, one try of the micro-batch
 search in its own process, and the report files (JSON lines, markdown with ratios, goals, PNGs).
 
-Each job runs as ``python -m coat_megatron.compare`` in a subprocess, as a user runs it (it joins a
+Each job runs as ``python -m coat_compare`` in a subprocess, as a user runs it (it joins a
 process group and sets Megatron's global state, which must not leak into other tests).
 """
 
@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from coat_megatron.compare import plots
-from coat_megatron.compare.job import summarize
-from coat_megatron.compare.report import read_jsonl
-from coat_megatron.compare.search import probe_fits
+from coat_compare import plots
+from coat_compare.job import summarize
+from coat_compare.report import read_jsonl
+from coat_compare.search import probe_fits
 from coat_megatron.optional import transformer_engine_available
 
 TE = transformer_engine_available()
@@ -26,7 +26,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def run_job(*args, timeout=300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "coat_megatron.compare", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, "-m", "coat_compare", *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -178,9 +178,9 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
     md = (tmp_path / "tiny.md").read_text()
     assert "| coat | local | skipped: CUDA graphs need a CUDA GPU |" in md
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    bad = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--cuda-graphs", "none,partial"], capture_output=True, text=True, env=env)
+    bad = subprocess.run([sys.executable, "-m", "coat_compare", "--cuda-graphs", "none,partial"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown CUDA graph configuration 'partial': use none, local, full" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--cuda-graphs", "local", "--resume-check", "--dp", "2"],
+    bad = subprocess.run([sys.executable, "-m", "coat_compare", "--cuda-graphs", "local", "--resume-check", "--dp", "2"],
                          capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "drop --cuda-graphs" in bad.stderr
 
@@ -188,8 +188,8 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
 def test_a_configuration_runs_in_a_fresh_process(tmp_path, monkeypatch):
     """What every job does on one GPU (each mode x configuration in its own process), run here
     with the eager configuration: the row comes back from the child whole."""
-    from coat_megatron.compare import job
-    from coat_megatron.compare.presets import get_preset
+    from coat_compare import job
+    from coat_compare.presets import get_preset
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -232,8 +232,8 @@ def test_one_search_try_in_a_fresh_process(monkeypatch):
 def test_search_rows_and_their_report(tmp_path, monkeypatch):
     """--search end to end with a fake try (the real one: test_one_search_try_in_a_fresh_process):
     bf16 fits up to 5, coat up to 12; the rows, the table and the tokens/s goal follow."""
-    from coat_megatron.compare import job
-    from coat_megatron.compare.search import Try
+    from coat_compare import job
+    from coat_compare.search import Try
 
     limits = {"bf16": 5, "coat": 12}
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from coat_kernels import quantize_per_group
-from coat_megatron.compare.goals import evaluate
-from coat_megatron.compare.memory import SavedTensors, tensor_bytes
-from coat_megatron.compare.modes import ABLATIONS, DEFAULT_MODES, MODES, parse_modes, unavailable_reason
-from coat_megatron.compare.presets import PRESETS, get_preset
-from coat_megatron.compare.progress import Progress
+from coat_compare.goals import evaluate
+from coat_compare.memory import SavedTensors, tensor_bytes
+from coat_compare.modes import ABLATIONS, DEFAULT_MODES, MODES, parse_modes, unavailable_reason
+from coat_compare.presets import PRESETS, get_preset
+from coat_compare.progress import Progress
 from coat_megatron.fp8 import Fp8Tensor
 from coat_megatron.optional import transformer_engine_available
 

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from coat_megatron.compare.probe import probe_command, why_it_died
-from coat_megatron.compare.search import Try, largest_micro_batch
+from coat_compare.probe import probe_command, why_it_died
+from coat_compare.search import Try, largest_micro_batch
 
 
 def fits_up_to(threshold: int, calls: list):
@@ -73,10 +73,10 @@ def test_time_limit_keeps_what_is_known():
 
 def test_a_try_runs_this_job_in_a_fresh_process():
     single = probe_command(["--preset", "tiny", "--modes", "coat", "--micro-batch", "8"], world_size=1)
-    assert single == [sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--modes", "coat", "--micro-batch", "8", "--probe"]
+    assert single == [sys.executable, "-m", "coat_compare", "--preset", "tiny", "--modes", "coat", "--micro-batch", "8", "--probe"]
     multi = probe_command(["--tp", "2", "--micro-batch", "4"], world_size=2)
     assert multi[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    assert multi[5:] == ["-m", "coat_megatron.compare", "--tp", "2", "--micro-batch", "4", "--probe"]
+    assert multi[5:] == ["-m", "coat_compare", "--tp", "2", "--micro-batch", "4", "--probe"]
 
 
 def test_a_dead_run_is_reported_by_the_line_that_says_why():

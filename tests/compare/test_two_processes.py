@@ -33,8 +33,8 @@ import sys
 
 import pytest
 
-from coat_megatron.compare import job
-from coat_megatron.compare.report import read_jsonl
+from coat_compare import job
+from coat_compare.report import read_jsonl
 
 SEQ, MICRO_BATCH, HIDDEN, LAYERS = 64, 8, 64, 2  # the tiny presets
 U = (SEQ // 2) * MICRO_BATCH * HIDDEN * 2  # one rank's BF16 slice at TP 2: 32768 bytes
@@ -52,7 +52,7 @@ def _env() -> dict:
 
 def run(*args, processes: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else [sys.executable]
-    proc = subprocess.run([*launch, "-m", "coat_megatron.compare", *args, "--no-plots"], capture_output=True, text=True, timeout=timeout, env=_env())
+    proc = subprocess.run([*launch, "-m", "coat_compare", *args, "--no-plots"], capture_output=True, text=True, timeout=timeout, env=_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -147,7 +147,7 @@ def test_layouts_the_job_cannot_run_name_the_fix(args, message, capsys):
 
 
 def test_tp_x_dp_must_match_the_processes():
-    proc = subprocess.run([sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--tp", "2", "--no-plots"],
+    proc = subprocess.run([sys.executable, "-m", "coat_compare", "--preset", "tiny", "--tp", "2", "--no-plots"],
                           capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode != 0
-    assert "launch with torchrun --nproc-per-node 2 -m coat_megatron.compare" in proc.stderr
+    assert "launch with torchrun --nproc-per-node 2 -m coat_compare" in proc.stderr

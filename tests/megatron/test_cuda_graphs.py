@@ -136,7 +136,7 @@ def test_coat_compare_trains_alike_with_megatrons_cuda_graphs(tmp_path):
     proc = subprocess.run(
         # seq 256: at the tiny preset's seq 64 Megatron's whole-step graph dies with an illegal memory
         # access in BF16 (TE spec) and COAT alike (H100 and H200; seq 256, and gpt-1b, train)
-        [sys.executable, "-m", "coat_megatron.compare", "--preset", "tiny", "--modes", "bf16,coat", "--steps", "12", "--seq", "256",
+        [sys.executable, "-m", "coat_compare", "--preset", "tiny", "--modes", "bf16,coat", "--steps", "12", "--seq", "256",
          "--cuda-graphs", "none,local,full", "--out", str(tmp_path), "--no-plots"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -15,8 +15,8 @@ from collections import Counter
 import pytest
 from distributed import run_distributed
 
-from coat_megatron.compare.modes import MODES, unavailable_reason
-from coat_megatron.compare.presets import Preset
+from coat_compare.modes import MODES, unavailable_reason
+from coat_compare.presets import Preset
 
 # a small Llama-shaped layer: 256 tokens, so that on a GPU the kernels are short and the counts,
 # not the times, are what the test reads
@@ -26,7 +26,7 @@ SMALL = Preset("lean-layer", "layer", layers=1, hidden=256, ffn=704, heads=4, se
 def _count_dispatch(mode: str, tp: int) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from coat_megatron.compare.layer import LayerStep
+    from coat_compare.layer import LayerStep
     from coat_megatron.fp8.tensor import Fp8Tensor
 
     model_parallel_cuda_manual_seed(1234)
@@ -73,7 +73,7 @@ def test_a_sequence_parallel_coat_layer_step_makes_no_tensor_subclass_dispatch()
 
 @pytest.fixture
 def megatron_on_one_gpu():
-    from coat_megatron.compare import parallel
+    from coat_compare import parallel
 
     with contextlib.ExitStack() as stack:
         parallel.initialize(1, 1, stack)
@@ -83,7 +83,7 @@ def megatron_on_one_gpu():
 
 @pytest.mark.gpu
 def test_a_coat_layer_launches_no_more_kernels_than_te_fp8(megatron_on_one_gpu):
-    from coat_megatron.compare.layer import LayerStep, kernel_launches
+    from coat_compare.layer import LayerStep, kernel_launches
 
     reason = unavailable_reason(MODES["te-fp8-current"], "layer")
     if reason:

@@ -31,9 +31,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from coat_megatron.compare.build import SequenceParallelRMSNorm
-from coat_megatron.compare.train import forward_step
-from coat_megatron.compare.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: F401 (the tests' helpers)
+from coat_compare.build import SequenceParallelRMSNorm
+from coat_compare.train import forward_step
+from coat_compare.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: F401 (the tests' helpers)
 
 VOCAB = 128
 SEQ = 32
@@ -312,7 +312,7 @@ def train_on_text(model: torch.nn.Module, steps: int, batch_size: int, *, lr: fl
                   corpus_bytes: int = 256 << 10) -> list[float]:
     """Train ``model`` (no DDP) with torch's AdamW on byte batches of the standard library's
     docstrings, batches drawn from a fixed generator: the per-step losses."""
-    from coat_megatron.corpus import ByteBatches, stdlib_docstrings
+    from coat_compare.corpus import ByteBatches, stdlib_docstrings
 
     data = ByteBatches(stdlib_docstrings(corpus_bytes), SEQ, batch_size, vocab_size=VOCAB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)

@@ -114,8 +114,8 @@ def test_coat_compare_asks_megatron_for_what_megatron_trainings_flags_ask_for(mo
     pytest.importorskip("megatron.training")
     from megatron.training import arguments
 
-    from coat_megatron.compare.build import PRECISION_AWARE_FP8_FIELDS
-    from coat_megatron.compare.modes import MODES
+    from coat_compare.build import PRECISION_AWARE_FP8_FIELDS
+    from coat_compare.modes import MODES
 
     argv = (
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "

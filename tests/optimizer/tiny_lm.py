@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from coat_megatron.corpus import stdlib_docstrings
+from coat_compare.corpus import stdlib_docstrings
 
 
 def text_tokens(max_bytes: int = 64 << 10) -> torch.Tensor:

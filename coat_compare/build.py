@@ -16,7 +16,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 
-from ..config import CoatConfig
+from coat_megatron.config import CoatConfig
 from .modes import Mode
 from .presets import Preset
 
@@ -61,7 +61,7 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
     from megatron.core.tensor_parallel import layers as tp_layers
     from megatron.core.transformer import TransformerConfig
 
-    from ..optional import transformer_engine_available
+    from coat_megatron.optional import transformer_engine_available
 
     cuda = torch.cuda.is_available()
     fields = dict(
@@ -121,7 +121,7 @@ def layer_spec(mode: Mode, config):
     """The ModuleSpec of one TransformerLayer for ``mode`` (``config``: sequence parallel or not)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 
-    from ..spec import get_gpt_layer_coat_spec
+    from coat_megatron.spec import get_gpt_layer_coat_spec
 
     spec = mode.resolved_spec()
     if spec == "te":
@@ -139,7 +139,7 @@ def block_spec(mode: Mode, config):
     class as the final norm (Megatron would otherwise want apex); COAT's block."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from ..spec import get_gpt_block_coat_spec
+    from coat_megatron.spec import get_gpt_block_coat_spec
 
     spec = mode.resolved_spec()
     if spec == "coat":
@@ -199,7 +199,7 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from ..optimizer import coat_param_layout, get_coat_optimizer
+    from coat_megatron.optimizer import coat_param_layout, get_coat_optimizer
 
     config = transformer_config(preset, mode, tp, graphs=graphs)
     gpt = GPTModel(

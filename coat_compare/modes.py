@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..optional import transformer_engine_available
+from coat_megatron.optional import transformer_engine_available
 
 
 @dataclass(frozen=True)

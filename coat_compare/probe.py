@@ -45,7 +45,7 @@ def why_it_died(text: str) -> str:
 
 def probe_command(args: list[str], world_size: int) -> list[str]:
     """The command of one probe: ``coat-compare ARGS --probe``, under torchrun for several processes."""
-    job = ["-m", "coat_megatron.compare", *args, "--probe"]
+    job = ["-m", "coat_compare", *args, "--probe"]
     if world_size > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", *job]
     return [sys.executable, *job]
@@ -65,3 +65,14 @@ def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> Probe
         text = proc.stderr or proc.stdout or ""
         return ProbeResult(None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text)
     return ProbeResult(json.loads(lines[-1]), "", seconds)
+
+
+def data_args(args, **overrides) -> list[str]:
+    """The data options given on the command line (or in ``overrides``), to pass on to the runs a
+    job starts."""
+    given = []
+    for name in ("data_seed", "corpus", "corpus_bytes", "eval_every", "eval_windows"):
+        value = overrides.get(name, getattr(args, name, None))
+        if value is not None:
+            given += [f"--{name.replace('_', '-')}", str(value)]
+    return given

@@ -26,7 +26,7 @@ from collections import Counter
 
 import torch
 
-from ..corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
+from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
 from . import parallel
 from .build import build_gpt, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -58,7 +58,7 @@ def validation_set(preset: Preset, corpus: Corpus, dp: int = 1) -> tuple[list[di
 
 def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None, tp: int = 1, dp: int = 1, progress=None,
           save: str | None = None, save_step: int | None = None, load: str | None = None, graphs: str = "none") -> dict:
-    """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_megatron.compare``).
+    """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
 
     ``seed``: the initial weights; ``data_seed``: the order of the training windows (default: ``seed``).
 

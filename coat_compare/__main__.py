@@ -1,4 +1,4 @@
-"""``python -m coat_megatron.compare``: the same as the ``coat-compare`` command."""
+"""``python -m coat_compare``: the same as the ``coat-compare`` command."""
 
 import sys
 

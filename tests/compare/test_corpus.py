@@ -1,4 +1,4 @@
-"""The byte corpora (``coat_megatron.corpus``): deterministic builds recorded by SHA-256, a split by
+"""The byte corpora (``coat_compare.corpus``): deterministic builds recorded by SHA-256, a split by
 file with no file in both splits, training windows that never repeat, fixed validation windows."""
 
 import hashlib
@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from coat_megatron import corpus
-from coat_megatron.corpus import (
+from coat_compare import corpus
+from coat_compare.corpus import (
     SourceFile,
     TrainingWindows,
     collect_documents,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..corpus import DEFAULT_MAX_BYTES
+from .corpus import DEFAULT_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Preset:
         kv_heads: query groups for grouped-query attention; None = one per head.
         seq, micro_batch: tokens of one micro-batch per data-parallel rank.
         vocab: vocabulary size (train presets; the built-in corpora use byte tokens below 256).
-        corpus: what a train preset trains on (``coat_megatron.corpus``): "docstrings" (the standard
+        corpus: what a train preset trains on (``coat_compare.corpus``): "docstrings" (the standard
             library's docstrings, 1.4 MB) or "packages" (Python sources of the installed packages).
         corpus_bytes: the corpus's size; None: its default (``corpus_max_bytes``).
         eval_every: validation loss on held-out windows after every this many steps and after the

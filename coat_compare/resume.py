@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .probe import run_probe
+from .probe import data_args, run_probe
 
 
 def resume_check(args, preset, mode, row: dict) -> dict:
@@ -33,8 +33,6 @@ def resume_check(args, preset, mode, row: dict) -> dict:
     if not 0 < save_step < preset.steps - preset.warmup_steps:
         raise SystemExit(f"--save-step {save_step} must lie between 0 and --steps {preset.steps} minus {preset.warmup_steps} warm-up steps "
                          f"(the resumed runs measure their own warm-up); use --steps {save_step + preset.warmup_steps + 3} or more")
-    from .job import data_args  # the job imports this module
-
     common = ["--preset", preset.name, "--modes", mode.name, "--steps", str(preset.steps), "--seq", str(preset.seq),
               "--seed", str(args.seed), "--tp", str(args.tp), *data_args(args)]
     runs = {}

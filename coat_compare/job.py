@@ -6,8 +6,8 @@
     coat-compare --preset gpt-1b --cuda-graphs none,local,full   # every mode eager and with CUDA graphs
     coat-compare --preset llama2-7b --modes bf16,coat --search   # largest micro-batch that fits
     coat-compare --summarize --out out                           # every report in out/ -> summary.md
-    torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --tp 2   # TP 2, sequence parallel
-    torchrun --nproc-per-node 2 -m coat_megatron.compare --preset gpt-1b --dp 2   # DP 2, distributed optimizer
+    torchrun --nproc-per-node 2 -m coat_compare --preset gpt-1b --tp 2   # TP 2, sequence parallel
+    torchrun --nproc-per-node 2 -m coat_compare --preset gpt-1b --dp 2   # DP 2, distributed optimizer
     coat-compare --preset gpt-1b --modes coat --dp 2 --resume-check   # DP 2 checkpoint -> DP 1 and DP 2
     coat-compare --preset gpt-125m --modes bf16,coat --seed 1 --data-seed 2   # same weights, another data order
 
@@ -21,7 +21,7 @@ mode is also reported in its fastest configuration, and the goals compare those.
 report; ``--search`` and ``--resume-check`` start their own processes (run them with plain python).
 
 End-to-end presets train on a byte corpus (``--corpus``: the standard library's docstrings, or
-Python sources of the installed packages; built once into a cache, see ``coat_megatron.corpus``),
+Python sources of the installed packages; built once into a cache, see ``coat_compare.corpus``),
 each window of text at most once, in the order of ``--data-seed``, and measure the loss on its
 held-out validation windows every ``--eval-every`` steps (eager runs only).
 """
@@ -41,13 +41,13 @@ from pathlib import Path
 
 import torch
 
-from ..corpus import SOURCES
+from .corpus import SOURCES
 from . import parallel
 from .goals import evaluate
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
 from .plots import draw
 from .presets import PRESETS, Preset, get_preset
-from .probe import PROBE_MARK, run_probe
+from .probe import PROBE_MARK, data_args, run_probe
 from .progress import Progress
 from .report import read_jsonl, write_report
 from .resume import resume_check
@@ -117,17 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.eval_every is not None and args.eval_every < 0:
         p.error("--eval-every must be 0 (no validation) or more")
     return args
-
-
-def data_args(args, **overrides) -> list[str]:
-    """The data options given on the command line (or in ``overrides``), to pass on to the runs a
-    job starts."""
-    given = []
-    for name in ("data_seed", "corpus", "corpus_bytes", "eval_every", "eval_windows"):
-        value = overrides.get(name, getattr(args, name, None))
-        if value is not None:
-            given += [f"--{name.replace('_', '-')}", str(value)]
-    return given
 
 
 def preset_for(preset: Preset, graphs: str) -> Preset:
@@ -343,7 +332,7 @@ def shape(preset: Preset) -> str:
 def versions() -> str:
     import megatron.core
 
-    from ..optional import transformer_engine_available
+    from coat_megatron.optional import transformer_engine_available
 
     te = "not installed"
     if transformer_engine_available():

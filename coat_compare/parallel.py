@@ -64,7 +64,7 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
     if tp * dp != world:
         raise ValueError(
             f"--tp {tp} x --dp {dp} = {tp * dp} processes, but this job has {world}: "
-            f"launch with torchrun --nproc-per-node {tp * dp} -m coat_megatron.compare ..."
+            f"launch with torchrun --nproc-per-node {tp * dp} -m coat_compare ..."
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -100,7 +100,7 @@ def seed_everything(seed: int) -> None:
     megatron.training picks for CUDA graphs), else Megatron's graph-safe tracker."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from ..optional import transformer_engine_available
+    from coat_megatron.optional import transformer_engine_available
 
     torch.manual_seed(seed)
     cuda = torch.cuda.is_available()
@@ -128,7 +128,7 @@ def release_cuda_graphs() -> None:
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
     from megatron.core.transformer import cuda_graphs
 
-    from ..optional import transformer_engine_available
+    from coat_megatron.optional import transformer_engine_available
 
     cuda_graphs.delete_cuda_graphs()
     # a capture that failed half-way leaves these process-wide flags set (and TE's attention then

@@ -60,7 +60,7 @@ def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_res
     """
     from megatron.core import dist_checkpointing
 
-    from ..optimizer import CoatDistributedOptimizer
+    from coat_megatron.optimizer import CoatDistributedOptimizer
 
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     megatron_adam = [o for o in distributed if not isinstance(o, CoatDistributedOptimizer)]
