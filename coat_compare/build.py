@@ -97,10 +97,7 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
 
 
 def coat_config(mode: Mode) -> CoatConfig:
-    return CoatConfig(
-        optimizer=mode.coat_optimizer, recompute_norm_output=mode.recompute_norm_output,
-        cache_weight_transpose=mode.cache_weight_transpose, master_weights=mode.master_weights,
-    )
+    return mode.coat_config()
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -190,7 +187,8 @@ def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
 def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = "none"):
     """(DDP-wrapped GPTModel, optimizer) for ``mode``: Megatron's distributed optimizer with Adam
     (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant with FP8
-    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, FP32 gradient buffers (BF16 in coat-mem).
+    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, the mode's gradient buffers
+    (``Mode.grad_fp32``).
     ``graphs``: Megatron's CUDA graphs: "local" (per layer, captured by its schedule after the
     first step) or "full" (the whole forward+backward of a step: ``train`` wraps the schedule)."""
     from megatron.core import parallel_state

@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current)")
     p.add_argument("--steps", type=int, help="optimizer steps (end-to-end presets; default: the preset's)")
     p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
+    p.add_argument("--global-batch", type=int, metavar="N",
+                   help="sequences per optimizer step (end-to-end presets): each data-parallel rank accumulates the gradients of "
+                        "N / (micro-batch x DP) micro-batches (default: one micro-batch per rank)")
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
     data = p.add_argument_group("data (end-to-end presets)")
@@ -143,7 +146,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.summarize:
         return summarize(args.out)
-    preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, seq=args.seq, corpus=args.corpus,
+    preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, global_batch=args.global_batch,
+                                                    seq=args.seq, corpus=args.corpus,
                                                     corpus_bytes=args.corpus_bytes, eval_every=args.eval_every, eval_windows=args.eval_windows)
     modes = parse_modes(args.modes)
     check_layout(preset, args)
@@ -254,6 +258,15 @@ def check_layout(preset: Preset, args) -> None:
     if preset.kind == "layer" and args.dp > 1:
         raise SystemExit(f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: --dp {args.dp} would measure "
                          f"the same layer {args.dp} times; use --tp, or an end-to-end preset (tiny, gpt-1b, llama2-7b) for --dp")
+    if args.global_batch is not None:
+        if preset.kind == "layer":
+            raise SystemExit(f"{preset.name} is one layer's fwd+bwd: --global-batch needs an end-to-end preset (tiny, gpt-1b, llama2-7b)")
+        if args.search:
+            raise SystemExit("--search measures each micro-batch with one micro-batch per optimizer step: drop --global-batch")
+        try:
+            preset.micro_batches(args.dp)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     if preset.kind == "layer" and (args.save or args.load or args.resume_check):
         raise SystemExit(f"{preset.name} is a per-layer preset: checkpoints need an end-to-end preset (tiny, gpt-1b, llama2-7b)")
 
@@ -326,7 +339,8 @@ def why_not_here(preset: Preset, mode: Mode) -> str | None:
 def shape(preset: Preset) -> str:
     kv = f", {preset.kv_heads} KV heads" if preset.kv_heads else ""
     layers = f"{preset.layers} layers, " if preset.kind == "train" else ""
-    return f"{layers}hidden {preset.hidden}, FFN {preset.ffn}, {preset.heads} heads{kv}, seq {preset.seq} x micro-batch {preset.micro_batch}"
+    batch = f", global batch {preset.global_batch}" if preset.kind == "train" and preset.global_batch is not None else ""
+    return f"{layers}hidden {preset.hidden}, FFN {preset.ffn}, {preset.heads} heads{kv}, seq {preset.seq} x micro-batch {preset.micro_batch}{batch}"
 
 
 def versions() -> str:

@@ -14,23 +14,27 @@ te-fp8-store       te-fp8-current + Megatron's ``activation_func_fp8_input_store
 te-fp8-pa          te-fp8-current + Megatron's precision-aware optimizer with FP8 Adam states
                    (TE FusedAdam, ``exp_avg_dtype = exp_avg_sq_dtype = torch.uint8``, FP32 main
                    params)
-coat               the COAT layer spec and COAT's FP8 AdamW (``get_coat_optimizer``) with its
-                   default split master weights (the BF16 weight + an int16 low word,
-                   ``master_weights="split"``; FP32 gradient buffers)
-coat-fp32          coat with an FP32 copy of the master weights (``master_weights="fp32"``,
-                   Megatron's FP32 main params): 2 bytes per parameter more, the same FP32 masters
+coat               COAT's default recipe (``CoatConfig()``): the COAT layer spec and COAT's FP8
+                   AdamW (``get_coat_optimizer``) with split master weights (the BF16 weight + an
+                   int16 low word), each weight's transposed FP8 copy made per backward, and BF16
+                   gradient buffers: COAT's memory mode. ``coat-mem`` is this one
+coat-cached        coat with each weight's transposed FP8 copy kept between micro-batches
+                   (``cache_weight_transpose=True``): faster, 1 byte per parameter more
+coat-fp32-grads    coat with FP32 gradient buffers (``grad_buffers="fp32"``): micro-batch
+                   gradients summed in FP32, 2 bytes per parameter more
+coat-fp32          coat with every byte back: an FP32 copy of the master weights
+                   (``master_weights="fp32"``), FP32 gradient buffers and cached W^T
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
-coat-lean          coat with ``cache_weight_transpose=False``: each weight's transposed FP8 copy is
-                   made in every backward instead of kept (1 byte per parameter less; same numbers)
-coat-mem           COAT's memory mode: coat-lean (split master weights) with BF16 gradient buffers
-                   (``grad_reduce_in_fp32=False``): about 9.2 bytes per parameter between steps
-coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states)
-coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW
+coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states and masters,
+                   FP32 gradient buffers)
+coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
+                   master weights and gradient buffers)
 =================  ===========================================================================
 
 Every mode trains with the same TransformerConfig shape, data, seed, optimizer hyper-parameters
-and DDP settings (the distributed optimizer; FP32 gradient buffers but in coat-mem); only the fields
-below differ.
+and DDP settings (the distributed optimizer; FP32 gradient buffers unless the mode's CoatConfig
+says BF16); only the fields below differ. ``coat-lean`` (the former name of the transposed copy
+made per backward, now the default) is refused with the names to use instead.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from coat_megatron.config import CoatConfig
 from coat_megatron.optional import transformer_engine_available
 
 
@@ -54,10 +59,8 @@ class Mode:
         precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
         coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
         recompute_norm_output: ``CoatConfig.recompute_norm_output``.
-        cache_weight_transpose: ``CoatConfig.cache_weight_transpose``.
-        master_weights: ``CoatConfig.master_weights``; None: its default ("split" with COAT's
-            optimizer).
-        grad_fp32: DDP's ``grad_reduce_in_fp32`` (FP32 gradient buffers).
+        cache_weight_transpose, master_weights, grad_buffers: the ``CoatConfig`` fields; None:
+            CoatConfig's default.
         family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     """
 
@@ -69,9 +72,25 @@ class Mode:
     precision_aware: bool = False
     coat_optimizer: bool = False
     recompute_norm_output: bool = False
-    cache_weight_transpose: bool = True
+    cache_weight_transpose: bool | None = None
     master_weights: str | None = None
-    grad_fp32: bool = True
+    grad_buffers: str | None = None
+
+    def coat_config(self) -> CoatConfig:
+        """The CoatConfig of this mode's COAT parts (for modes without any: optimizer off)."""
+        fields = dict(optimizer=self.coat_optimizer, recompute_norm_output=self.recompute_norm_output,
+                      master_weights=self.master_weights, grad_buffers=self.grad_buffers)
+        if self.cache_weight_transpose is not None:
+            fields["cache_weight_transpose"] = self.cache_weight_transpose
+        return CoatConfig(**fields)
+
+    @property
+    def grad_fp32(self) -> bool:
+        """DDP's ``grad_reduce_in_fp32``: the mode's CoatConfig decides where COAT's optimizer or
+        layers run; every other mode keeps Megatron's FP32 gradient buffers."""
+        if self.coat_optimizer or self.spec == "coat":
+            return self.coat_config().ddp_grad_reduce_in_fp32
+        return True
 
     @property
     def needs_transformer_engine(self) -> bool:
@@ -95,19 +114,24 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-store", "te", "te-fp8", fp8_recipe="tensorwise", fp8_input_store=True),
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
         Mode("coat", "coat", "coat", coat_optimizer=True),
-        Mode("coat-fp32", "coat", "coat", coat_optimizer=True, master_weights="fp32"),
+        Mode("coat-cached", "coat", "coat", coat_optimizer=True, cache_weight_transpose=True),
+        Mode("coat-fp32-grads", "coat", "coat", coat_optimizer=True, grad_buffers="fp32"),
+        Mode("coat-fp32", "coat", "coat", coat_optimizer=True, master_weights="fp32", grad_buffers="fp32", cache_weight_transpose=True),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
-        Mode("coat-lean", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False),
-        Mode("coat-mem", "coat", "coat", coat_optimizer=True, cache_weight_transpose=False, master_weights="split", grad_fp32=False),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
     ]
 }
-ALIASES = {"te-fp8": "te-fp8-current"}
+ALIASES = {"te-fp8": "te-fp8-current", "coat-mem": "coat"}
+# former mode names whose recipe changed meaning: refused, naming what to use now
+RETIRED = {
+    "coat-lean": "coat-lean (the weight's transposed FP8 copy made per backward) is part of the default now: use coat "
+                 "(BF16 gradient buffers) or coat-fp32-grads (the former coat-lean: FP32 gradient buffers)",
+}
 # What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
 # Not in "all": for one layer coat-act is coat and coat-opt is bf16.
 ABLATIONS = ("coat-act", "coat-opt")
-DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-lean", "coat-mem"]
+DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-cached"]
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -118,6 +142,8 @@ def parse_modes(text: str) -> list[Mode]:
     names = []
     for raw in text.split(","):
         name = ALIASES.get(raw.strip(), raw.strip())
+        if name in RETIRED:
+            raise ValueError(RETIRED[name])
         if name not in MODES:
             raise ValueError(f"unknown mode {raw.strip()!r}; choose from {', '.join([*MODES, *ALIASES])} (comma-separated) or 'all'")
         if name not in names:

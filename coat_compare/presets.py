@@ -24,6 +24,9 @@ class Preset:
         layers, hidden, ffn, heads: the Llama-style shape (RMSNorm, SwiGLU, RoPE, no biases).
         kv_heads: query groups for grouped-query attention; None = one per head.
         seq, micro_batch: tokens of one micro-batch per data-parallel rank.
+        global_batch: sequences per optimizer step over all data-parallel ranks; each rank sums
+            the gradients of global_batch / (micro_batch x DP) micro-batches (Megatron's
+            schedule) before the step. None: one micro-batch per rank (micro_batch x DP).
         vocab: vocabulary size (train presets; the built-in corpora use byte tokens below 256).
         corpus: what a train preset trains on (``coat_compare.corpus``): "docstrings" (the standard
             library's docstrings, 1.4 MB) or "packages" (Python sources of the installed packages).
@@ -48,6 +51,7 @@ class Preset:
     seq: int
     micro_batch: int
     kv_heads: int | None = None
+    global_batch: int | None = None
     vocab: int = 32000
     steps: int = 200
     warmup_steps: int = 3
@@ -63,6 +67,21 @@ class Preset:
     def tokens_per_micro_batch(self) -> int:
         return self.seq * self.micro_batch
 
+    def global_batch_for(self, dp: int) -> int:
+        """Sequences per optimizer step at data-parallel size ``dp``."""
+        return self.micro_batch * dp if self.global_batch is None else self.global_batch
+
+    def micro_batches(self, dp: int) -> int:
+        """Micro-batches each data-parallel rank accumulates per optimizer step; raises, listing
+        the valid global batches, where the global batch is not a multiple of micro-batch x DP."""
+        per_step = self.micro_batch * dp
+        global_batch = self.global_batch_for(dp)
+        if global_batch < per_step or global_batch % per_step:
+            valid = ", ".join(str(per_step * k) for k in range(1, 5))
+            raise ValueError(f"global batch {global_batch} is not a multiple of micro-batch {self.micro_batch} x DP {dp} = {per_step}: "
+                             f"use --global-batch {valid}, ... (or another --micro-batch)")
+        return global_batch // per_step
+
     @property
     def corpus_max_bytes(self) -> int | None:
         """The corpus's size: ``corpus_bytes``, else the corpus's default (all of the docstrings,
@@ -70,8 +89,9 @@ class Preset:
         return self.corpus_bytes if self.corpus_bytes is not None else DEFAULT_MAX_BYTES[self.corpus]
 
     def with_overrides(self, **overrides) -> "Preset":
-        """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``, ``--seq``,
-        ``--corpus``, ``--corpus-bytes``, ``--eval-every``, ``--eval-windows``)."""
+        """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``,
+        ``--global-batch``, ``--seq``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
+        ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -68,10 +68,10 @@ def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> Probe
 
 
 def data_args(args, **overrides) -> list[str]:
-    """The data options given on the command line (or in ``overrides``), to pass on to the runs a
-    job starts."""
+    """The data options given on the command line (or in ``overrides``), the global batch among
+    them, to pass on to the runs a job starts."""
     given = []
-    for name in ("data_seed", "corpus", "corpus_bytes", "eval_every", "eval_windows"):
+    for name in ("global_batch", "data_seed", "corpus", "corpus_bytes", "eval_every", "eval_windows"):
         value = overrides.get(name, getattr(args, name, None))
         if value is not None:
             given += [f"--{name.replace('_', '-')}", str(value)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 
+from .flops import FORMULA
 from .goals import Goal, best, group_name, groups, layout
 
 
@@ -107,22 +108,29 @@ def layer_table(rows: list[dict]) -> list[str]:
     return _table(head, rows, lines_of)
 
 
+def _mfu(r: dict) -> str:
+    if r.get("mfu_bf16") is None:
+        return "-"
+    return f"{100 * r['mfu_bf16']:.1f}% / {100 * r['mfu_fp8']:.1f}%"
+
+
 def train_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
     bf16_m, te_m = best(ok, "bf16", "peak_MiB"), best(ok, "te-fp8", "peak_MiB")
     bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     several = _several_gpus(rows)
-    head = ["mode", "CUDA graphs", "micro-batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "peak MiB", "vs BF16", "vs best TE",
-            "weights MiB", "grads MiB", "optimizer MiB", "activations MiB", "optimizer B/param", "loss first -> last", "valid loss"]
+    head = ["mode", "CUDA graphs", "micro-batch", "global batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "model TFLOP/s per GPU",
+            "MFU BF16 / FP8", "peak MiB", "vs BF16", "vs best TE", "weights MiB", "grads MiB", "optimizer MiB", "activations MiB",
+            "optimizer B/param", "loss first -> last", "valid loss"]
     if several:
         head += ["tokens/s per GPU", "peak MiB per GPU", "optimizer MiB per GPU", "SP all-gather MiB/step (FP8)", "vs BF16", "DP all-gather MiB/step"]
 
     def lines_of(r):
         line = (
-            f"| {r['mode']} | {r.get('graphs', 'none')} | {r['micro_batch']} | {_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | "
-            f"{_ratio(r, bf16_s, 'tokens_per_s')} | "
-            f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
+            f"| {r['mode']} | {r.get('graphs', 'none')} | {r['micro_batch']} | {_fmt(r.get('global_batch', r['micro_batch'] * r.get('dp', 1)), 0)} | "
+            f"{_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
+            f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('model_tflops_per_gpu'), 0)} | {_mfu(r)} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
             f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {_fmt(r.get('valid_loss'), 4)} |"
         )
@@ -233,9 +241,12 @@ COLUMNS = {
     "(GPU: allocated after the forward minus before, minus the output; CPU: bytes of the tensors saved for backward).",
     "train": "CUDA graphs: none (eager), local (Megatron's per-layer graphs) or full (a step's forward+backward in one graph); "
     "vs BF16 / vs best TE: against the fastest BF16 / TE FP8 row of any configuration. "
+    "global batch: sequences per optimizer step (micro-batch x DP x accumulated micro-batches); "
     "step ms: median optimizer-step time after the warm-up steps; tokens/s: global tokens per second at that step time; "
+    f"model TFLOP/s per GPU: tokens/s per GPU x ({FORMULA}) / 1e12; MFU: that over the GPU's dense BF16 / FP8 peak "
+    "(H100 and H200 SXM: 989 / 1979 TFLOP/s; - where unknown); "
     "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's "
-    "gradient buffers (FP32, BF16 in coat-mem); optimizer: master weights + Adam states as stored; activations: peak during a step minus "
+    "gradient buffers (FP32, or BF16 where the mode's CoatConfig says so: the coat default); optimizer: master weights + Adam states as stored; activations: peak during a step minus "
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter; loss: training "
     "loss of the first and last step; valid loss: mean per-token loss on the held-out validation windows after the last step "
     "(- without validation: --eval-every 0, or CUDA graphs).",

@@ -9,9 +9,11 @@ every mode, seed and data order; forward only, ``model.eval()``, outside the ste
 first ``preset.warmup_steps`` steps (allocation of optimizer states, FP8 scale start-up,
 autotuning) are left out of the timing, activation and communication statistics.
 
-Under ``torchrun`` every rank trains its shard (``tp``) on its slice of the global batch (``dp``:
-micro-batch x dp sequences per step, drawn whole by every rank, so the global batch does not depend
-on the DP size; validation batches likewise). Memory is measured on every rank: the row has rank
+Each step takes a global batch of ``preset.global_batch_for(dp)`` windows (drawn whole by every
+rank, so the data does not depend on the DP size): each DP rank takes its contiguous slice and runs
+it as ``preset.micro_batches(dp)`` micro-batches through Megatron's schedule, which sums their
+gradients into DDP's buffers before the one optimizer step (gradient accumulation). Under
+``torchrun`` every rank trains its shard (``tp``); validation batches are sliced likewise. Memory is measured on every rank: the row has rank
 0's parts, the fullest GPU's peak and every rank's peak and optimizer bytes. All-gather bytes per
 step (``comm``) are rank 0's.
 """
@@ -26,8 +28,9 @@ from collections import Counter
 
 import torch
 
-from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
 from . import parallel
+from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
+from .flops import utilisation
 from .build import build_gpt, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
@@ -37,11 +40,12 @@ from .presets import Preset
 
 
 def training_windows(preset: Preset, data_seed: int, dp: int = 1, corpus: Corpus | None = None) -> TrainingWindows:
-    """The training batches of ``preset``'s corpus in the order of ``data_seed``: micro-batch x
-    ``dp`` windows per step, checked to last ``preset.steps`` steps without repeating a byte."""
+    """The training batches of ``preset``'s corpus in the order of ``data_seed``: the global batch
+    (``preset.global_batch_for(dp)`` windows) per step, checked to last ``preset.steps`` steps
+    without repeating a byte."""
     if corpus is None:
         corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
-    data = TrainingWindows(corpus.train, preset.seq, preset.micro_batch * dp, seed=data_seed, vocab_size=preset.vocab)
+    data = TrainingWindows(corpus.train, preset.seq, preset.global_batch_for(dp), seed=data_seed, vocab_size=preset.vocab)
     data.check_steps(preset.steps)
     return data
 
@@ -78,6 +82,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
         raise ValueError("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
                          "use --cuda-graphs none, or --eval-every 0")
     data_seed = seed if data_seed is None else data_seed
+    micro_batches = preset.micro_batches(dp)
     corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
     data = training_windows(preset, data_seed, dp, corpus)
     validation, validation_sha256 = validation_set(preset, corpus, dp) if preset.eval_every else (None, None)
@@ -96,8 +101,15 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
     device = parallel.device()
     rank = parallel_state.get_data_parallel_rank()
 
-    def local(batch: dict) -> dict:  # this DP rank's slice of a global batch, on its device
+    def local(batch: dict) -> dict:  # this DP rank's slice of a validation batch, on its device
         return {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in batch.items()}
+
+    per_rank = preset.micro_batch * micro_batches
+
+    def micro(batch: dict) -> list[dict]:  # this DP rank's slice of a global batch, as its micro-batches, on its device
+        mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
+        return [{k: v[i * preset.micro_batch : (i + 1) * preset.micro_batch].to(device) for k, v in mine.items()}
+                for i in range(micro_batches)]
 
     cuda = device.type == "cuda"
     losses, step_ms, skipped, valid_losses = [], [], 0, []
@@ -105,7 +117,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
     activations = static = warmup_peak = warmup_reserved = None
     with AllGatherBytes() as counter:
         for step in range(first, preset.steps):
-            batch = local(data.batch(step))
+            batches = micro(data.batch(step))
             if save is not None and step == save_step:
                 save_checkpoint(save, model, optimizer, step=step)
             set_learning_rate(optimizer, preset, step)
@@ -116,11 +128,11 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
                 warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
                 warmup_reserved = torch.cuda.max_memory_reserved()
                 torch.cuda.reset_peak_memory_stats()
-            saved = SavedTensors(exclude=[*model.parameters(), *batch.values()]) if measure and not cuda else None
+            saved = SavedTensors(exclude=[*model.parameters(), *batches[0].values()]) if measure and not cuda else None
             before = counter.snapshot()
             parallel.synchronize()
             start = time.perf_counter()
-            loss, ok = train_step(model, optimizer, batch, preset, saved, forward_backward)
+            loss, ok = train_step(model, optimizer, batches, preset, saved, forward_backward)
             parallel.synchronize()
             if step >= first + preset.warmup_steps:
                 step_ms.append((time.perf_counter() - start) * 1e3)
@@ -154,9 +166,11 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
     parts["activations"] = activations
     ranks = parallel.per_rank({"peak": peak, "optimizer": parts["optimizer"], "reserved": reserved or 0})
     median_ms = statistics.median(step_ms)
-    tokens_per_s = preset.micro_batch * dp * preset.seq / (median_ms / 1e3)
+    tokens_per_s = preset.global_batch_for(dp) * preset.seq / (median_ms / 1e3)
     result = {
         "micro_batch": preset.micro_batch,
+        "global_batch": preset.global_batch_for(dp),
+        "micro_batches": micro_batches,
         "seq": preset.seq,
         "graphs": graphs,
         "steps": preset.steps,
@@ -169,6 +183,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
         "step_ms_per_step": step_ms,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / (tp * dp),
+        **utilisation(preset, tokens_per_s / (tp * dp), parallel.device_name()),
         "peak_MiB": max(r["peak"] for r in ranks) / MIB,  # the fullest GPU's
         "peak_MiB_per_rank": [r["peak"] / MIB for r in ranks],
         "peak_reserved_MiB": max(r["reserved"] for r in ranks) / MIB if reserved is not None else None,
@@ -206,9 +221,10 @@ def forward_backward_function(graphs: str = "none"):
     return FullCudaGraphWrapper(schedule, cuda_graph_warmup_steps=1, use_single_mempool=True)
 
 
-def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensors | None, forward_backward=None) -> tuple[float, bool]:
-    """One optimizer step on one micro-batch per DP rank: (loss averaged over DP, whether the
-    optimizer took the step)."""
+def train_step(model, optimizer, batches: list[dict], preset: Preset, saved: SavedTensors | None,
+               forward_backward=None) -> tuple[float, bool]:
+    """One optimizer step on this DP rank's micro-batches (their gradients summed in DDP's
+    buffers): (the loss per token over the global batch, whether the optimizer took the step)."""
     from megatron.core import parallel_state
 
     forward_backward = forward_backward or forward_backward_function()
@@ -219,9 +235,9 @@ def train_step(model, optimizer, batch: dict, preset: Preset, saved: SavedTensor
     try:
         outputs = forward_backward(
             forward_step_func=forward_step,
-            data_iterator=iter([batch]),
+            data_iterator=iter(batches),
             model=[model],
-            num_microbatches=1,
+            num_microbatches=len(batches),
             seq_length=preset.seq,
             micro_batch_size=preset.micro_batch,
             forward_only=False,

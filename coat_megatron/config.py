@@ -16,6 +16,7 @@ SWITCH_VALUES = {"true": True, "on": True, "yes": True, "1": True, "false": Fals
 K_LIMITS = (1 / K_RESOLUTION, 64.0)
 OPTIMIZER_GROUP_SIZES = (32, 64, 128, 256)
 MASTER_WEIGHTS = ("fp32", "split")
+GRAD_BUFFERS = ("bf16", "fp32")
 
 
 def parse_switch(value: bool | str, name: str) -> bool:
@@ -57,9 +58,10 @@ class CoatConfig:
             real text (tests/megatron/test_coat_training.py), 300 steps ended 10% above the BF16
             loss instead of within 1%, so it is off by default.
         cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
-            its FP8 copy between micro-batches: 2 bytes per parameter. False keeps 1 and
-            transposes the codes in every backward (bit-identical gradients: one per-tensor scale
-            serves both layouts), a byte-transpose of each weight per micro-batch.
+            its FP8 copy between micro-batches: 2 bytes per parameter. False (the default, part of
+            COAT's memory mode) keeps 1 and transposes the codes in every backward (bit-identical
+            gradients: one per-tensor scale serves both layouts), a byte-transpose of each weight
+            per micro-batch. True is the faster configuration where memory allows.
         master_weights: how COAT's optimizer keeps the FP32 master weights. "split" (the default
             with ``optimizer`` on): the BF16 model weight is the master's high half and the
             optimizer keeps an int16 low word beside it (``coat_kernels.master``): the same FP32
@@ -76,6 +78,13 @@ class CoatConfig:
             with it off (Megatron's own optimizer keeps FP32 masters); an explicit "split" with
             ``optimizer`` off is an error (so ``dataclasses.replace(c, optimizer=False)`` needs
             ``master_weights=None`` too).
+        grad_buffers: the dtype of Megatron DDP's gradient buffers, into which every micro-batch's
+            weight gradient is summed and which the data-parallel reduction reads: "bf16" (2 bytes
+            per parameter; Megatron's ``grad_reduce_in_fp32=False``) or "fp32" (4). Left unset
+            (None) it resolves to "bf16" with ``optimizer`` on (COAT's memory mode: the step reads
+            the BF16 buffer in place and accumulates in FP32 from there) and "fp32" with it off
+            (Megatron's own default for BF16 training). A setting for whoever builds the DDP
+            wrapper (``ddp_grad_reduce_in_fp32``): the COAT modules and optimizer read either.
     """
 
     activations: bool = True
@@ -93,8 +102,9 @@ class CoatConfig:
     optimizer_group_size: int = 128
     fprop_fast_accumulation: bool = True
     recompute_norm_output: bool = False
-    cache_weight_transpose: bool = True
+    cache_weight_transpose: bool = False
     master_weights: str | None = None
+    grad_buffers: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation", "recompute_norm_output",
@@ -105,6 +115,7 @@ class CoatConfig:
             if value not in FP8_FORMATS:
                 raise ValueError(f"{name}={value!r} is not an FP8 format: use 'e4m3' or 'e5m2'")
         self._resolve_master_weights()
+        self._resolve_grad_buffers()
         _check_choice("group_size", self.group_size, GROUP_SIZES, "the hidden and FFN sizes must be multiples of it")
         _check_choice("optimizer_group_size", self.optimizer_group_size, OPTIMIZER_GROUP_SIZES, "128 is COAT's")
         for name in ("k_min", "k_max"):
@@ -120,6 +131,17 @@ class CoatConfig:
                 f"expansion limits k_min={self.k_min}, k_max={self.k_max} must satisfy "
                 f"{lo} <= k_min <= 1 <= k_max <= {hi} (k = 1 is plain absmax scaling; defaults 1/16 and 16)"
             )
+
+    @property
+    def ddp_grad_reduce_in_fp32(self) -> bool:
+        """Megatron's ``DistributedDataParallelConfig.grad_reduce_in_fp32`` for this recipe."""
+        return self.grad_buffers == "fp32"
+
+    def _resolve_grad_buffers(self) -> None:
+        if self.grad_buffers is None:
+            object.__setattr__(self, "grad_buffers", "bf16" if self.optimizer else "fp32")
+            return
+        _check_choice("grad_buffers", self.grad_buffers, GRAD_BUFFERS, "'bf16' keeps 2 bytes per parameter instead of 4")
 
     def _resolve_master_weights(self) -> None:
         if self.master_weights is None:  # the default: split where COAT's optimizer keeps the masters

@@ -19,7 +19,7 @@ import re
 from dataclasses import fields
 
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
-from coat_megatron.config import MASTER_WEIGHTS, OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
+from coat_megatron.config import GRAD_BUFFERS, MASTER_WEIGHTS, OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
 
 from .replacements import Replacements
 from .version import require_megatron_core
@@ -53,8 +53,9 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "optimizer_group_size": (dict(type=int, choices=OPTIMIZER_GROUP_SIZES), "consecutive elements of a parameter sharing one optimizer-state scale (default 128)"),
     "fprop_fast_accumulation": (dict(type=_switch, metavar="on|off"), "Hopper's fast FP8 accumulation in forward GEMMs (default on)"),
     "recompute_norm_output": (dict(type=_switch, metavar="on|off"), "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)"),
-    "cache_weight_transpose": (dict(type=_switch, metavar="on|off"), "keep each weight's transposed FP8 copy between micro-batches (default on; off: 1 byte per parameter less, a transpose per backward)"),
+    "cache_weight_transpose": (dict(type=_switch, metavar="on|off"), "keep each weight's transposed FP8 copy between micro-batches (default off: the codes are transposed in every backward; on: faster, 1 byte per parameter more)"),
     "master_weights": (dict(choices=MASTER_WEIGHTS), "how COAT's optimizer keeps the FP32 master weights: as the BF16 weight plus an int16 low word (split, default: 2 bytes per parameter less than fp32, bit-exact; with --grad-reduce-in-bf16 the gradient buffers halve too) or as an FP32 copy (fp32: what dp_zero_gather_scatter checkpoints load into). Does not apply with --coat-optimizer off (Megatron's optimizer keeps FP32 masters)"),
+    "grad_buffers": (dict(choices=GRAD_BUFFERS), "dtype of DDP's gradient buffers, where micro-batch gradients are summed and reduced: bf16 (default with COAT's optimizer: 2 bytes per parameter) or fp32 (4; Megatron's default, and the default with --coat-optimizer off). Sets Megatron's --accumulate-allreduce-grads-in-fp32 / --grad-reduce-in-bf16"),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
@@ -112,8 +113,26 @@ def check_coat_args(args: argparse.Namespace) -> None:
         problems += _optimizer_problems(args)
     if not coat.any_enabled:
         problems.append("--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8")
+    problems += _memory_problems(args, coat)
     if problems:
         raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
+
+
+def apply_coat_args(args: argparse.Namespace) -> None:
+    """Set the Megatron arguments that a checked COAT recipe decides: the gradient buffers' dtype
+    (``CoatConfig.grad_buffers``, read by ``megatron.training`` when it builds DDP)."""
+    coat = coat_config_from_args(args)
+    if coat is None:
+        return
+    args.accumulate_allreduce_grads_in_fp32 = coat.ddp_grad_reduce_in_fp32
+    args.grad_reduce_in_bf16 = not coat.ddp_grad_reduce_in_fp32
+
+
+def _memory_problems(args, coat: CoatConfig) -> list[str]:
+    """Memory flags that contradict the recipe's gradient buffers."""
+    if coat.grad_buffers == "fp32" and getattr(args, "grad_reduce_in_bf16", False):
+        return ["--grad-reduce-in-bf16 asks for BF16 gradient buffers and --coat-grad-buffers fp32 for FP32 ones: drop one of them"]
+    return []
 
 
 def _in_flag_words(message: str) -> str:
@@ -209,6 +228,7 @@ def install(replacements: Replacements) -> None:
     def validate_megatron_and_coat_args(args, defaults={}):  # noqa: B006 - Megatron's signature
         result = validate_args(args, defaults)
         check_coat_args(args)
+        apply_coat_args(args)
         return result
 
     replacements.replace(arguments, "add_megatron_arguments", add_megatron_and_coat_arguments)

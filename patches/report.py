@@ -16,7 +16,10 @@ was started with ``--coat-report``, records per iteration:
   a micro-batch really holds for backward, whatever keeps it;
 - after the first step, the optimizer-state bytes summed over all ranks: ``CoatAdamW.state_bytes``
   (FP8 codes and per-group scale, k, centre) for COAT, ``exp_avg`` + ``exp_avg_sq`` of the inner
-  Adam for Megatron's optimizer. FP32 master weights, which both keep, are not counted.
+  Adam for Megatron's optimizer. FP32 master weights, which both keep, are not counted there;
+- after the first step, the bytes per parameter the writing rank holds between steps, by part
+  (``coat_megatron.memory.static_parts``: weights, FP8 weight copies, gradient buffers, master
+  weights, optimizer states; per parameter of its model shard), and their total.
 
 The last rank writes the file (it is on the last pipeline stage, where the loss is) after every
 step, so a report exists even if the run is stopped early. Per-rank numbers (saved bytes, peak
@@ -104,6 +107,21 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
+def bytes_per_parameter(model_chunks, optimizer) -> dict[str, float]:
+    """This rank's bytes between steps per parameter of its model shard, by part, and "total"."""
+    from coat_megatron.memory import static_parts
+
+    optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
+    parts: dict[str, int] = {}
+    for i, chunk in enumerate(model_chunks):
+        for key, value in static_parts(chunk, optimizers if i == 0 else []).items():
+            parts[key] = parts.get(key, 0) + value
+    out = {key: value / params for key, value in parts.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
 def _sum_over_ranks(value: int) -> int:
     if not torch.distributed.is_initialized():
         return value
@@ -142,6 +160,7 @@ class RunReport:
             "optimizer_state_bytes": None,
             "optimizer": None,
             "peak_memory_bytes": None,
+            "bytes_per_parameter": None,
             "iterations": [],
         }
         self.writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
@@ -207,6 +226,7 @@ def install(replacements: Replacements) -> None:
                 report.doc["activation_memory_bytes_per_micro_batch"] = max((c.cuda_bytes for c in counters), default=0)
             report.doc["optimizer_state_bytes"] = _sum_over_ranks(optimizer_state_bytes(optimizer))
             report.doc["optimizer"] = type(getattr(optimizer, "chained_optimizers", [optimizer])[0]).__name__
+            report.doc["bytes_per_parameter"] = bytes_per_parameter(model, optimizer)
         if torch.cuda.is_available():
             report.doc["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
         report.write()
@@ -239,6 +259,7 @@ def summarize(doc: dict) -> dict[str, float | None]:
         "activation memory / micro-batch": doc.get("activation_memory_bytes_per_micro_batch"),
         "optimizer states": doc["optimizer_state_bytes"],
         "peak memory": doc["peak_memory_bytes"],
+        "bytes / parameter between steps": (doc.get("bytes_per_parameter") or {}).get("total"),
     }
 
 
@@ -246,7 +267,9 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-ROW_FORMATS = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / micro-batch": _mib, "activation memory / micro-batch": _mib, "optimizer states": _mib, "peak memory": _mib}
+ROW_FORMATS = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / micro-batch": _mib,
+               "activation memory / micro-batch": _mib, "optimizer states": _mib, "peak memory": _mib,
+               "bytes / parameter between steps": "{:.2f}".format}
 
 
 def comparison_table(base: dict, coat: dict) -> str:

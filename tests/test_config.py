@@ -13,7 +13,17 @@ def test_defaults_are_coats_recipe():
     assert (c.group_size, c.forward_format, c.backward_format, c.weight_format) == (16, "e4m3", "e5m2", "e4m3")
     assert (c.m_format, c.v_format, c.m_expansion, c.v_expansion) == ("e4m3", "e4m3", True, True)
     assert (c.k_min, c.k_max, c.optimizer_group_size, c.fprop_fast_accumulation, c.recompute_norm_output) == (1 / 16, 16.0, 128, True, False)
-    assert c.activations and c.optimizer and c.any_enabled and c.cache_weight_transpose and c.master_weights == "split"
+    assert c.activations and c.optimizer and c.any_enabled and c.master_weights == "split"
+    # COAT's memory mode: W^T made per backward, BF16 gradient buffers
+    assert not c.cache_weight_transpose and c.grad_buffers == "bf16" and not c.ddp_grad_reduce_in_fp32
+
+
+def test_gradient_buffers_default_to_bf16_only_with_coats_optimizer():
+    assert CoatConfig(optimizer=False).grad_buffers == "fp32"  # Megatron's own optimizer: its default
+    assert CoatConfig(grad_buffers="fp32").ddp_grad_reduce_in_fp32
+    assert CoatConfig(optimizer=False, grad_buffers="bf16").grad_buffers == "bf16"  # Megatron reduces in BF16 too
+    with pytest.raises(ValueError, match=r"grad_buffers='fp16' is not supported: use one of bf16, fp32"):
+        CoatConfig(grad_buffers="fp16")
 
 
 def test_master_weights_default_to_split_only_where_coats_optimizer_keeps_them():

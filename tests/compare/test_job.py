@@ -41,8 +41,9 @@ def tiny(tmp_path_factory):
 
 def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     rows = tiny["rows"]
-    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-fp32", "coat-recompute", "coat-lean", "coat-mem"]
-    for mode in ("bf16", "bf16-local", "coat", "coat-fp32", "coat-recompute", "coat-lean", "coat-mem"):
+    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat",
+                          "coat-cached", "coat-fp32-grads", "coat-fp32", "coat-recompute"]
+    for mode in ("bf16", "bf16-local", "coat", "coat-cached", "coat-fp32-grads", "coat-fp32", "coat-recompute"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
     if not TE:
@@ -63,15 +64,18 @@ def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     assert abs(bf16[0] - coat[0]) < 0.01
     assert abs(sum(coat[-10:]) - sum(bf16[-10:])) / sum(bf16[-10:]) < 0.03
     assert rows["bf16"]["losses"] == rows["bf16-local"]["losses"]  # without TE, bf16 is the local spec
-    assert rows["coat-lean"]["losses"] == rows["coat"]["losses"]  # W^T transposed per backward: the same bytes
-    # coat's split masters against an FP32 copy: the same FP32 masters and gradients; BF16 weights
-    # differ at rounding ties only (1 in 65536), which the run then amplifies like any perturbation
+    assert rows["coat-cached"]["losses"] == coat  # W^T kept or transposed per backward: the same bytes
+    # BF16 against FP32 gradient buffers: one micro-batch per step here, so the gradients are
+    # rounded to BF16 once per step; the FP32 masters are the same
+    fp32_grads = rows["coat-fp32-grads"]["losses"]
+    assert fp32_grads[0] == coat[0]
+    assert abs(sum(fp32_grads[-10:]) - sum(coat[-10:])) / sum(coat[-10:]) < 0.01, (fp32_grads[-10:], coat[-10:])
+    # split masters against an FP32 copy (both with FP32 gradient buffers): the same FP32 masters
+    # and gradients; BF16 weights differ at rounding ties only (1 in 65536), which the run then
+    # amplifies like any perturbation
     fp32 = rows["coat-fp32"]["losses"]
-    assert fp32[:2] == coat[:2], (fp32, coat)
-    assert abs(sum(fp32[-10:]) - sum(coat[-10:])) / sum(coat[-10:]) < 0.01, (fp32[-10:], coat[-10:])
-    # split masters and BF16 gradients: the same FP32 masters, gradients rounded to BF16 once per step
-    mem = rows["coat-mem"]["losses"]
-    assert abs(sum(mem[-10:]) - sum(coat[-10:])) / sum(coat[-10:]) < 0.01, (mem[-10:], coat[-10:])
+    assert fp32[:2] == fp32_grads[:2], (fp32, fp32_grads)
+    assert abs(sum(fp32[-10:]) - sum(fp32_grads[-10:])) / sum(fp32_grads[-10:]) < 0.01, (fp32[-10:], fp32_grads[-10:])
     assert all(r["skipped_steps"] == 0 for r in rows.values() if r["status"] == "ok")
 
 
@@ -83,38 +87,39 @@ def test_coat_keeps_less_optimizer_state_and_fewer_activations(tiny):
     assert fp32["optimizer_bytes_per_param"] == pytest.approx(4 + states, abs=0.02)  # an FP32 copy of the masters
     assert coat["optimizer_MiB"] < 0.4 * bf16["optimizer_MiB"]
     assert coat["weights_MiB"] == bf16["weights_MiB"]
-    assert coat["grads_MiB"] == pytest.approx(bf16["grads_MiB"], rel=0.01)  # COAT pads parameter starts to 128, not 64
+    assert coat["grads_MiB"] == pytest.approx(bf16["grads_MiB"] / 2, rel=0.01)  # BF16 buffers; COAT pads parameter starts to 128, not 64
+    assert fp32["grads_MiB"] == pytest.approx(bf16["grads_MiB"], rel=0.01)
     assert coat["activations_MiB"] < 0.8 * bf16["activations_MiB"]
     assert coat["peak_MiB"] == pytest.approx(sum(coat[f"{p}_MiB"] for p in ("weights", "fp8_copies", "grads", "optimizer", "activations")))
     assert coat["optimizer_MiB"] == pytest.approx(coat["master_weights_MiB"] + coat["states_MiB"])
-    for r in (bf16, coat):
+    for r, grads in ((bf16, 4.0), (coat, 2.0), (fp32, 4.0)):
         b = r["bytes_per_param"]
-        assert b["weights"] == pytest.approx(2.0, abs=0.01) and b["grads"] == pytest.approx(4.0, abs=0.02)
+        assert b["weights"] == pytest.approx(2.0, abs=0.01) and b["grads"] == pytest.approx(grads, abs=0.02)
         assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 64 / (r["step_ms"] / 1e3))
         assert len(r["step_ms_per_step"]) == 40 - 2  # the warm-up steps are not timed
 
 
-def test_coat_mem_holds_under_9_5_bytes_per_parameter_between_steps(tiny):
-    """The memory mode's byte budget, every part counted from the tensors (tiny model: its 256-entry
-    embeddings have no FP8 copy, so FP8 copies weigh less than 1 byte per parameter here)."""
+def test_default_coat_holds_under_9_5_bytes_per_parameter_between_steps(tiny):
+    """The default recipe's (COAT's memory mode's) byte budget, every part counted from the tensors
+    (tiny model: its 256-entry embeddings have no FP8 copy, so FP8 copies weigh less than 1 byte
+    per parameter here)."""
     rows = tiny["rows"]
-    mem, coat = rows["coat-mem"]["bytes_per_param"], rows["coat"]["bytes_per_param"]
+    mem, cached = rows["coat"]["bytes_per_param"], rows["coat-cached"]["bytes_per_param"]
     linear = rows["coat"]["linear_params"] / rows["coat"]["params"]  # the share of parameters in COAT linears
     assert mem["weights"] == pytest.approx(2.0, abs=0.01)
     assert mem["grads"] == pytest.approx(2.0, abs=0.02)  # BF16 gradient buffers (128-element padding)
     assert mem["master_weights"] == pytest.approx(2.0, abs=0.02)  # the int16 low words, no FP32 copy
     assert 2.15 < mem["states"] < 2.25  # FP8 m and v + per-group scale, k, centre
     assert mem["fp8_copies"] == pytest.approx(linear, rel=0.01)  # W only (W^T transposed per backward)
-    assert coat["fp8_copies"] == pytest.approx(2 * linear, rel=0.01)
-    # coat: split masters (its default) with FP32 gradient buffers; coat-fp32: an FP32 copy of the masters
-    assert coat["master_weights"] == pytest.approx(2.0, abs=0.02) and coat["grads"] == pytest.approx(4.0, abs=0.02)
+    assert cached["fp8_copies"] == pytest.approx(2 * linear, rel=0.01)  # W and W^T
+    assert rows["coat-fp32-grads"]["bytes_per_param"]["grads"] == pytest.approx(4.0, abs=0.02)
     assert rows["coat-fp32"]["bytes_per_param"]["master_weights"] == pytest.approx(4.0, abs=0.02)
     total = sum(mem[k] for k in ("weights", "fp8_copies", "grads", "master_weights", "states"))
     assert total <= 9.5 and total == pytest.approx(8.2 + linear, abs=0.05)
     md = (tiny["out"] / "tiny.md").read_text()
     budget = md.split("### Bytes per parameter between steps: tiny")[1].split("\n\n")[1].splitlines()
     assert budget[0].startswith("| mode | CUDA graphs | weights | FP8 copies | grads | master weights | optimizer states | counted |")
-    assert any(line.startswith("| coat-mem | none | 2.00 |") for line in budget), budget
+    assert any(line.startswith("| coat | none | 2.00 |") for line in budget), budget
 
 
 def test_markdown_has_every_row_ratios_and_goals(tiny):
@@ -139,9 +144,9 @@ def test_markdown_has_every_row_ratios_and_goals(tiny):
         assert by_mode["te-fp8-pa"][2].startswith("skipped: te-fp8-pa needs TransformerEngine")
     goal = next(g for g in tiny["goals"] if g["goal"] == "end-to-end peak memory vs BF16, equal micro-batch")
     assert goal["measured"] == pytest.approx(peak_ratio, abs=1e-4)
-    assert goal["met"] == (peak_ratio <= 0.65)
+    assert goal["met"] == (peak_ratio <= 0.55)
     assert ("above the target" in goal["missed_by"]) == (not goal["met"])
-    assert "| end-to-end peak memory vs BF16, equal micro-batch | tiny | <= 0.65 |" in md
+    assert "| end-to-end peak memory vs BF16, equal micro-batch | tiny | <= 0.55 |" in md
 
 
 @pytest.mark.skipif(not plots.matplotlib_available(), reason="matplotlib not installed (pip install -e '.[report]')")
@@ -167,6 +172,31 @@ def test_summary_states_every_goal(tiny, capsys):
     assert goals["per-layer activation memory vs the best BF16"]["note"].startswith("not measured: coat-compare --preset llama2-7b-layer")
     assert goals["llama2-7b trains on one GPU with COAT where BF16 does not fit"]["met"] is None
     assert "## Goals" in capsys.readouterr().out
+
+
+def test_global_batch_accumulates_micro_batches_like_one_large_one(tmp_path):
+    """--global-batch 8 at micro-batch 2: four micro-batches per step through Megatron's schedule,
+    gradients summed in DDP's buffers, against one micro-batch of 8 on the same windows."""
+    common = ["--preset", "tiny", "--modes", "bf16,coat,coat-fp32-grads", "--steps", "8", "--global-batch", "8", "--no-plots"]
+    run_job(*common, "--micro-batch", "2", "--out", str(tmp_path / "acc"))
+    run_job(*common, "--micro-batch", "8", "--out", str(tmp_path / "one"))
+    acc = {r["mode"]: r for r in read_jsonl(tmp_path / "acc" / "tiny.jsonl") if r["kind"] == "train"}
+    one = {r["mode"]: r for r in read_jsonl(tmp_path / "one" / "tiny.jsonl") if r["kind"] == "train"}
+    for mode in acc:
+        a, o = acc[mode], one[mode]
+        assert (a["global_batch"], a["micro_batches"], o["micro_batches"]) == (8, 4, 1)
+        assert a["tokens_per_s"] == pytest.approx(8 * 64 / (a["step_ms"] / 1e3))
+        assert a["losses"][0] == pytest.approx(o["losses"][0], abs=2e-3)  # the same windows, the same weights
+        # the same gradients up to summation order (and BF16 rounding of the summed buffers in coat)
+        assert sum(a["losses"][-3:]) == pytest.approx(sum(o["losses"][-3:]), rel=0.02), (mode, a["losses"], o["losses"])
+    # summing four micro-batches in BF16 buffers stays close to summing them in FP32
+    bf16_sum, fp32_sum = acc["coat"]["losses"], acc["coat-fp32-grads"]["losses"]
+    assert sum(bf16_sum[-3:]) == pytest.approx(sum(fp32_sum[-3:]), rel=0.01), (bf16_sum, fp32_sum)
+    assert "| coat | none | 2 | 8 |" in (tmp_path / "acc" / "tiny.md").read_text()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    bad = subprocess.run([sys.executable, "-m", "coat_compare", "--preset", "tiny", "--micro-batch", "2", "--global-batch", "7"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "global batch 7 is not a multiple of micro-batch 2 x DP 1 = 2: use --global-batch 2, 4, 6, 8" in bad.stderr
 
 
 def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):

@@ -60,15 +60,32 @@ def test_every_coat_config_field_has_a_flag():
 
 
 def test_memory_switches_reach_the_config(monkeypatch):
-    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight-transpose", "off", "--coat-recompute-norm-output", "on")
-    assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=False, recompute_norm_output=True)
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight-transpose", "on", "--coat-recompute-norm-output", "on")
+    assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=True, recompute_norm_output=True)
+
+
+def test_coat_fp8_alone_selects_bf16_gradient_buffers_and_fp32_is_one_flag_away(monkeypatch):
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8")
+    assert coat_config_from_args(args).grad_buffers == "bf16"
+    assert not args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16  # what megatron.training builds DDP with
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-grad-buffers", "fp32")
+    assert args.accumulate_allreduce_grads_in_fp32 and not args.grad_reduce_in_bf16
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-optimizer", "off")  # Megatron's optimizer: Megatron's default
+    assert args.accumulate_allreduce_grads_in_fp32
+    args = parse(monkeypatch, *LLAMA)  # without --coat-fp8 nothing changes
+    assert args.accumulate_allreduce_grads_in_fp32 and not args.grad_reduce_in_bf16
+
+
+def test_contradictory_gradient_buffer_flags_name_both(monkeypatch):
+    with pytest.raises(CoatArgumentError, match="--grad-reduce-in-bf16 asks for BF16 gradient buffers and --coat-grad-buffers fp32"):
+        parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-grad-buffers", "fp32", "--grad-reduce-in-bf16")
 
 
 def test_split_master_weights_are_the_default_with_either_gradient_reduction(monkeypatch):
     for explicit in ([], ["--coat-master-weights", "split"]):
         args = parse(monkeypatch, *LLAMA, "--coat-fp8", *explicit, "--grad-reduce-in-bf16")
         assert coat_config_from_args(args).master_weights == "split" and not args.accumulate_allreduce_grads_in_fp32
-        args = parse(monkeypatch, *LLAMA, "--coat-fp8", *explicit)
+        args = parse(monkeypatch, *LLAMA, "--coat-fp8", *explicit, "--coat-grad-buffers", "fp32")
         assert coat_config_from_args(args).master_weights == "split" and args.accumulate_allreduce_grads_in_fp32
     args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-master-weights", "fp32")
     assert coat_config_from_args(args) == CoatConfig(master_weights="fp32")

@@ -50,6 +50,13 @@ def test_pretrain_example_trains_with_coat_on_two_processes(tmp_path):
     assert losses[0] == pytest.approx(logged[0][1], rel=1e-5)
     assert losses[-1] < losses[0] - 0.1  # bytes of text: the loss falls from ln(256) at once
     assert report["saved_for_backward_bytes_per_micro_batch"] > 0 and report["optimizer_state_bytes"] > 0
+    # --coat-fp8 alone is COAT's memory mode: BF16 gradient buffers (2 bytes per parameter, plus
+    # the buffers' alignment padding on this tiny model), split masters (int16 low words on this
+    # rank's half of the parameters: 1 byte per parameter of the model)
+    per_param = report["bytes_per_parameter"]
+    assert per_param["grads"] == pytest.approx(2.0, abs=0.25), per_param
+    assert per_param["master_weights"] == pytest.approx(1.0, abs=0.15), per_param
+    assert per_param["total"] == pytest.approx(sum(v for k, v in per_param.items() if k != "total"))
     # COAT's state telemetry at every log interval (1 here), printed once (by the last rank)
     stats = TELEMETRY.findall(done.stdout)
     assert [int(s[0]) for s in stats] == [1, 2, 3, 4, 5, 6]
