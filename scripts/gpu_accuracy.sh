@@ -11,6 +11,7 @@
 #   MODES=bf16,coat,bf16@data2,bf16@dp2 ... on nvidia-h200-x2: adds the reduction-order noise floor
 #   PREVIOUS=path/accuracy.tgz ...    # on a fresh machine: unpack the runs of earlier calls first
 #   PRESET=tiny STEPS=6 SEEDS=1,2 ... # the same loop on the tiny preset (a check of the script)
+#   EXTRA="--micro-batch 4 --global-batch 16" ...   # more accuracy.py options
 #
 # Estimate (not yet measured): a gpt-125m step at seq 1024 x 16 takes about 50-80 ms eagerly on an
 # H100, so a run is ~2-3 min (2000 steps, ~25 s start-up, 20 validations of 16 forward passes);
@@ -42,7 +43,8 @@ while :; do
     break
   fi
   start=$SECONDS
-  python3 benchmarks/accuracy.py --preset "$preset" --steps "$steps" --seeds "$seeds" --modes "$modes" --max-runs "$jobs" --jobs "$jobs" --out "$res" \
+  # shellcheck disable=SC2086  # EXTRA: more accuracy.py options, word-split on purpose
+  python3 benchmarks/accuracy.py --preset "$preset" --steps "$steps" --seeds "$seeds" --modes "$modes" ${EXTRA:-} --max-runs "$jobs" --jobs "$jobs" --out "$res" \
     2>&1 | tee -a "$res/accuracy.log"
   rc=${PIPESTATUS[0]}
   last=$((SECONDS - start))

@@ -64,7 +64,10 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
     assert losses["bf16@data2"][0] != losses["bf16"][0]  # another batch at step 1
 
     summary = [json.loads(line) for line in (tmp_path / "accuracy.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in summary] == ["seed", "mean", "verdict"]
+    # the noise-floor reading, then the paired rule for every mode but the noise floor (bf16@data2)
+    assert [r["kind"] for r in summary] == ["seed", "mean", "verdict"] + ["paired_verdict"] * 4
+    assert [r["mode"] for r in summary[3:]] == ["coat", "coat-act", "coat-opt", "bf16@dp2"]
+    assert all(r["met"] is None and r["upper_bound"] == 0.005 for r in summary[3:])  # one seed: no standard error
     seed = summary[0]
     for key in MODES.split(","):
         assert seed["valid"][key] == rows[key]["valid_loss"]
@@ -86,7 +89,8 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
     assert md.index("Validation loss after the last step (the primary figure)") < md.index("Training loss, mean over the last 10%")
     assert f"SHA-256 `{rows['bf16']['corpus_train_sha256']}`" in md and "each byte at most once" in md
     assert "coat-act: the COAT layer spec" in md and "bf16@data2: BF16 with the same initial weights and another order" in md
-    assert "Goal (issue 15): COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors" in md
+    assert "Noise-floor reading: COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors" in md
+    assert "- coat vs BF16 over 1 seed(s), rule mean gap <= 0.25% and mean + 2 se <= 0.50%:" in md
     assert "|gap_coat| <= 2 noise_rms / sqrt(seeds)" in md and ": not judged (standard errors need 2 seeds or more)." in md
 
 
@@ -133,3 +137,17 @@ def test_the_verdict_rule():
     line = script.verdict_line(script.verdict(close, noise, "bf16@data2"))
     assert "COAT +0.200% (its own se " in line and "noise floor bf16@data2: per-seed gaps rms 0.387%, mean +0.100%" in line
     assert line.endswith("**met**.") and "The signed reading" in line
+
+
+def test_paired_verdict_bounds_the_mean_gap_and_its_upper_two_standard_errors():
+    acc = load_script()
+    met = acc.paired_verdict("coat", [0.001, 0.002, 0.0015, 0.0025], "gpt-125m")
+    assert met["met"] and met["gap_mean"] == pytest.approx(0.00175) and met["upper"] < 0.005
+    scattered = acc.paired_verdict("coat", [-0.004, 0.006, -0.003, 0.007], "gpt-125m")  # mean 0.15%, wide scatter
+    assert scattered["met"] is False and "mean + 2 se" in scattered["note"] and "mean gap" not in scattered["note"]
+    high = acc.paired_verdict("te-fp8-delayed", [0.003, 0.0031, 0.0029, 0.003], "gpt-125m")
+    assert high["met"] is False and high["note"].startswith("mean gap +0.300% above 0.25%")
+    assert acc.paired_verdict("coat", [0.001], "gpt-125m")["met"] is None  # one seed: no standard error
+    assert acc.paired_verdict("coat", [0.004], "llama2-7b")["met"]  # one long run, judged on its gap: <= 0.5%
+    assert acc.paired_verdict("coat", [0.003], "gpt-1b")["met"] is False  # <= 0.25%
+    assert "**NOT met**" in acc.paired_verdict_line(high)
