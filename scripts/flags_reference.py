@@ -1,0 +1,176 @@
+"""Write docs/flags.md, the reference of the ``--coat-*`` flags, from the code that defines them.
+
+    python scripts/flags_reference.py           # rewrite docs/flags.md
+    python scripts/flags_reference.py --check   # exit 1, naming the fix, when docs/flags.md is stale
+
+Everything in the table comes from ``coat_patches.arguments`` (the argument group Megatron's
+parser gets: ``add_coat_arguments``, ``KNOBS``, ``flag``, ``EXPANSION_HELP``) and from
+``CoatConfig``'s fields (the defaults), so a new knob or a changed default shows up as a stale
+file, which ``tests/test_docs.py`` reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import MISSING, fields
+from fractions import Fraction
+from pathlib import Path
+
+from coat_megatron.config import SWITCH_VALUES, CoatConfig
+from coat_patches.arguments import EXPANSION_HELP, KNOBS, add_coat_arguments, flag
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET = ROOT / "docs" / "flags.md"
+REGENERATE = "python scripts/flags_reference.py"
+# a help text's own "(default X)" / "(default X; ...)" / "(default X: ...)" note
+STATED_DEFAULT = re.compile(r"\s?\(default ([^\s;:)]+)(\)|; |: )")
+
+
+def render(value) -> str:
+    """A default as it is typed on the command line: on/off, 1/16, 16, e4m3."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        if value.is_integer():
+            return str(int(value))
+        return str(Fraction(value).limit_denominator(1 << 20))
+    return "-" if value is None else str(value)
+
+
+def field_default(name: str) -> str:
+    """The default of CoatConfig field ``name``; a field left unset (None) resolves at construction,
+    so show what ``CoatConfig()`` makes of it and, where switching a part off changes that, say so."""
+    field = next(f for f in fields(CoatConfig) if f.name == name)
+    if field.default is not MISSING and field.default is not None:
+        return render(field.default)
+    default = getattr(CoatConfig(), name)
+    text = render(default)
+    for part in ("optimizer", "activations"):
+        try:
+            other = getattr(CoatConfig(**{part: False}), name)
+        except ValueError:
+            continue
+        if other != default:
+            text += f" ({render(other)} with {flag(part)} off)"
+    return text
+
+
+def meaning(help_text: str, default: str) -> tuple[str, str | None]:
+    """The help text without its own default note (the table has a column for it), and a warning
+    when that note disagrees with CoatConfig."""
+    match = STATED_DEFAULT.search(help_text)
+    if match is None:
+        return help_text, None
+    stated, end = match.groups()
+    if stated != default.split()[0]:
+        return help_text, f"its help text says default {stated}, CoatConfig's default is {default}"
+    replacement = {")": "", "; ": " (", ": ": f" ({stated}: "}[end]
+    return help_text[: match.start()] + replacement + help_text[match.end():], None
+
+
+def values(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.choices is not None:
+        return "\\|".join(str(c) for c in action.choices)
+    if action.metavar:
+        return str(action.metavar).replace("|", "\\|")
+    return {int: "N", float: "X"}.get(action.type, "VALUE")
+
+
+def coat_actions() -> list[argparse.Action]:
+    """The actions of the COAT argument group, in the order ``--help`` lists them."""
+    parser = add_coat_arguments(argparse.ArgumentParser(add_help=False))
+    group = next(g for g in parser._action_groups if any(a.dest == "coat_fp8" for a in g._group_actions))
+    return list(group._group_actions)
+
+
+def build() -> tuple[str, list[str]]:
+    """The text of docs/flags.md, and warnings about the code's own help texts."""
+    rows, warnings = [], []
+    for action in coat_actions():
+        name = action.dest.removeprefix("coat_")
+        option = action.option_strings[0]
+        if name in KNOBS:
+            field = f"`{name}`"
+            default = field_default(name)
+            text, warning = meaning(action.help, default)
+            if warning:
+                warnings.append(f"{option}: {warning}")
+        elif name == "fp8":
+            field, default, text = "", "off", action.help
+        elif name == "expansion":
+            m, v = field_default("m_expansion"), field_default("v_expansion")
+            field, text = "`m_expansion`, `v_expansion`", EXPANSION_HELP
+            default = m if m == v else f"m {m}, v {v}"
+        else:
+            field, default, text = "", render(action.default), action.help
+        shown = f"`{values(action)}`" if values(action) else ""
+        rows.append(f"| `{option}` | {shown} | {default} | {field} | {text.replace('|', '/')} |")
+    flagged = set(KNOBS) | {"m_expansion", "v_expansion"}
+    python_only = [f.name for f in fields(CoatConfig) if f.name not in flagged]
+    words = ", ".join(f"`{w}`" for w in SWITCH_VALUES)
+    lines = [
+        f"<!-- Generated by scripts/flags_reference.py from coat_patches.arguments and CoatConfig: do not edit; run `{REGENERATE}`. -->",
+        "# Flags reference",
+        "",
+        "The `--coat-*` flags that `coat-megatron-run` adds to Megatron's own argument parser "
+        "(`coat-megatron-run SCRIPT [Megatron arguments] --coat-fp8 [--coat-* ...]`). Each knob sets the "
+        "[`CoatConfig`](../coat_megatron/config.py) field beside it (`CoatConfig.from_args`); a knob left out keeps "
+        "the default shown here, which is `CoatConfig()`'s. Knobs without `--coat-fp8` are an error, and so is "
+        "every combination `CoatConfig` refuses: the message names the flag that fixes it.",
+        "",
+        f"Switches (`on|off`) also take {words} (any case); any other word is an error, never a silent off.",
+        "",
+        "| flag | values | default | CoatConfig field | meaning |",
+        "|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    if python_only:
+        lines += ["CoatConfig fields without a flag (Python API only): " + ", ".join(f"`{n}`" for n in python_only) + ".", ""]
+    lines += [
+        "With `--coat-fp8`, Megatron needs `--bf16`; the COAT layers (`--coat-activations on`) need `--swiglu` and "
+        "RMSNorm or LayerNorm; COAT's optimizer (`--coat-optimizer on`) needs `--use-distributed-optimizer` and "
+        "`--optimizer adam`. See [the user guide](user-guide.md) for what each mode costs and "
+        "[troubleshooting](troubleshooting.md) for the errors.",
+        "",
+    ]
+    return "\n".join(lines), warnings
+
+
+def stale_message() -> str | None:
+    """None when docs/flags.md matches the code, else what is wrong and the command that fixes it."""
+    text, _ = build()
+    if not TARGET.exists():
+        return f"{TARGET.relative_to(ROOT)} is missing: run `{REGENERATE}` and commit it"
+    if TARGET.read_text() != text:
+        return (f"{TARGET.relative_to(ROOT)} is stale (the --coat-* flags or CoatConfig's defaults changed): "
+                f"run `{REGENERATE}` and commit docs/flags.md")
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="do not write; exit 1 if docs/flags.md is stale")
+    args = parser.parse_args(argv)
+    text, warnings = build()
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if args.check:
+        message = stale_message()
+        if message:
+            print(message, file=sys.stderr)
+            return 1
+        print(f"{TARGET.relative_to(ROOT)} is up to date")
+        return 0
+    TARGET.parent.mkdir(exist_ok=True)
+    TARGET.write_text(text)
+    print(f"wrote {TARGET.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
