@@ -226,7 +226,8 @@ def quantize_expanded_tile(
         ymax = tl.where(plain, amax, tl.exp2(k * (log2_hi - log2_center)))
     elif EXPAND:
         amin = tl.min(tl.where(ax > 0.0, ax, float("inf")), axis=1)
-        # zero, non-finite or single-magnitude groups: plain absmax (COAT's kernel gives NaN here)
+        # zero, non-finite or single-magnitude groups: plain absmax (COAT's kernel writes NaN codes
+        # here, which its dequantization turns into +centre)
         plain = (amax == 0.0) | (amax == float("inf")) | (amin == amax)
         hi = tl.where(plain, 1.0, amax)
         lo = tl.where(plain, 1.0, amin)

@@ -25,10 +25,23 @@ every state tensor's dtype (torch's would cast them all to a floating-point para
 The update is torch.optim.AdamW's (decoupled weight decay, bias correction, eps outside the square
 root) on FP32 parameters, done by one fused multi-tensor kernel per parameter group
 (``coat_kernels.fp8_adamw_step``) on CUDA, and by its bit-identical torch reference on the CPU.
+
+Nothing non-finite gets in. One inf or NaN gradient element (or one of magnitude 2^63 or more,
+whose square overflows v) would make its quantization group's scale infinite and the group's m and
+v decode to NaN, and so the weights of that whole group, one step later. So ``step()`` first checks
+every gradient it is given (one fused reduction, one host sync) and, if any is unusable, updates
+nothing at all, as Megatron skips a step on found-inf: it counts the step in ``skipped_steps``
+(also in ``telemetry()``) and warns once, or raises with ``nonfinite_grads="raise"``. Inside
+Megatron's distributed optimizer (``adopting``) Megatron decides whether to step. ``load_state_dict``
+refuses, before loading anything, states the step could not use, naming the parameter and the
+field: wrong dtypes or shapes (truncated, or another parameter's), non-finite or non-positive
+scale or centre, k outside the config's [k_min, k_max], inf/NaN codes (or negative ones of v).
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections import defaultdict
 from typing import Iterable, Mapping
 
@@ -41,6 +54,10 @@ from ..config import CoatConfig
 MOMENTS = ("exp_avg", "exp_avg_sq")
 META = ("scale", "k", "center")
 LOW = "master_low"
+NONFINITE_GRADS = ("skip", "raise")
+# Gradients at or above this magnitude count as non-finite: g^2 overflows FP32 near 2^64, and an inf
+# in v gives its whole quantization group an infinite scale (torch's AdamW only freezes the element)
+GRAD_LIMIT = 2.0**63
 
 
 class CoatAdamW(torch.optim.Optimizer):
@@ -60,6 +77,13 @@ class CoatAdamW(torch.optim.Optimizer):
             (bandwidth-bound; within about 2^-16 of the reference), True: IEEE-only math, bit-identical to
             the torch reference on any device (compute-bound on H100/H200). See coat_kernels.expanded.
         backend: "auto" (Triton on CUDA, the torch reference on CPU), "triton" or "reference".
+        nonfinite_grads: what ``step()`` does when any gradient it is given holds inf or NaN (or a
+            value of magnitude 2^63 or more): "skip" (default) updates no parameter, state or step
+            count, counts the step in ``skipped_steps`` and ``telemetry()["skipped_steps"]`` and
+            warns once per instance; "raise" raises ``FloatingPointError``, having updated nothing.
+
+    Attributes:
+        skipped_steps: steps skipped for non-finite gradients by this instance (not checkpointed).
     """
 
     def __init__(
@@ -73,7 +97,10 @@ class CoatAdamW(torch.optim.Optimizer):
         config: CoatConfig | None = None,
         exact_math: bool | None = None,
         backend: str = "auto",
+        nonfinite_grads: str = "skip",
     ):
+        if nonfinite_grads not in NONFINITE_GRADS:
+            raise ValueError(f"nonfinite_grads={nonfinite_grads!r}: use one of {', '.join(map(repr, NONFINITE_GRADS))}")
         if not 0.0 <= lr:
             raise ValueError(f"invalid learning rate {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -88,14 +115,23 @@ class CoatAdamW(torch.optim.Optimizer):
         self.model_params: dict[torch.Tensor, torch.Tensor] = {}
         self._last_underflow: list[torch.Tensor] = []
         self._last_numel = 0
+        self.nonfinite_grads = nonfinite_grads
+        self.skipped_steps = 0
+        self._checks_grads = True
+        self._warned_nonfinite = False
 
     @classmethod
     def adopting(cls, param_groups: list[dict], **kwargs) -> "CoatAdamW":
         """A CoatAdamW that takes over existing param group dicts in place (Megatron's distributed
         optimizer: its groups hold the FP32 main shards and Megatron's own keys). torch's
         constructor is not used for them because it refuses non-leaf tensors, and Megatron's main
-        params of FP32 model params are views of those params (so are their grads)."""
+        params of FP32 model params are views of those params (so are their grads).
+
+        ``step()`` does not check the gradients for inf/NaN here: Megatron decides whether to step
+        from its own found-inf reduction over all ranks, and a rank that skipped on its own would
+        leave its shards a step behind the other ranks' (no extra sync per step either)."""
         opt = cls([torch.zeros(0)], **kwargs)
+        opt._checks_grads = False
         for group in param_groups:
             for key, value in opt.defaults.items():
                 group.setdefault(key, value)
@@ -228,18 +264,21 @@ class CoatAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         c = self.config
-        self._last_underflow = []
-        self._last_numel = 0
         for group in self.param_groups:
             if group.get("amsgrad") or group.get("maximize"):
                 raise ValueError("CoatAdamW supports neither amsgrad nor maximize; set them False")
+            if any(_grad(p) is not None and _grad(p).is_sparse for p in group["params"]):
+                raise RuntimeError("CoatAdamW does not support sparse gradients")
+        if self._checks_grads and self._skip_nonfinite_step():
+            return loss
+        self._last_underflow = []
+        self._last_numel = 0
+        for group in self.param_groups:
             launches = defaultdict(list)
             for p in group["params"]:
                 grad = _grad(p)
                 if grad is None:
                     continue
-                if grad.is_sparse:
-                    raise RuntimeError("CoatAdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
                     self._init_state(p, state)
@@ -264,6 +303,57 @@ class CoatAdamW(torch.optim.Optimizer):
                 )
                 self._last_numel += sum(p.numel() for p in params)
         return loss
+
+    def _skip_nonfinite_step(self) -> bool:
+        """Whether this step must be skipped because a gradient holds inf or NaN, or a value of
+        magnitude ``GRAD_LIMIT`` or more (raises instead with ``nonfinite_grads="raise"``). Checked
+        before anything is touched: one such gradient element would give its group an infinite
+        scale, and m, v and the group's weights NaN."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads, positions = [], []
+        for position, p in enumerate(params):
+            grad = _grad(p)
+            if grad is not None and grad.numel():
+                grads.append(grad)
+                positions.append(position)
+        if not grads:
+            return False
+        by_device = defaultdict(list)
+        for i, grad in enumerate(grads):
+            by_device[grad.device].append(i)
+        amax = torch.zeros(len(grads), dtype=torch.float32)
+        for indices in by_device.values():
+            # the largest magnitude of each gradient (NaN if it holds one); an L2 norm would overflow
+            # on large finite values. One copy to the host per device.
+            amax[indices] = torch.stack(torch._foreach_norm([grads[i] for i in indices], math.inf)).float().cpu()
+        usable = amax < GRAD_LIMIT
+        if bool(usable.all()):
+            return False
+        first = int((~usable).nonzero()[0])
+        found = _describe(positions[first], params[positions[first]])
+        if amax[first].isfinite():
+            found += f" holds {amax[first].item():.3g} (2^63 or more: its square would overflow Adam's FP32 v)"
+        else:
+            found += " holds inf or NaN"
+        if self.nonfinite_grads == "raise":
+            raise FloatingPointError(
+                f"the gradient of {found}: CoatAdamW.step() updated nothing (no weight, state "
+                f"or step count). Find where the non-finite value comes from (e.g. with "
+                f"torch.autograd.set_detect_anomaly), or build CoatAdamW(..., nonfinite_grads='skip') to skip "
+                f"such steps"
+            )
+        self.skipped_steps += 1
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                f"CoatAdamW skipped a step: the gradient of {found}, so no parameter was updated "
+                f"(weights, states and step counts are as before). Skipped steps are counted in skipped_steps and "
+                f"telemetry()['skipped_steps']; this warning is shown once per optimizer. Build "
+                f"CoatAdamW(..., nonfinite_grads='raise') to raise instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return True
 
     # ---------------------------------------------------------------- telemetry
 
@@ -298,8 +388,9 @@ class CoatAdamW(torch.optim.Optimizer):
         return sums, mins, maxs
 
     def telemetry(self) -> dict[str, float]:
-        """Summary of the states after the last step (syncs): k mean/min/max and underflow fraction of m and v."""
-        return summarize_telemetry(*self.telemetry_totals())
+        """Summary of the states after the last step (syncs): k mean/min/max and underflow fraction of m and v,
+        and ``skipped_steps``, the steps this instance skipped for non-finite gradients."""
+        return {**summarize_telemetry(*self.telemetry_totals()), "skipped_steps": float(self.skipped_steps)}
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -334,7 +425,10 @@ class CoatAdamW(torch.optim.Optimizer):
 
         ``masters`` also sets the split master of a parameter the checkpoint has no state for (never
         stepped). Either way the loaded optimizer continues bit for bit as the one that saved
-        would. Everything is checked before anything is loaded.
+        would. Everything is checked before anything is loaded, each parameter's state included:
+        codes uint8 of the parameter's shape, scale/k/center FP32 of ceil(numel / group size)
+        elements, finite and positive, k within the config's [k_min, k_max], master_low int16 of the
+        parameter's shape; an error names the parameter (its index and shape) and the field.
         """
         state_dict = dict(state_dict)
         record = state_dict.pop("coat", None)
@@ -357,6 +451,8 @@ class CoatAdamW(torch.optim.Optimizer):
         saved = {p: state_dict["state"].get(i, {}) for p, i in zip(params, indices)}
         masters = {} if masters is None else masters
         for position, (p, s) in enumerate(saved.items()):
+            self._check_saved_state(position, p, s)
+        for position, (p, s) in enumerate(saved.items()):
             self._check_master_source(position, p, s, masters)
         super().load_state_dict(state_dict)
         with torch.no_grad():
@@ -371,10 +467,89 @@ class CoatAdamW(torch.optim.Optimizer):
                 elif LOW in s and not self._has_low_word(p):  # saved split, loaded into an FP32 parameter
                     p.copy_(join_master(p.detach().to(torch.bfloat16), state.pop(LOW).view(p.shape)))
 
+    def _check_saved_state(self, position: int, p: torch.Tensor, saved: dict) -> None:
+        """Raise unless ``saved`` (p's state in a checkpoint; empty if never stepped) has the fields,
+        shapes, dtypes and values the step needs: a wrong one would crash the step or, worse, make
+        NaN of p's weights (a NaN k, centre or scale decodes every element of its group to NaN)."""
+        if not saved:
+            return
+        what = _describe(position, p)
+        mismatch = (
+            "the checkpoint's states do not belong to these parameters: build CoatAdamW with the parameters it was "
+            "saved from, in the same order and groups"
+        )
+        damaged = "the checkpoint is damaged or was not written by CoatAdamW: load an earlier one"
+        c = self.config
+        groups = -(-p.numel() // c.optimizer_group_size)
+        expected = {"step": None}
+        for moment in MOMENTS:
+            expected[f"{moment}.codes"] = (torch.uint8, tuple(p.shape))
+            expected[f"{moment}.scale"] = (torch.float32, (groups,))
+            if self._fmt(moment)[1]:
+                expected[f"{moment}.k"] = expected[f"{moment}.center"] = (torch.float32, (groups,))
+        missing = [key for key in expected if key not in saved]
+        unknown = [key for key in saved if key not in expected and key != LOW]
+        if missing or unknown:
+            problems = [f"lacks {', '.join(missing)}"] if missing else []
+            problems += [f"has unknown {', '.join(unknown)}"] if unknown else []
+            raise ValueError(f"{what}: its saved state {' and '.join(problems)}: {mismatch}")
+        if LOW in saved:
+            expected[LOW] = (torch.int16, tuple(p.shape))
+        for key, layout in expected.items():
+            value = saved[key]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{what}: its saved {key} is a {type(value).__name__}, not a tensor: {mismatch}")
+            if layout is None:
+                continue
+            dtype, shape = layout
+            if value.dtype != dtype or tuple(value.shape) != shape:
+                raise ValueError(
+                    f"{what}: its saved {key} is {_dtype_name(value.dtype)} of shape {tuple(value.shape)}, "
+                    f"expected {_dtype_name(dtype)} of shape {shape}: {mismatch}"
+                )
+        step = saved["step"]
+        whole = step.numel() == 1 and math.isfinite(float(step)) and float(step) >= 0 and float(step).is_integer()
+        if not whole:
+            raise ValueError(f"{what}: its saved step is {step.tolist()}, not a whole number of steps: {damaged}")
+        for moment in MOMENTS:
+            fmt = self._fmt(moment)[0]
+            for name in META:
+                value = saved.get(f"{moment}.{name}")
+                if value is None:
+                    continue
+                if name == "k":
+                    bad = ~((value >= c.k_min) & (value <= c.k_max))  # NaN included
+                    if bad.any():
+                        raise ValueError(
+                            f"{what}: its saved {moment}.k holds {int(bad.sum())} values outside this config's "
+                            f"[k_min, k_max] = [{c.k_min}, {c.k_max}] (e.g. {value[bad][0].item()}): if the checkpoint "
+                            f"was written with other limits, load it with a CoatConfig whose k_min/k_max include them; "
+                            f"otherwise {damaged}"
+                        )
+                else:
+                    bad = ~(value.isfinite() & (value > 0))
+                    if bad.any():
+                        raise ValueError(
+                            f"{what}: its saved {moment}.{name} holds {int(bad.sum())} values that are not finite and "
+                            f"positive (e.g. {value[bad][0].item()}), which would make NaN of its weights: {damaged}"
+                        )
+            # E4M3 (fn) has NaN codes only (S.1111.111), E5M2 inf and NaN (S.11111.xx); Adam's v is not negative
+            codes = saved[f"{moment}.codes"]
+            exponent = 0x7F if fmt == "e4m3" else 0x7C
+            bad = (codes & exponent) == exponent
+            if moment == "exp_avg_sq":
+                bad |= codes > 0x80
+            if bad.any():
+                raise ValueError(
+                    f"{what}: its saved {moment}.codes hold {int(bad.sum())} FP8 codes that are inf, NaN"
+                    + (" or negative" if moment == "exp_avg_sq" else "")
+                    + f" in {fmt}: {damaged}"
+                )
+
     def _check_master_source(self, position: int, p: torch.Tensor, saved: dict, masters: Mapping) -> None:
         """Raise unless ``load_state_dict`` can set p's master weight exactly from its ``saved``
         state (empty if the checkpoint never stepped p) and ``masters``."""
-        what = f"parameter {position} ({tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
+        what = _describe(position, p)
         if self._has_low_word(p) and LOW not in saved and (saved or p in masters):
             master = masters.get(p)
             if master is None:
@@ -438,6 +613,15 @@ class CoatAdamW(torch.optim.Optimizer):
                 f"{what}: torch.optim.AdamW on these BF16 parameters has no FP32 master weights to carry split ones; "
                 f"read them with master_weight(p), or train FP32 parameters (their own masters; Megatron: save a fully_reshardable checkpoint)"
             )
+
+
+def _describe(position: int, p: torch.Tensor) -> str:
+    """How errors name a parameter: its index in the state dict (param groups in order), shape and dtype."""
+    return f"parameter {position} ({tuple(p.shape)}, {_dtype_name(p.dtype)})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor | None:
