@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -39,10 +40,16 @@ MODEL = [
 TRAINING = [
     "--micro-batch-size", "8", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
     "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-    "--use-distributed-optimizer", "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0", "--seed", "1234",
+    "--use-distributed-optimizer", "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0",
+    "--seed", "1234",
 ]
 MODES = {"BF16": [], "COAT": ["--coat-fp8"]}
-ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) .*elapsed time per iteration \(ms\): ([\d.]+).*lm loss: ([\d.E+-]+)")
+# Megatron's learning-rate schedule needs fewer warm-up iterations than iterations, and warm-up
+# takes at least one (warmup_iters): two is the shortest run that trains.
+MIN_ITERS = 2
+ITERATION_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) .*elapsed time per iteration \(ms\): ([\d.]+).*lm loss: ([\d.E+-]+)"
+)
 
 
 def example_script() -> Path:
@@ -55,42 +62,103 @@ def example_script() -> Path:
     return script
 
 
+def warmup_iters(iters: int) -> int:
+    return max(1, iters // 20)
+
+
 def run(mode: str, flags: list[str], iters: int, out: Path, cpu: bool = False) -> dict:
     """One training run through the launcher; prints its progress; returns its report."""
     report = out / f"{mode.lower()}.json"
     report.unlink(missing_ok=True)
     log_interval = max(1, iters // 10)
     command = [
-        sys.executable, "-m", "coat_patches.launch", *(["--cpu"] if cpu else []), str(example_script()), *MODEL, *TRAINING,
-        "--train-iters", str(iters), "--lr-warmup-iters", str(max(1, iters // 20)), "--log-interval", str(log_interval),
+        sys.executable, "-m", "coat_patches.launch", *(["--cpu"] if cpu else []), str(example_script()),
+        *MODEL, *TRAINING,
+        "--train-iters", str(iters), "--lr-warmup-iters", str(warmup_iters(iters)), "--log-interval", str(log_interval),
         "--coat-report", str(report), *flags,
     ]
     log = out / f"{mode.lower()}.log"
     tail: deque[str] = deque(maxlen=60)
     start = time.perf_counter()
-    with open(log, "w") as f, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+    with (
+        open(log, "w") as f,
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p,
+    ):
         for line in p.stdout:
             f.write(line)
             tail.append(line)
             m = ITERATION_LINE.search(line)
             if m:
                 it, total, ms, loss = m.groups()
-                print(f"  [{mode}] iteration {int(it):>4}/{total}  lm loss {float(loss):.3f}  {float(ms):7.1f} ms/it", flush=True)
+                print(
+                    f"  [{mode}] iteration {int(it):>4}/{total}  lm loss {float(loss):.3f}  {float(ms):7.1f} ms/it",
+                    flush=True,
+                )
     if p.returncode != 0 or not report.is_file():
         sys.stderr.write("".join(tail))
-        raise SystemExit(f"the {mode} run failed (exit code {p.returncode}); its log: {log}\ncommand: {' '.join(command)}")
+        raise SystemExit(
+            f"the {mode} run failed (exit code {p.returncode}); its log: {log}\ncommand: {' '.join(command)}"
+        )
     doc = json.loads(report.read_text())
     doc["wall_seconds"] = time.perf_counter() - start
     return doc
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with an error as one line (and exit code 2) instead of the usage and the error."""
+
+    def error(self, message: str) -> None:
+        print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def iterations(text: str) -> int:
+    try:
+        iters = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number: pass e.g. --iters 200") from None
+    if iters < MIN_ITERS:
+        raise argparse.ArgumentTypeError(
+            f"{iters} is too few to train: Megatron's learning-rate schedule needs more iterations than warm-up ones, "
+            f"and warm-up takes at least one; use --iters {MIN_ITERS} or more"
+        )
+    return iters
+
+
+def prepare_out(out: Path) -> str | None:
+    """Create ``out`` if missing; what is wrong with it as the demo's output directory, or None."""
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file: pass a directory (it is created if missing), e.g. --out coat-demo"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        return (
+            f"--out {out} is not a writable directory ({e.strerror or e}): "
+            f"pass one you can write to, e.g. --out coat-demo"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="coat-megatron-demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--iters", type=int, default=200, help="training iterations per run (default 200: about 2 minutes on 2 CPU cores)")
-    parser.add_argument("--out", type=Path, default=Path("coat-demo"), help="where the logs and reports go (default ./coat-demo)")
+    parser = OneLineErrorParser(prog="coat-megatron-demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--iters", type=iterations, default=200,
+        help=f"training iterations per run, at least {MIN_ITERS} (default 200: about 2 minutes on 2 CPU cores)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("coat-demo"),
+        help="where the logs and reports go, created if missing (default ./coat-demo)",
+    )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is available")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        example_script()
+    except FileNotFoundError as e:
+        parser.error(str(e))
+    if problem := prepare_out(args.out):
+        parser.error(problem)
     start = time.perf_counter()
     reports = {}
     for mode, flags in MODES.items():
@@ -101,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(
         f"{doc['num_layers']}-layer GPT (hidden {doc['hidden_size']}, FFN {doc['ffn_hidden_size']}), "
-        f"{args.iters} iterations of {doc['global_batch_size']} x {doc['seq_length']} bytes of Python docstrings, on {doc['device']}:"
+        f"{args.iters} iterations of {doc['global_batch_size']} x {doc['seq_length']} bytes of Python docstrings, "
+        f"on {doc['device']}:"
     )
     print(table)
     (args.out / "comparison.md").write_text(table + "\n")

@@ -9,7 +9,9 @@
 - ``report``: ``--coat-report PATH``;
 - ``telemetry``: COAT's optimizer-state statistics (k, underflow) at every log interval;
 - on a machine without CUDA (or with ``cpu=True``), ``training_cpu``: the training loop on CPU
-  and gloo, inside ``coat_patches.cpu.megatron_on_cpu()``.
+  and gloo, inside ``coat_patches.cpu.megatron_on_cpu()``;
+- ``argument_errors``, last so that it wraps the other patches' argument hooks: a bad argument
+  ends in one message (Megatron's table of arguments comes out only once every check passed).
 
 Without ``--coat-fp8`` on the command line the hooks pass everything through to Megatron, so a
 patched process trains exactly what the unpatched one would. Every patch checks the megatron-core
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import arguments, model, optimizer, report, telemetry, training_cpu, wheel
+from . import argument_errors, arguments, model, optimizer, report, telemetry, training_cpu, wheel
 from .replacements import Replacements
 
 
@@ -45,6 +47,7 @@ def coat_megatron_patches(cpu: bool | None = None) -> Iterator[None]:
                 patch.install(replacements)
             if cpu:
                 stack.enter_context(training_cpu.install(replacements))
+            argument_errors.install(replacements)
             yield
     finally:
         replacements.restore()

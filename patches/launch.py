@@ -11,6 +11,10 @@ SCRIPT.py`` would; Megatron-LM's ``pretrain_gpt.py`` imports ``gpt_builders`` fr
 the CPU with gloo. A single process started without torchrun gets torchrun's environment for a
 world of one (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a free ``MASTER_PORT``), so
 ``coat-megatron-run pretrain_gpt.py ...`` works on its own.
+
+``coat-megatron-run --coat-help`` lists the ``--coat-*`` flags. A bad command line ends in one
+line on stderr and exit code 2 (``coat_patches.argument_errors``): Megatron's table of arguments
+comes out only once Megatron's and COAT's checks passed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ import runpy
 import socket
 import sys
 
-USAGE = "usage: coat-megatron-run [--cpu] SCRIPT.py [Megatron arguments ...] [--coat-fp8 --coat-* ...]"
+USAGE = (
+    "usage: coat-megatron-run [--cpu] SCRIPT.py [Megatron arguments ...] [--coat-fp8 --coat-* ...]\n"
+    "       coat-megatron-run --coat-help | --help"
+)
+HELP_FLAGS = ("-h", "--help")
 
 
 def _free_port() -> int:
@@ -39,9 +47,9 @@ def single_process_environment() -> None:
 
 
 def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) -> None:
-    """Run ``script`` as ``__main__`` with ``script_args`` inside ``coat_megatron_patches(cpu)``."""
-    from .arguments import CoatArgumentError
-    from .install import coat_megatron_patches
+    """Run ``script`` as ``__main__`` with ``script_args`` inside ``coat_megatron_patches(cpu)``;
+    a bad argument prints one line (on rank 0) and exits with code 2."""
+    from .argument_errors import ARGUMENT_ERRORS, held_output
 
     script = os.path.abspath(script)
     if not os.path.isfile(script):
@@ -50,13 +58,14 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(script))
     try:
-        with coat_megatron_patches(cpu=cpu):
-            runpy.run_path(script, run_name="__main__")
+        with held_output(streams=False):  # megatron-core's import warnings wait for the arguments' check
+            from .install import coat_megatron_patches
+
+            with coat_megatron_patches(cpu=cpu):
+                runpy.run_path(script, run_name="__main__")
         _close_process_groups()
-    except CoatArgumentError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"coat-megatron-run: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    except ARGUMENT_ERRORS as e:
+        _fail(str(e))
 
 
 def _close_process_groups() -> None:
@@ -74,16 +83,80 @@ def _close_process_groups() -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu = None
-    if argv and argv[0] == "--cpu":
-        cpu = True
-        argv.pop(0)
-    if not argv or argv[0] in ("-h", "--help") or not argv[0].endswith(".py"):
-        print(USAGE, file=sys.stderr)
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    while argv and argv[0].startswith("-"):
+        option = argv.pop(0)
+        if option == "--cpu":
+            cpu = True
+        elif option == "--coat-help":
+            _exit_with_help(coat_help=True)
+        elif option in HELP_FLAGS:
+            _exit_with_help()
+        else:
+            _fail(
+                f"{option} is not an option of coat-megatron-run (it has --cpu, --coat-help and --help): "
+                f"Megatron's arguments and the --coat-* flags go after SCRIPT.py"
+            )
+    if not argv:
+        _fail("no pretrain script: pass one first, e.g. coat-megatron-run examples/pretrain_gpt.py --num-layers 2 ...")
+    script, script_args = argv[0], argv[1:]
+    _check_script(script)
     if cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks for a GPU
-    run_script(argv[0], argv[1:], cpu=cpu)
+    if "--coat-help" in script_args:
+        _exit_with_help(coat_help=True)
+    if any(arg in HELP_FLAGS for arg in script_args):
+        _exit_with_script_help(script)
+    run_script(script, script_args, cpu=cpu)
+
+
+def _check_script(script: str) -> None:
+    if not script.endswith(".py"):
+        _fail(
+            f"{script} is not a Python script: pass a pretrain script (a .py file) first, e.g. examples/pretrain_gpt.py"
+        )
+    if not os.path.isfile(script):
+        where = "" if os.path.isabs(script) else f" ({os.path.abspath(script)})"
+        what = "is a directory" if os.path.isdir(script) else "does not exist"
+        _fail(f"{script}{where} {what}: pass the path of a pretrain script, e.g. examples/pretrain_gpt.py")
+
+
+def _fail(message: str) -> None:
+    """The error on stderr (from rank 0 only, under torchrun) and exit code 2, as argparse does."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"coat-megatron-run: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _exit_with_help(coat_help: bool = False) -> None:
+    from .help import coat_flags_help
+
+    _print_help(coat_flags_help() if coat_help else f"{USAGE}\n\n{__doc__.strip()}\n\n{coat_flags_help()}")
+
+
+def _exit_with_script_help(script: str) -> None:
+    """``SCRIPT.py --help``: Megatron's parser prints it where megatron-core can (with the COAT flags);
+    where its help formatting fails, the COAT flags and why Megatron's are missing."""
+    import warnings
+
+    from .help import coat_flags_help, megatron_help_failure
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's import warnings (TransformerEngine or apex missing)
+        failure = megatron_help_failure()
+    if failure is None:
+        return
+    _print_help(
+        f"{USAGE}\n\n{coat_flags_help()}\n\n"
+        f"{os.path.basename(script)} --help: {failure}. Megatron's flags are in megatron/training/arguments.py."
+    )
+
+
+def _print_help(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # coat-megatron-run --help | head
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(0)
 
 
 if __name__ == "__main__":

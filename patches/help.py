@@ -1,0 +1,76 @@
+"""The help of ``coat-megatron-run``: the ``--coat-*`` flags, and why ``SCRIPT.py --help`` cannot show them.
+
+Both texts are generated from the code: the flags from ``arguments.add_coat_arguments`` (so a new
+knob in ``arguments.KNOBS`` is listed by itself) with each default read from ``CoatConfig``; the
+reason Megatron's ``--help`` fails from Megatron's own parser, so that the launcher stops saying
+so once a megatron-core release formats its help again.
+"""
+
+from __future__ import annotations
+
+import argparse
+from fractions import Fraction
+
+from coat_megatron.config import CoatConfig
+
+from .arguments import add_coat_arguments
+
+
+def coat_flags_help() -> str:
+    """Every ``--coat-*`` flag with its meaning and default, as argparse formats a group of options.
+    A help text that does not state its default gets the one a run would use appended."""
+    parser = add_coat_arguments(argparse.ArgumentParser(usage=argparse.SUPPRESS, add_help=False))
+    recipe = CoatConfig()
+    for action in parser._actions:
+        if "default" not in action.help:
+            action.help = f"{action.help} (default {_default_word(action, recipe)})"
+    return parser.format_help().rstrip()
+
+
+def _default_word(action: argparse.Action, recipe: CoatConfig) -> str:
+    """The value a run gets without the flag: the CoatConfig default for a knob (``None`` on the
+    command line means "CoatConfig's default"), else the flag's own default."""
+    name = action.dest.removeprefix("coat_")
+    if name == "expansion":  # sets m_expansion and v_expansion together
+        m, v = recipe.m_expansion, recipe.v_expansion
+        return _word(m) if m == v else f"m {_word(m)}, v {_word(v)}"
+    if name in CoatConfig.__dataclass_fields__:
+        return _word(getattr(recipe, name))
+    return _word(action.default)
+
+
+def _word(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "none"
+    if isinstance(value, float):  # as typed: 16, 1/16
+        return str(Fraction(value).limit_denominator(1 << 20))
+    return str(value)
+
+
+def megatron_help_failure() -> str | None:
+    """Why Megatron's own ``--help`` raises instead of printing, or None where it works.
+
+    argparse %-formats every help string (for ``%(default)s``), and a bare ``%`` in one of
+    Megatron's help texts makes the whole ``--help`` raise ``ValueError``.
+    """
+    import megatron.core.package_info as package_info
+    import megatron.training.arguments as arguments
+
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    try:
+        parser.format_help()
+        return None
+    except (ValueError, TypeError, KeyError) as e:
+        error = e
+    for action in parser._actions:
+        try:
+            (action.help or "") % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError) as e:
+            return (
+                f"Megatron's own --help fails in megatron-core {package_info.__version__}: the help text of "
+                f"{action.option_strings[-1]} ({action.help!r}) has a '%' that argparse's help formatting "
+                f"rejects ({type(e).__name__}: {e})"
+            )
+    return f"Megatron's own --help fails in megatron-core {package_info.__version__}: {type(error).__name__}: {error}"

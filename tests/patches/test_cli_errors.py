@@ -1,0 +1,245 @@
+"""Every bad input of coat-megatron-run and coat-megatron-demo ends in one short message and exit code 2,
+and the --coat-* flags are listed by --coat-help, --help and SCRIPT.py --help.
+
+Most cases fail before Megatron starts and run in well under a second; the few that go through
+Megatron's parser and validate_args (on the CPU) take a few seconds each."""
+
+import argparse
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from coat_patches import demo, launch
+from coat_patches.arguments import KNOBS, CoatArgumentError, add_coat_arguments, flag
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
+# A model every COAT check accepts, for the cases that reach Megatron's validate_args.
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "2",
+    "--lr", "1e-3", "--bf16", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+    "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+]
+ARGUMENT_TABLE = "------------------------ arguments ------------------------"
+
+
+def every_coat_flag() -> list[str]:
+    """The flags add_coat_arguments adds, KNOBS included: what the help must list."""
+    parser = add_coat_arguments(argparse.ArgumentParser(add_help=False))
+    flags = [a.option_strings[0] for a in parser._actions]
+    assert {flag(name) for name in KNOBS} <= set(flags) and "--coat-fp8" in flags
+    return flags
+
+
+def run(module: str, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", module, *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def assert_one_error(done: subprocess.CompletedProcess, *words: str) -> None:
+    """Exit code 2, no traceback, no Megatron argument table, and a short stderr ending in one error
+    message (COAT's lists each problem on a line of its own) that has ``words``."""
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Traceback" not in done.stdout
+    assert ARGUMENT_TABLE not in done.stdout
+    assert len(done.stderr.splitlines()) < 5, done.stderr  # a CPU without a CUDA runtime adds one torch log line
+    assert done.stderr.count("error: ") == 1, done.stderr
+    message = done.stderr[done.stderr.index("error: "):]
+    assert all(w in message for w in words), message
+
+
+# coat-megatron-run: help
+
+
+def test_coat_help_lists_every_flag_with_its_default():
+    done = run("coat_patches.launch", "--coat-help")
+    assert done.returncode == 0, done.stderr
+    entries = {}  # flag -> its help entry (the lines up to the next flag)
+    for line in done.stdout.splitlines():
+        if line.startswith("  --"):
+            current = line.split()[0]
+            entries[current] = line
+        elif line.startswith("   "):
+            entries[current] += " " + line.strip()
+    assert list(entries) == every_coat_flag()
+    for name, (kwargs, help_text) in KNOBS.items():
+        assert help_text.split()[0] in entries[flag(name)]
+    assert all("default" in entry for entry in entries.values()), entries
+    assert "(default off)" in entries["--coat-fp8"] and "(default on)" in entries["--coat-expansion"]
+
+
+def test_launcher_help_has_the_usage_and_the_coat_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: coat-megatron-run [--cpu] SCRIPT.py")
+    assert all(f in out for f in every_coat_flag())
+
+
+def test_script_help_lists_the_coat_flags_and_says_why_megatron_cannot():
+    from coat_patches.help import megatron_help_failure
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        failure = megatron_help_failure()
+    done = run("coat_patches.launch", "--cpu", EXAMPLE, "--num-layers", "2", "--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert all(f in done.stdout for f in every_coat_flag())
+    if failure is not None:  # megatron-core 0.19.2: a bare '%' in one help text
+        assert f"pretrain_gpt.py --help: {failure}" in done.stdout
+
+
+def test_megatron_help_failure_names_the_flag_whose_help_breaks(monkeypatch):
+    import megatron.training.arguments as arguments
+
+    from coat_patches.help import megatron_help_failure
+
+    def megatron_arguments(broken: bool):
+        def add(parser):
+            parser.add_argument("--fine", type=float, help="a fraction (default %(default)s)")
+            parser.add_argument("--broken", type=float, help="headroom (e.g. 1.10 = 10%)." if broken else "headroom")
+            return parser
+        return add
+
+    monkeypatch.setattr(arguments, "add_megatron_arguments", megatron_arguments(broken=True))
+    failure = megatron_help_failure()
+    assert "Megatron's own --help fails" in failure and "--broken" in failure and "--fine" not in failure
+    monkeypatch.setattr(arguments, "add_megatron_arguments", megatron_arguments(broken=False))
+    assert megatron_help_failure() is None
+
+
+# coat-megatron-run: the script
+
+
+def test_missing_script():
+    assert_one_error(run("coat_patches.launch", "nothere.py"), "nothere.py", "does not exist", "pretrain script")
+
+
+def test_script_that_is_not_python(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a script\n")
+    assert_one_error(run("coat_patches.launch", str(notes)), "notes.txt is not a Python script", ".py")
+
+
+def test_no_script_and_unknown_launcher_options():
+    assert_one_error(run("coat_patches.launch"), "no pretrain script", "examples/pretrain_gpt.py")
+    done = run("coat_patches.launch", "--coat-fp8", EXAMPLE)
+    assert_one_error(done, "--coat-fp8 is not an option of coat-megatron-run", "after SCRIPT.py")
+
+
+# coat-megatron-run: Megatron's and COAT's arguments (Megatron's parser and validate_args on the CPU)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--coat-fp8", "--fp8-format", "hybrid"], ["--coat-fp8 cannot run with these arguments"]),
+        (["--coat-group-size", "32"], ["--coat-group-size has no effect without --coat-fp8", "add --coat-fp8"]),
+        (["--coat-fp9"], ["unrecognized arguments: --coat-fp9", "did you mean --coat-fp8?", "--coat-help"]),
+        (["--coat-fp8", "--coat-group-size", "17"], ["argument --coat-group-size: invalid choice: 17"]),
+        (
+            ["--num-attention-heads", "3"],
+            ["Megatron's validate_args refuses the arguments", "num_attention_heads", "arguments.py:"],
+        ),
+    ],
+    ids=["coat-check", "knob-without-coat-fp8", "misspelt-flag", "bad-knob-value", "megatron-check"],
+)
+def test_bad_arguments_end_in_one_line(argv, words):
+    done = run("coat_patches.launch", "--cpu", EXAMPLE, *TINY, *argv)
+    assert_one_error(done, *words)
+    assert done.stdout == ""  # Megatron's start-up lines and argument table were held back and dropped
+
+
+def test_coat_check_runs_before_megatron_prints_its_arguments(monkeypatch, capsys):
+    """In one process: the table comes out when the checks pass, never when COAT's check fails."""
+    import megatron.training.arguments as arguments
+
+    from coat_patches.install import coat_megatron_patches
+
+    def parse_and_validate(*argv):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, *argv])
+        with coat_megatron_patches():
+            arguments.validate_args(arguments.parse_args(), {})
+
+    with pytest.raises(CoatArgumentError, match="drop --fp8-format"):
+        parse_and_validate("--coat-fp8", "--fp8-format", "hybrid")
+    assert ARGUMENT_TABLE not in capsys.readouterr().out
+    parse_and_validate("--coat-fp8")
+    assert ARGUMENT_TABLE in capsys.readouterr().out
+
+
+def test_held_output_is_let_out_in_order_or_dropped_on_an_argument_error(capsys):
+    from coat_patches.argument_errors import held_output
+
+    with warnings.catch_warnings():  # show warnings on stderr, not in pytest's record
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kwargs: print(f"warning: {message}", file=sys.stderr)
+        with held_output(streams=True):
+            print("first")
+            print("second", file=sys.stderr)
+            warnings.warn("third", UserWarning, stacklevel=1)
+            assert capsys.readouterr() == ("", "")  # nothing out yet
+    out, err = capsys.readouterr()
+    assert out == "first\n" and err.index("second") < err.index("third")
+    with pytest.raises(CoatArgumentError), held_output(streams=True):
+        print("the table")
+        raise CoatArgumentError("bad")
+    assert capsys.readouterr() == ("", "")
+
+
+# coat-megatron-demo
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """The demo must refuse bad values before it starts a run."""
+    def run(*args, **kwargs):
+        raise AssertionError("the demo started a training run")
+
+    monkeypatch.setattr(demo, "run", run)
+
+
+@pytest.mark.parametrize("iters", ["0", "-3", "1"])
+def test_demo_refuses_too_few_iterations(iters, no_training, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--iters", iters, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"argument --iters: {iters} is too few" in err
+    assert f"--iters {demo.MIN_ITERS} or more" in err
+
+
+def test_demo_accepts_the_smallest_number_of_iterations(monkeypatch, tmp_path):
+    started = []
+
+    def run(mode, flags, iters, out, cpu=False):
+        started.append(iters)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(demo, "run", run)
+    with pytest.raises(SystemExit):
+        demo.main(["--iters", str(demo.MIN_ITERS), "--out", str(tmp_path)])
+    assert started == [demo.MIN_ITERS] and demo.warmup_iters(demo.MIN_ITERS) < demo.MIN_ITERS
+
+
+def test_demo_out_is_created_or_refused(no_training, capsys, tmp_path):
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("")
+    for out, words in [(a_file, "is a file: pass a directory"), (a_file / "sub", "is not a writable directory")]:
+        with pytest.raises(SystemExit) as e:
+            demo.main(["--iters", "2", "--out", str(out)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {out} {words}" in err, err
+    assert demo.prepare_out(tmp_path / "new" / "dir") is None and (tmp_path / "new" / "dir").is_dir()
+
+
+def test_demo_bad_value_from_the_command_line(tmp_path):
+    assert_one_error(run("coat_patches.demo", "--iters", "0", "--out", str(tmp_path)), "argument --iters: 0 is too few")
+    assert_one_error(run("coat_patches.demo", "--iters", "-3", "--out", str(tmp_path)), "--iters 2 or more")
