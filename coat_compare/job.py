@@ -20,6 +20,12 @@ mode is also reported in its fastest configuration, and the goals compare those.
 ``--dp`` processes share the model (sequence parallel on when ``--tp`` > 1) and rank 0 writes the
 report; ``--search`` and ``--resume-check`` start their own processes (run them with plain python).
 
+Every option is checked before any work: a value the job cannot run is one line on stderr and exit
+status 2, and ``--out`` is made and written to first. Each row is appended to
+``{out}/{name}.partial.jsonl`` as soon as it is measured, so that a job that dies keeps its rows;
+the report replaces that file at the end. The exit status is 1 when a row failed for another
+reason than memory or this machine (the report is written first), else 0.
+
 End-to-end presets train on a byte corpus (``--corpus``: the standard library's docstrings, or
 Python sources of the installed packages; built once into a cache, see ``coat_compare.corpus``),
 each window of text at most once, in the order of ``--data-seed``, and measure the loss on its
@@ -34,8 +40,10 @@ import glob
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,16 +57,32 @@ from .plots import draw
 from .presets import PRESETS, Preset, get_preset
 from .probe import PROBE_MARK, data_args, run_probe
 from .progress import Progress
-from .report import read_jsonl, write_report
+from .report import RowLog, read_jsonl, write_report
 from .resume import resume_check
 from .search import largest_micro_batch, probe_fits
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr and exit status 2, without the usage (a screen of options): each
+    message names the fix, and ``--help`` lists the options."""
+
+    def error(self, message):
+        refuse(message)
+
+
+def refuse(message: str):
+    """End the job before any work: ``message`` (which names the fix) on one line, exit status 2."""
+    print(f"coat-compare: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line, checked whole (``check_args``) before the job starts any work."""
+    p = _Parser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current)")
-    p.add_argument("--steps", type=int, help="optimizer steps (end-to-end presets; default: the preset's)")
+    p.add_argument("--steps", type=int, help="optimizer steps (end-to-end presets; default: the preset's): more than "
+                                             f"the preset's warm-up steps, which are not timed ({warmup_steps_help()})")
     p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
     p.add_argument("--global-batch", type=int, metavar="N",
                    help="sequences per optimizer step (end-to-end presets): each data-parallel rank accumulates the gradients of "
@@ -77,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     data.add_argument("--eval-windows", type=int, metavar="N", help="validation windows of seq + 1 bytes (default: the preset's: 64 tiny, 256 others)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch tp x dp processes with torchrun)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    p.add_argument("--out", default=os.environ.get("OUT", "out"), help="report directory (default $OUT or ./out)")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"),
+                   help="report directory, made if missing and checked writable first (default $OUT or ./out)")
     p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
     p.add_argument("--cuda-graphs", default="none", type=parse_graphs, metavar="LIST",
                    help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
@@ -89,7 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     search.add_argument("--search-start", type=int, default=1)
     search.add_argument("--search-max-micro-batch", type=int, help="do not try beyond this micro-batch")
     search.add_argument("--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed")
-    search.add_argument("--search-steps", type=int, default=6, help="steps per try (default 6: 3 warm-up + 3 timed)")
+    search.add_argument("--search-steps", type=int, default=6,
+                        help="steps per try (default 6): more than the preset's warm-up steps, which are not timed "
+                             f"({warmup_steps_help()})")
     search.add_argument("--fit-memory", type=float, help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)")
     ckpt = p.add_argument_group("checkpoints (end-to-end presets)")
     ckpt.add_argument("--save", metavar="DIR", help="write a dist checkpoint (dp_reshardable) into DIR after --save-step steps, and go on")
@@ -101,25 +128,203 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one run of --search / --resume-check, in its own processes
     p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
     args = p.parse_args(argv)
-    if args.probe and (args.search or args.resume_check):
-        p.error("--probe is one run of --search or --resume-check; give one of them")
-    if args.search and args.resume_check:
-        p.error("--search and --resume-check are separate jobs; run one, then the other")
-    if args.resume_check and args.dp < 2:
-        p.error("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
-    if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
-        p.error("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
-    if args.probe and len(args.cuda_graphs) != 1:
-        p.error("--probe is one run: give one --cuda-graphs value")
-    if args.eval_every and args.cuda_graphs != ["none"]:
-        p.error("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
-                "give --cuda-graphs none, or --eval-every 0")
-    for name in ("corpus_bytes", "eval_windows"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be 1 or more")
-    if args.eval_every is not None and args.eval_every < 0:
-        p.error("--eval-every must be 0 (no validation) or more")
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def warmup_steps_help() -> str:
+    """Each end-to-end preset's warm-up steps, for the help of --steps and --search-steps."""
+    return ", ".join(f"{p.name} {p.warmup_steps}" for p in PRESETS.values() if p.kind == "train")
+
+
+def preset_of(args) -> Preset:
+    """The preset the command line asks for, with its overrides."""
+    names = ("steps", "micro_batch", "global_batch", "seq", "corpus", "corpus_bytes", "eval_every", "eval_windows")
+    overrides = {name: getattr(args, name) for name in names}
+    return get_preset(args.preset).with_overrides(**overrides)
+
+
+END_TO_END = "an end-to-end preset (tiny, gpt-1b, llama2-7b)"
+
+
+def check_args(args) -> None:
+    """Raise ValueError, naming the fix, for a command line the job cannot run: every value is
+    checked here, before the job trains or starts a process, so that a bad one costs nothing."""
+    if args.probe and (args.search or args.resume_check):
+        raise ValueError("--probe is one run of --search or --resume-check; give one of them")
+    if args.search and args.resume_check:
+        raise ValueError("--search and --resume-check are separate jobs; run one, then the other")
+    if args.name is not None and (not args.name or os.sep in args.name):
+        raise ValueError(f"--name {args.name!r} names the report files inside --out: give a file name without "
+                         f"'{os.sep}' (and the directory as --out)")
+    if args.summarize:
+        return
+    if args.resume_check and args.dp < 2:
+        raise ValueError("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
+    if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
+        raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
+    if args.probe and len(args.cuda_graphs) != 1:
+        raise ValueError("--probe is one run: give one --cuda-graphs value")
+    if args.eval_every and args.cuda_graphs != ["none"]:
+        raise ValueError("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
+                         "give --cuda-graphs none, or --eval-every 0")
+    for name in ("micro_batch", "global_batch", "seq", "corpus_bytes", "eval_windows", "search_start",
+                 "search_max_micro_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+    for name in ("search_time_limit", "fit_memory"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be more than 0")
+    if args.eval_every is not None and args.eval_every < 0:
+        raise ValueError(f"--eval-every {args.eval_every}: must be 0 (no validation) or more")
+    if args.search_max_micro_batch is not None and args.search_max_micro_batch < args.search_start:
+        raise ValueError(f"--search-max-micro-batch {args.search_max_micro_batch} is below --search-start "
+                         f"{args.search_start}: give --search-max-micro-batch {args.search_start} or more")
+    parse_modes(args.modes)
+    preset = preset_of(args)
+    check_layout(preset, args)
+    check_steps(preset, args)
+    check_processes(args)
+
+
+def check_layout(preset: Preset, args) -> None:
+    """Raise ValueError, naming the fix, for what --tp / --dp and the checkpoint options cannot do
+    with ``preset``."""
+    if args.tp < 1 or args.dp < 1:
+        raise ValueError(f"--tp {args.tp} --dp {args.dp}: both must be 1 or more")
+    if preset.seq % args.tp:
+        raise ValueError(f"sequence parallel splits the sequence over --tp {args.tp} ranks; --seq {preset.seq} is not "
+                         f"a multiple: use --seq {max(args.tp, preset.seq - preset.seq % args.tp)}")
+    layer = preset.kind == "layer"
+    if layer and args.dp > 1:
+        raise ValueError(f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: "
+                         f"--dp {args.dp} would measure the same layer {args.dp} times; use --tp, or {END_TO_END} "
+                         "for --dp")
+    if layer and args.search:
+        raise ValueError(f"--search finds the largest micro-batch of {END_TO_END}; {preset.name} is a per-layer preset")
+    if args.global_batch is not None:
+        if layer:
+            raise ValueError(f"{preset.name} is one layer's fwd+bwd: --global-batch needs {END_TO_END}")
+        if args.search:
+            raise ValueError("--search measures each micro-batch with one micro-batch per optimizer step: "
+                             "drop --global-batch")
+        preset.micro_batches(args.dp)  # raises, listing the global batches that divide
+    if layer and (args.save or args.load or args.resume_check):
+        raise ValueError(f"{preset.name} is a per-layer preset: checkpoints need {END_TO_END}")
+    if args.resume_check and (args.save or args.load):
+        raise ValueError("--resume-check writes and loads a checkpoint of its own (in --checkpoint-dir): "
+                         "drop --save and --load")
+
+
+def fewest_steps(preset: Preset, first: int = 0) -> int:
+    """The fewest --steps that leave a step to time: training starts at step ``first`` (a
+    checkpoint's step with --load, else 0), and its first ``preset.warmup_steps`` steps are left
+    out of the timing (``train.train``)."""
+    return first + preset.warmup_steps + 1
+
+
+def check_steps(preset: Preset, args) -> None:
+    """Raise ValueError, naming the true minimum, where --steps, --search-steps or --save-step
+    leave nothing to time or save."""
+    warmup = f"{preset.name} leaves its first {preset.warmup_steps} steps out of the timing (warm-up)"
+    if preset.kind == "layer":
+        if args.steps is not None:
+            raise ValueError(f"--steps: {preset.name} times one layer's fwd+bwd, which takes no optimizer steps: "
+                             f"drop --steps, or use {END_TO_END}")
+        return
+    if args.search:
+        if args.search_steps < fewest_steps(preset):
+            raise ValueError(f"--search-steps {args.search_steps} leaves no step of a try to time: {warmup}; "
+                             f"use --search-steps {fewest_steps(preset)} or more")
+        return
+    steps = preset.steps
+    if args.resume_check:
+        check_resume_steps(preset, args.save_step)
+        return
+    first = saved_step(args.load) if args.load else 0
+    if steps < fewest_steps(preset, first):
+        after = f" after the checkpoint's step {first}" if first else ""
+        raise ValueError(f"--steps {steps} leaves no step to time{after}: {warmup}; "
+                         f"use --steps {fewest_steps(preset, first)} or more")
+    if args.save:
+        save_step = steps // 2 if args.save_step is None else args.save_step
+        if not first <= save_step < steps:
+            raise ValueError(f"--save-step {save_step} is not a step of this run (steps {first} .. {steps - 1}), so "
+                             f"--save would write nothing: give --save-step {first} to {steps - 1}")
+
+
+def check_resume_steps(preset: Preset, save_step: int | None) -> None:
+    """--resume-check saves after ``save_step`` steps (half of --steps by default) and resumes
+    there: the runs from the checkpoint time steps of their own after their warm-up."""
+    steps, warmup = preset.steps, f"{preset.warmup_steps} steps out of the timing ({preset.name}'s warm-up)"
+    if save_step is None:
+        fewest = max(2, 2 * preset.warmup_steps + 1)  # the least n with 0 < n // 2 and n // 2 + warm-up < n
+        if steps < fewest:
+            raise ValueError(f"--steps {steps}: --resume-check saves after half of the steps and resumes there, and "
+                             f"each run leaves its first {warmup}; use --steps {fewest} or more (or --save-step)")
+        return
+    if save_step < 1:
+        raise ValueError(f"--save-step {save_step}: --resume-check resumes from a checkpoint written after step 1 or "
+                         "later: give --save-step 1 or more")
+    if steps < fewest_steps(preset, save_step):
+        raise ValueError(f"--steps {steps} leaves no step to time after --save-step {save_step}: the resumed runs "
+                         f"leave their first {warmup}; use --steps {fewest_steps(preset, save_step)} or more "
+                         "(or a smaller --save-step)")
+
+
+def saved_step(directory: str) -> int:
+    """The optimizer step the checkpoint in ``directory`` was written after (``--save``), read
+    from its common state (no process group needed)."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--load {directory}: no such directory; give the DIR an earlier --save DIR wrote")
+    from megatron.core import dist_checkpointing
+
+    try:
+        with warnings.catch_warnings():  # torch's note that it reads without a process group, the intent here
+            warnings.simplefilter("ignore", UserWarning)
+            common = dist_checkpointing.load_common_state_dict(directory)
+    except Exception as e:  # noqa: BLE001 - whatever the reader says, the directory holds no checkpoint it can read
+        cause = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"--load {directory}: not a checkpoint this job can read ({type(e).__name__}: {cause}); "
+                         "give the DIR an earlier --save DIR wrote") from None
+    step = common.get("step") if isinstance(common, dict) else None
+    if step is None:
+        raise ValueError(f"the checkpoint in {directory} has no step: write it with coat-compare --save")
+    return int(step)
+
+
+def check_processes(args) -> None:
+    """The processes this job runs in: ``--search`` and ``--resume-check`` start their own, any
+    other job is ``--tp`` x ``--dp`` processes of torchrun (one without it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (args.search or args.resume_check) and not args.probe:
+        if world > 1:
+            raise ValueError(f"run {'--search' if args.search else '--resume-check'} with plain python, not under "
+                             "torchrun: it starts its own --tp x --dp processes for each run")
+    elif args.tp * args.dp != world:
+        raise ValueError(f"--tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} processes, but this job has {world}: "
+                         f"launch with torchrun --nproc-per-node {args.tp * args.dp} -m coat_compare ...")
+
+
+def check_directory(path: str, option: str, create: bool = True) -> None:
+    """Make ``path`` (when ``create``) and prove it writable by writing and deleting a file there;
+    raise ValueError naming the fix when it is not a directory this job can write into."""
+    fix = f"give {option} a directory you can write to"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a file, not a directory: {fix}")
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".coat-compare-write-check-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}): {fix}") from None
 
 
 def preset_for(preset: Preset, graphs: str) -> Preset:
@@ -143,35 +348,82 @@ def parse_graphs(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """The job: 0 when every row ran (or ran out of memory, or cannot run on this machine), 1 when
+    a row failed otherwise (after the report is written), 2 for a command line it cannot run."""
     args = parse_args(argv)
     if args.summarize:
+        if os.path.isdir(args.out):
+            try:
+                check_directory(args.out, "--out", create=False)
+            except ValueError as e:
+                refuse(str(e))
         return summarize(args.out)
-    preset = get_preset(args.preset).with_overrides(steps=args.steps, micro_batch=args.micro_batch, global_batch=args.global_batch,
-                                                    seq=args.seq, corpus=args.corpus,
-                                                    corpus_bytes=args.corpus_bytes, eval_every=args.eval_every, eval_windows=args.eval_windows)
-    modes = parse_modes(args.modes)
-    check_layout(preset, args)
-    if args.search or args.resume_check:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise SystemExit(f"run {'--search' if args.search else '--resume-check'} with plain python, not under torchrun: "
-                             "it starts its own --tp x --dp processes for each run")
-        rows = search_all(args, preset, modes) if args.search else resume_all(args, preset, modes)
-        name = args.name or f"{preset.name}-{'search' if args.search else 'resume'}"
-    elif isolate_runs(preset, args):
-        rows = [run_isolated(preset, mode, args, graphs) for mode in modes for graphs in graph_runs(preset, args)]
-        name = args.name or preset.name
-    else:
-        with contextlib.ExitStack() as stack:
-            parallel.initialize(args.tp, args.dp, stack)
-            rows = [run_mode(preset, mode, args, graphs) for mode in modes for graphs in graph_runs(preset, args)]
-        if args.probe:
-            if parallel.is_main_rank():
-                print(PROBE_MARK + json.dumps(rows[0]), flush=True)
-            return 0
-        name = args.name or preset.name
+    preset, modes = preset_of(args), parse_modes(args.modes)
+    try:
+        prepare(preset, modes, args)
+    except ValueError as e:
+        refuse(str(e))
+    name = args.name or preset.name + ("-search" if args.search else "-resume" if args.resume_check else "")
+    # rank 0 writes (the process group is joined later, so its rank is torchrun's)
+    log = RowLog(args.out, name, enabled=not args.probe and int(os.environ.get("RANK", "0")) == 0)
+    try:
+        if args.search:
+            search_all(args, preset, modes, log.add)
+        elif args.resume_check:
+            resume_all(args, preset, modes, log.add)
+        elif isolate_runs(preset, args):
+            for mode in modes:
+                for graphs in graph_runs(preset, args):
+                    log.add(run_isolated(preset, mode, args, graphs))
+        else:
+            with contextlib.ExitStack() as stack:
+                parallel.initialize(args.tp, args.dp, stack)
+                for mode in modes:
+                    for graphs in graph_runs(preset, args):
+                        log.add(run_mode(preset, mode, args, graphs))
+            if args.probe:
+                if parallel.is_main_rank():
+                    print(PROBE_MARK + json.dumps(log.rows[0]), flush=True)
+                return 0
+        if parallel.is_main_rank():
+            report(args.out, name, preset, log.rows, plots=not args.no_plots)
+    except BaseException as e:
+        if log.path and log.rows:
+            print(f"coat-compare: the job stopped ({type(e).__name__}); the rows it measured ({len(log.rows)}) are in "
+                  f"{log.path}", file=sys.stderr, flush=True)
+        raise
+    log.finish()
+    return exit_status(log.rows)
+
+
+def prepare(preset: Preset, modes: list[Mode], args) -> None:
+    """Before any work: make the directories the job writes into and prove them writable, and check
+    that the training text lasts the run; raise ValueError naming the fix."""
+    if not args.probe:
+        check_directory(args.out, "--out")
+    if args.save:
+        check_directory(args.save, "--save")
+    if args.resume_check and args.checkpoint_dir:
+        check_directory(args.checkpoint_dir, "--checkpoint-dir")
+    runs = any(why_not_here(preset, mode) is None for mode in modes)
+    # a probe's job checked it already; a search try is a few steps
+    if preset.kind == "train" and runs and not args.probe and not args.search:
+        from .train import training_windows
+
+        training_windows(preset, args.seed if args.data_seed is None else args.data_seed, args.dp)
+
+
+def exit_status(rows: list[dict]) -> int:
+    """1 when a row failed for another reason than memory ("oom") or this machine ("skipped": no
+    TransformerEngine, no GPU), saying which on stderr; else 0."""
+    failed = [r for r in rows if r.get("status") == "failed"]
+    if not failed:
+        return 0
     if parallel.is_main_rank():
-        report(args.out, name, preset, rows, plots=not args.no_plots)
-    return 0
+        first = failed[0]
+        print(f"coat-compare: {len(failed)} of {len(rows)} rows failed, the first {first.get('mode')} "
+              f"(graphs: {first.get('graphs', 'none')}): {first.get('reason', '')}", file=sys.stderr, flush=True)
+    return 1
 
 
 def graph_runs(preset: Preset, args) -> list[str]:
@@ -249,50 +501,27 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
     return row
 
 
-def check_layout(preset: Preset, args) -> None:
-    """Refuse, naming the fix, what --tp / --dp and the checkpoint options cannot do with ``preset``."""
-    if args.tp < 1 or args.dp < 1:
-        raise SystemExit(f"--tp {args.tp} --dp {args.dp}: both must be 1 or more")
-    if preset.seq % args.tp:
-        raise SystemExit(f"sequence parallel splits the sequence over --tp {args.tp} ranks; --seq {preset.seq} is not a multiple: use --seq {preset.seq - preset.seq % args.tp}")
-    if preset.kind == "layer" and args.dp > 1:
-        raise SystemExit(f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: --dp {args.dp} would measure "
-                         f"the same layer {args.dp} times; use --tp, or an end-to-end preset (tiny, gpt-1b, llama2-7b) for --dp")
-    if args.global_batch is not None:
-        if preset.kind == "layer":
-            raise SystemExit(f"{preset.name} is one layer's fwd+bwd: --global-batch needs an end-to-end preset (tiny, gpt-1b, llama2-7b)")
-        if args.search:
-            raise SystemExit("--search measures each micro-batch with one micro-batch per optimizer step: drop --global-batch")
-        try:
-            preset.micro_batches(args.dp)
-        except ValueError as e:
-            raise SystemExit(str(e)) from None
-    if preset.kind == "layer" and (args.save or args.load or args.resume_check):
-        raise SystemExit(f"{preset.name} is a per-layer preset: checkpoints need an end-to-end preset (tiny, gpt-1b, llama2-7b)")
-
-
-def resume_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
-    """The checkpoint-resume check (``resume``) of each mode."""
+def resume_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) -> list[dict]:
+    """The checkpoint-resume check (``resume``) of each mode, each row handed to ``keep`` when done."""
     rows = []
     for mode in modes:
         row = new_row("resume", preset, mode, args)
         if row.get("status") == "skipped":
-            rows.append(row)
+            rows.append(keep(row))
             continue
         print(f"{preset.name} {mode.name}: checkpoint at DP {args.dp}, resumed at DP 1 and DP {args.dp}", file=sys.stderr, flush=True)
-        rows.append(resume_check(args, preset, mode, row))
+        rows.append(keep(resume_check(args, preset, mode, row)))
     return rows
 
 
-def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
-    """The largest micro-batch of each mode (end-to-end presets), each try a fresh process."""
-    if preset.kind != "train":
-        raise SystemExit(f"--search finds the largest micro-batch of an end-to-end preset; {preset.name} is a per-layer preset")
+def search_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) -> list[dict]:
+    """The largest micro-batch of each mode (end-to-end presets), each try a fresh process; each row
+    handed to ``keep`` when done."""
     rows = []
     for mode, graphs in [(m, g) for m in modes for g in args.cuda_graphs]:
         row = new_row("search", preset, mode, args, graphs)
         if row.get("status") == "skipped":
-            rows.append(row)
+            rows.append(keep(row))
             continue
         # a try measures fit and speed: no validation
         probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
@@ -312,7 +541,7 @@ def search_all(args, preset: Preset, modes: list[Mode]) -> list[dict]:
                    tokens_per_s=top.result.get("tokens_per_s") if top else None, peak_MiB=top.result.get("peak_MiB") if top else None,
                    tokens_per_s_per_gpu=top.result.get("tokens_per_s_per_gpu") if top else None,
                    step_ms=top.result.get("step_ms") if top else None)
-        rows.append(row)
+        rows.append(keep(row))
     return rows
 
 
@@ -360,7 +589,10 @@ def report(out: str, name: str, preset: Preset, rows: list[dict], plots: bool = 
     os.makedirs(out, exist_ok=True)
     notes = []
     if plots:
-        _, note = draw(out, name, rows)
+        try:
+            _, note = draw(out, name, rows)
+        except Exception as e:  # noqa: BLE001 - a plot that fails must not cost the tables
+            note = f"Plots failed ({type(e).__name__}: {e}); the tables hold every number."
         notes.append(note)
     header = [f"{preset.description}. {versions()}. Command: `coat-compare {' '.join(sys.argv[1:])}`", *data_lines(rows)]
     _, md = write_report(out, name, f"coat-compare: {name}", header, rows, evaluate(rows), notes)
@@ -389,11 +621,16 @@ def data_lines(rows: list[dict]) -> list[str]:
 
 def summarize(out: str) -> int:
     """Every report in ``out`` in one markdown file, with the goals judged on all of them."""
-    paths = sorted(p for p in glob.glob(os.path.join(out, "*.jsonl")) if os.path.basename(p) != "summary.jsonl")
+    every = sorted(glob.glob(os.path.join(out, "*.jsonl")))
+    partial = [p for p in every if p.endswith(RowLog.SUFFIX)]
+    paths = [p for p in every if os.path.basename(p) != "summary.jsonl" and p not in partial]
     if not paths:
-        raise SystemExit(f"no *.jsonl reports in {out}: run coat-compare --out {out} first")
+        refuse(f"no *.jsonl reports in {out}: run coat-compare --out {out} first")
     rows = [r for p in paths for r in read_jsonl(p) if r.get("kind") != "goal"]
     header = [f"Combined from {', '.join(os.path.basename(p) for p in paths)}."]
+    if partial:  # a job that died: its rows may repeat those of an earlier report of the same name
+        names = ", ".join(os.path.basename(p) for p in partial)
+        header.append(f"Left out the rows of jobs that did not finish ({names}): rename one to NAME.jsonl to count it.")
     _, md = write_report(out, "summary", "coat-compare summary", header, rows, evaluate(rows, every_goal=True), [])
     with open(md) as f:
         print(f.read())

@@ -16,13 +16,43 @@ import json
 import os
 
 from .flops import FORMULA
-from .goals import Goal, best, group_name, groups, layout
+from .goals import NOT_APPLICABLE, Goal, best, group_name, groups, layout
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
+
+
+class RowLog:
+    """The rows of a job as they come: each appended to ``{out}/{name}.partial.jsonl`` as soon as it
+    is measured (and flushed to disk), so that a job that dies later keeps every row it measured;
+    ``finish`` deletes that file once the whole report (``write_report``) is written. With
+    ``enabled`` False (a probe, a rank other than 0) the rows are kept in memory only."""
+
+    SUFFIX = ".partial.jsonl"
+
+    def __init__(self, out: str, name: str, enabled: bool = True):
+        self.rows: list[dict] = []
+        self.path = os.path.join(out, name + self.SUFFIX) if enabled else None
+        if self.path:
+            os.makedirs(out, exist_ok=True)
+            open(self.path, "w").close()
+
+    def add(self, row: dict) -> dict:
+        """Keep ``row`` and append it to the file; returns it."""
+        self.rows.append(row)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        return row
+
+    def finish(self) -> None:
+        if self.path and os.path.exists(self.path):
+            os.remove(self.path)
 
 
 def write_markdown_and_rows(out: str, name: str, text: str, rows: list[dict]) -> None:
@@ -229,9 +259,10 @@ def same_batch_table(rows: list[dict]) -> list[str]:
 
 
 def goals_table(goals: list[Goal]) -> list[str]:
+    """met: yes, NO, n/a (not applicable here: a speed goal measured on a CPU) or - (not measured)."""
     lines = ["| goal | preset | target | measured | met | missed by | note |", "|---|---|---|---|---|---|---|"]
     for g in goals:
-        met = "-" if g.met is None else ("yes" if g.met else "NO")
+        met = ("n/a" if g.note.startswith(NOT_APPLICABLE) else "-") if g.met is None else ("yes" if g.met else "NO")
         lines.append(f"| {g.goal} | {g.preset} | {g.target} | {_fmt(g.measured)} | {met} | {g.missed_by} | {g.note} |")
     return lines
 

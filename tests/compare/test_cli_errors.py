@@ -1,0 +1,327 @@
+"""coat-compare refuses what it cannot run before any work, keeps every row it measured, and says
+in its exit status whether a row failed.
+
+- A bad value (steps that leave nothing to time, a micro-batch, sequence or global batch below 1, a
+  layout that does not divide, an --out that cannot be written) is one line on stderr and exit
+  status 2: no traceback, nothing trained, no process started.
+- Each row is appended to ``{out}/{name}.partial.jsonl`` as it is measured; a job that dies later
+  leaves its rows there, a job that finishes replaces the file by its report.
+- A failed row (not out of memory, not a skip) makes the exit status 1, after the report.
+- Speed goals judged on CPU rows are "not applicable" (n/a), memory goals are judged.
+
+The in-process tests replace the work (training, process start) with a function that fails the
+test if called; the subprocess tests run the command as a user does.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coat_compare import job, parallel
+from coat_compare.goals import evaluate
+from coat_compare.report import RowLog, goals_table, read_jsonl
+from coat_compare.search import Try
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any training, process start or process group fails the test: a refusal must come first."""
+    def started(*args, **kwargs):
+        raise AssertionError("the job started work on a command line it should have refused")
+
+    for name in ("run_mode", "run_isolated", "search_all", "resume_all"):
+        monkeypatch.setattr(job, name, started)
+    monkeypatch.setattr(parallel, "initialize", started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def refused(argv, capsys) -> str:
+    """Run the job in-process on ``argv``; assert exit status 2 and one short line; return it."""
+    with pytest.raises(SystemExit) as e:
+        job.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err  # one line, not a usage screen or a traceback
+    assert lines[0].startswith("coat-compare: error: ") and "Traceback" not in err
+    return lines[0]
+
+
+BAD = [
+    # steps: tiny leaves its first 2 steps out of the timing, so 3 is the fewest
+    (["--steps", "0"], ["--steps 0 leaves no step to time", "use --steps 3 or more"]),
+    (["--steps", "-5"], ["--steps -5", "use --steps 3 or more"]),
+    (["--steps", "2"], ["--steps 2", "use --steps 3 or more"]),
+    (["--preset", "gpt-1b", "--steps", "3"], ["gpt-1b leaves its first 3 steps", "use --steps 4 or more"]),
+    (["--micro-batch", "0"], ["--micro-batch 0: must be 1 or more"]),
+    (["--micro-batch", "-1"], ["--micro-batch -1: must be 1 or more"]),
+    (["--seq", "0"], ["--seq 0: must be 1 or more"]),
+    (["--global-batch", "0"], ["--global-batch 0: must be 1 or more"]),
+    (["--global-batch", "7", "--micro-batch", "2"], ["global batch 7 is not a multiple of micro-batch 2 x DP 1",
+                                                     "use --global-batch 2, 4, 6, 8"]),
+    (["--tp", "0"], ["--tp 0 --dp 1: both must be 1 or more"]),
+    (["--dp", "-1"], ["--tp 1 --dp -1: both must be 1 or more"]),
+    (["--tp", "2"], ["launch with torchrun --nproc-per-node 2"]),
+    (["--search", "--search-steps", "2"], ["--search-steps 2 leaves no step of a try to time",
+                                           "use --search-steps 3 or more"]),
+    (["--search", "--search-steps", "0"], ["use --search-steps 3 or more"]),
+    (["--search", "--search-start", "0"], ["--search-start 0: must be 1 or more"]),
+    (["--search", "--global-batch", "8"], ["drop --global-batch"]),
+    (["--preset", "tiny-layer", "--steps", "5"], ["drop --steps"]),
+    (["--resume-check", "--dp", "2", "--steps", "4"], ["use --steps 5 or more"]),
+    (["--resume-check", "--dp", "2", "--steps", "6", "--save-step", "4"], ["use --steps 7 or more"]),
+    (["--save", "{tmp}/ckpt", "--save-step", "40"], ["--save-step 40 is not a step of this run",
+                                                     "give --save-step 0 to 39"]),
+    (["--load", "{tmp}/missing"], ["--load", "no such directory"]),
+    (["--modes", "bf16,fp4"], ["unknown mode 'fp4'"]),
+    (["--name", "a/b"], ["give a file name without '/'"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_value_is_one_line_and_exit_2_before_any_work(argv, words, tmp_path, capsys, no_work):
+    out = tmp_path / "out"
+    line = refused([a.format(tmp=tmp_path) for a in argv] + ["--out", str(out)], capsys)
+    for word in words:
+        assert word in line, line
+    assert not out.exists()  # refused before --out was made
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_the_fewest_steps_train(capsys, no_work):
+    """The minimum the messages name is the true one: it parses (and test_job runs tiny at 4)."""
+    assert job.parse_args(["--steps", "3"]).steps == 3
+    assert job.parse_args(["--preset", "gpt-1b", "--steps", "4"]).steps == 4
+    assert job.parse_args(["--resume-check", "--dp", "2", "--steps", "5"]).steps == 5
+    assert job.parse_args(["--search", "--search-steps", "3"]).search_steps == 3
+
+
+def test_a_checkpoint_step_counts_toward_the_fewest_steps(tmp_path, capsys, no_work, monkeypatch):
+    """With --load, training starts at the checkpoint's step: that step counts too."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.setattr(job, "saved_step", lambda directory: 4)
+    line = refused(["--load", str(tmp_path / "ckpt"), "--steps", "6", "--out", str(tmp_path / "out")], capsys)
+    assert "--steps 6 leaves no step to time after the checkpoint's step 4" in line and "use --steps 7 or more" in line
+    assert job.parse_args(["--load", str(tmp_path / "ckpt"), "--steps", "7"]).steps == 7
+
+
+def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path, capsys, no_work):
+    """Reading the checkpoint imports Megatron, which on a machine without CUDA may log a line of
+    its own first (torch's cpp_extension): the refusal is the last line."""
+    with pytest.raises(SystemExit) as e:
+        job.main(["--load", str(tmp_path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) < 4 and "Traceback" not in err, err
+    assert lines[-1].startswith(f"coat-compare: error: --load {tmp_path}: not a checkpoint"), err
+    assert lines[-1].endswith("give the DIR an earlier --save DIR wrote")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["proc", "file", "under-a-file", "unwritable"])
+def test_an_out_that_cannot_be_written_is_refused_at_once(where, tmp_path, capsys, no_work, monkeypatch):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    out = {"proc": "/proc/coat-compare-out", "file": str(a_file), "under-a-file": str(a_file / "out"),
+           "unwritable": str(tmp_path / "read-only")}[where]
+    if where == "unwritable":  # as root, permissions do not stop a write: the write itself fails here
+        def denied(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(job.tempfile, "mkstemp", denied)
+    line = refused(["--out", out], capsys)
+    assert f"--out {out}" in line and "give --out a directory you can write to" in line
+    why = {"proc": "No such file or directory", "file": "is a file, not a directory", "under-a-file": "Not a directory",
+           "unwritable": "Permission denied"}
+    assert why[where] in line
+    assert a_file.read_text() == "x"
+
+
+def test_the_out_check_leaves_no_file_behind(tmp_path):
+    job.check_directory(str(tmp_path / "new" / "out"), "--out")
+    assert (tmp_path / "new" / "out").is_dir() and list((tmp_path / "new" / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], ["--steps 0 leaves no step to time", "use --steps 3 or more"]),
+    (["--micro-batch", "-1"], ["--micro-batch -1: must be 1 or more"]),
+    (["--out", "/proc/coat-compare-out"], ["--out /proc/coat-compare-out: cannot write there"]),
+])
+def test_the_command_prints_one_line_and_exits_2(argv, words, tmp_path):
+    out = ["--out", str(tmp_path / "out")] if "--out" not in argv else []
+    proc = subprocess.run([sys.executable, "-m", "coat_compare", *argv, *out], capture_output=True, text=True,
+                          timeout=120, env=_env(), check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(word in lines[0] for word in words), lines
+    assert proc.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_a_job_that_dies_after_its_first_row_keeps_it(tmp_path):
+    """A real bf16 row, then the coat run is interrupted: the bf16 row is on disk."""
+    driver = ("import sys\n"
+              "from coat_compare import job\n"
+              "real = job.run_mode\n"
+              "def run_mode(preset, mode, args, graphs='none'):\n"
+              "    if mode.name == 'coat':\n"
+              "        raise KeyboardInterrupt\n"
+              "    return real(preset, mode, args, graphs)\n"
+              "job.run_mode = run_mode\n"
+              "sys.exit(job.main(sys.argv[1:]))\n")
+    argv = ["--modes", "bf16,coat", "--steps", "3", "--out", str(tmp_path), "--no-plots"]
+    proc = subprocess.run([sys.executable, "-c", driver, *argv], capture_output=True, text=True, timeout=300,
+                          env=_env(), check=False)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    partial = tmp_path / "tiny.partial.jsonl"
+    assert f"the rows it measured (1) are in {partial}" in proc.stderr
+    (row,) = read_jsonl(partial)
+    assert (row["mode"], row["status"], len(row["losses"])) == ("bf16", "ok", 3)
+    assert not (tmp_path / "tiny.jsonl").exists() and not (tmp_path / "tiny.md").exists()
+
+
+def _fake_run_mode(statuses: dict):
+    """``run_mode`` that measures nothing: each mode's row with the status (and reason) given."""
+    def run_mode(preset, mode, args, graphs="none"):
+        status, reason = statuses[mode.name]
+        return {**job.new_row(preset.kind, preset, mode, args, graphs), "status": status, "reason": reason}
+
+    return run_mode
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """The job in this process without a process group (its rows come from a fake run_mode)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(parallel, "initialize", lambda tp, dp, stack: None)
+
+
+def test_rows_measured_before_the_report_fails_stay_on_disk(tmp_path, monkeypatch, in_process):
+    monkeypatch.setattr(job, "run_mode", _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"),
+                                                         "coat": ("oom", "out of memory at micro-batch 8")}))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(job, "write_report", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"])
+    rows = read_jsonl(tmp_path / "tiny.partial.jsonl")
+    assert [(r["mode"], r["status"]) for r in rows] == [("bf16", "oom"), ("coat", "oom")]
+
+
+def test_a_failed_row_exits_1_after_the_report(tmp_path, monkeypatch, capsys, in_process):
+    monkeypatch.setattr(job, "run_mode", _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"),
+                                                         "coat": ("failed", "RuntimeError: boom")}))
+    assert job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 1
+    assert "| coat | none | failed: RuntimeError: boom |" in (tmp_path / "tiny.md").read_text()
+    assert [r["status"] for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"] == ["oom", "failed"]
+    assert not (tmp_path / "tiny.partial.jsonl").exists()  # the report replaced it
+    err = capsys.readouterr().err
+    assert "coat-compare: 1 of 2 rows failed, the first coat (graphs: none): RuntimeError: boom" in err
+
+
+def test_out_of_memory_and_skipped_rows_exit_0(tmp_path, monkeypatch, in_process):
+    monkeypatch.setattr(job, "run_mode", _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"),
+                                                         "coat": ("skipped", "CUDA graphs need a CUDA GPU")}))
+    assert job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 0
+    assert [r["status"] for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"] == ["oom", "skipped"]
+
+
+def test_search_rows_are_kept_as_each_mode_is_done(tmp_path, monkeypatch, in_process):
+    def probe_fits(args, world_size, fit_memory_gib):
+        if args[args.index("--modes") + 1] == "coat":
+            raise KeyboardInterrupt
+        return lambda n: Try(n, n <= 2, "" if n <= 2 else "OOM", {"tokens_per_s": 100.0 * n, "peak_MiB": 10.0 * n})
+
+    monkeypatch.setattr(job, "probe_fits", probe_fits)
+    with pytest.raises(KeyboardInterrupt):
+        job.main(["--modes", "bf16,coat", "--search", "--out", str(tmp_path), "--no-plots"])
+    (row,) = read_jsonl(tmp_path / "tiny-search.partial.jsonl")
+    assert (row["kind"], row["mode"], row["largest_micro_batch"]) == ("search", "bf16", 2)
+
+
+def test_a_failed_resume_check_exits_1(tmp_path, monkeypatch, in_process):
+    monkeypatch.setattr(job, "resume_check", lambda args, preset, mode, row: {**row, "status": "failed",
+                                                                               "reason": "resumed_dp1 (DP 1): it died"})
+    assert job.main(["--modes", "coat", "--resume-check", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
+    (row,) = read_jsonl(tmp_path / "tiny-resume.jsonl")
+    assert (row["kind"], row["status"]) == ("resume", "failed")
+    assert not (tmp_path / "tiny-resume.partial.jsonl").exists()
+
+
+def test_a_row_log_writes_each_row_at_once_and_only_where_enabled(tmp_path):
+    log = RowLog(str(tmp_path), "x")
+    log.add({"mode": "a"})
+    assert read_jsonl(tmp_path / "x.partial.jsonl") == [{"mode": "a"}]  # on disk before the next row
+    log.add({"mode": "b"})
+    assert [r["mode"] for r in read_jsonl(tmp_path / "x.partial.jsonl")] == ["a", "b"]
+    log.finish()
+    assert list(tmp_path.iterdir()) == []
+    quiet = RowLog(str(tmp_path), "y", enabled=False)  # a probe, or a rank other than 0
+    quiet.add({"mode": "a"})
+    assert quiet.rows == [{"mode": "a"}] and list(tmp_path.iterdir()) == []
+
+
+def test_summary_leaves_out_the_rows_of_a_job_that_did_not_finish(tmp_path, capsys):
+    row = {"kind": "train", "preset": "tiny", "mode": "bf16", "family": "bf16", "status": "oom",
+           "reason": "out of memory"}
+    (tmp_path / "tiny.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "tiny.partial.jsonl").write_text(json.dumps({**row, "mode": "coat", "family": "coat"}) + "\n")
+    assert job.summarize(str(tmp_path)) == 0
+    rows = [r for r in read_jsonl(tmp_path / "summary.jsonl") if r["kind"] != "goal"]
+    assert [r["mode"] for r in rows] == ["bf16"]
+    assert "Left out the rows of jobs that did not finish (tiny.partial.jsonl)" in (tmp_path / "summary.md").read_text()
+    capsys.readouterr()
+
+
+def _row(mode, family, device, **values):
+    return {"kind": "train", "preset": "g", "mode": mode, "family": family, "status": "ok", "device": device,
+            "micro_batch": 4, **values}
+
+
+def test_speed_goals_on_a_cpu_are_not_applicable_and_memory_goals_are_judged():
+    def rows(device, source):
+        return [_row("bf16", "bf16", device, tokens_per_s=100.0, peak_MiB=1000.0, memory_source=source),
+                _row("coat", "coat", device, tokens_per_s=90.0, peak_MiB=500.0, memory_source=source)]
+
+    speed = "tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration"
+    memory = "end-to-end peak memory vs BF16, equal micro-batch"
+    cpu = {g.goal: g for g in evaluate(rows("CPU", "saved-tensors"))}
+    assert (cpu[speed].met, cpu[speed].measured) == (None, 0.9) and cpu[speed].missed_by == ""
+    assert cpu[speed].note.startswith("not applicable: speed goals are judged on a GPU")
+    assert (cpu[memory].met, cpu[memory].measured) == (True, 0.5)  # bytes counted from the tensors
+    gpu = {g.goal: g for g in evaluate(rows("NVIDIA H100 80GB HBM3", "cuda-allocator"))}
+    assert (gpu[speed].met, gpu[speed].missed_by) == (False, "18.2% below the target")
+    table = goals_table(list(cpu.values()))
+    assert any(line.startswith(f"| {speed} | g | >= 1.1 | 0.90 | n/a |") for line in table), table
+    measured = [("te-fp8-current", "te-fp8", 10.0, 10.0), ("coat", "coat", 8.0, 6.0)]
+    layer = [{"kind": "layer", "preset": "L", "mode": m, "family": f, "status": "ok", "device": "CPU", "ms": ms,
+              "activation_MiB": a} for m, f, ms, a in measured]
+    time_goal = {g.goal: g for g in evaluate(layer)}["per-layer fwd+bwd time vs TE FP8 current scaling"]
+    assert time_goal.met is None and time_goal.note.startswith("not applicable")
+
+
+def test_a_cpu_run_shows_speed_goals_not_applicable(tmp_path):
+    argv = ["--modes", "bf16,coat", "--steps", "3", "--out", str(tmp_path), "--no-plots"]
+    proc = subprocess.run([sys.executable, "-m", "coat_compare", *argv], capture_output=True, text=True, timeout=300,
+                          env=_env(), check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    goals = {g["goal"]: g for g in read_jsonl(tmp_path / "tiny.jsonl") if g["kind"] == "goal"}
+    speed = goals["tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration"]
+    assert speed["met"] is None and speed["note"].startswith("not applicable: speed goals are judged on a GPU")
+    assert goals["end-to-end peak memory vs BF16, equal micro-batch"]["met"] in (True, False)
+    md = (tmp_path / "tiny.md").read_text()
+    assert "| tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration | tiny | >= 1.1 |" in md
+    assert " | n/a |  | not applicable: speed goals are judged on a GPU" in md
+    assert not (tmp_path / "tiny.partial.jsonl").exists()
