@@ -63,10 +63,14 @@ MORE_RUNS_LEFT = 75  # exit status when --max-runs left runs to do (EX_TEMPFAIL:
 LEGEND = {
     "coat-act": "coat-act: the COAT layer spec with Megatron's Adam (FP32 states).",
     "coat-opt": "coat-opt: the BF16 layer spec with COAT's FP8 AdamW.",
-    "bf16@dp2": ("bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math and data, only the order "
-                 "of the gradient reduction differs: a noise floor."),
-    "bf16@data2": ("bf16@data2: BF16 with the same initial weights and another order of the training windows (data seed = "
-                   f"seed + {DATA_ORDER_STRIDE}): a noise floor, what a gap of this size means between two BF16 runs."),
+    "bf16@dp2": (
+        "bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math and data, only the order "
+        "of the gradient reduction differs: a noise floor."
+    ),
+    "bf16@data2": (
+        "bf16@data2: BF16 with the same initial weights and another order of the training windows (data seed = "
+        f"seed + {DATA_ORDER_STRIDE}): a noise floor, what a gap of this size means between two BF16 runs."
+    ),
 }
 
 
@@ -107,8 +111,13 @@ def read_runs(directory: str, seed: int, steps: int) -> dict[str, dict]:
         with open(os.path.join(directory, name)) as f:
             for line in f:
                 row = json.loads(line)
-                if (row.get("kind") != "train" or row.get("status") != "ok" or row.get("seed") != seed
-                        or len(row.get("losses", [])) != steps or row.get("valid_loss") is None):
+                if (
+                    row.get("kind") != "train"
+                    or row.get("status") != "ok"
+                    or row.get("seed") != seed
+                    or len(row.get("losses", [])) != steps
+                    or row.get("valid_loss") is None
+                ):
                     continue
                 order, rest = divmod(row.get("data_seed", seed) - seed, DATA_ORDER_STRIDE)
                 if rest == 0 and order >= 0:
@@ -120,9 +129,25 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
     """One coat-compare job: ``names`` at DP ``dp`` in data order ``order``; returns its seconds."""
     preset = get_preset(args.preset)
     name = f"{args.preset}-{'+'.join(names)}" + (f"-dp{dp}" if dp > 1 else "") + (f"-data{order}" if order > 1 else "")
-    cmd = ["-m", "coat_compare", "--preset", args.preset, "--modes", ",".join(names), "--steps", str(args.steps),
-           "--seed", str(seed), "--data-seed", str(data_seed(seed, order)), "--out", os.path.join(args.out, f"seed{seed}"),
-           "--name", name, "--no-plots"]
+    cmd = [
+        "-m",
+        "coat_compare",
+        "--preset",
+        args.preset,
+        "--modes",
+        ",".join(names),
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(seed),
+        "--data-seed",
+        str(data_seed(seed, order)),
+        "--out",
+        os.path.join(args.out, f"seed{seed}"),
+        "--name",
+        name,
+        "--no-plots",
+    ]
     if args.eval_every is not None:
         cmd += ["--eval-every", str(args.eval_every)]
     micro_batch = args.micro_batch or preset.micro_batch
@@ -131,8 +156,17 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
     if dp > 1:  # the same global batch: micro-batch / DP per rank, one process per rank
         if micro_batch % dp:
             raise SystemExit(f"{names[0]}@dp{dp}: the micro-batch {micro_batch} does not split over {dp} ranks")
-        cmd = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", *cmd, "--dp", str(dp),
-               "--micro-batch", str(micro_batch // dp)]
+        cmd = [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={dp}",
+            *cmd,
+            "--dp",
+            str(dp),
+            "--micro-batch",
+            str(micro_batch // dp),
+        ]
     elif args.micro_batch is not None:
         cmd += ["--micro-batch", str(micro_batch)]
     directory = os.path.join(args.out, f"seed{seed}")
@@ -145,8 +179,14 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
     if proc.returncode != 0:
         with open(log) as f:
             tail = f.read().splitlines()[-20:]
-        raise SystemExit("\n".join([*tail, f"seed {seed}: coat-compare {' '.join(cmd[1:])} failed ({proc.returncode}); its output: {log}"]))
-    print(f"seed {seed}: {', '.join(mode_key(n, dp, order) for n in names)} in {seconds:.0f} s (log: {log})", flush=True)
+        raise SystemExit(
+            "\n".join(
+                [*tail, f"seed {seed}: coat-compare {' '.join(cmd[1:])} failed ({proc.returncode}); its output: {log}"]
+            )
+        )
+    print(
+        f"seed {seed}: {', '.join(mode_key(n, dp, order) for n in names)} in {seconds:.0f} s (log: {log})", flush=True
+    )
     return seconds
 
 
@@ -162,7 +202,9 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     """Run the (seed, key) pairs that have no finished row, at most ``args.max_runs`` of them (in
     seed order, then --modes order), one coat-compare job per seed, DP size and data order.
     Returns the pairs still missing afterwards."""
-    missing = [(s, k) for s in seeds for k in keys if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)]
+    missing = [
+        (s, k) for s in seeds for k in keys if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)
+    ]
     chosen = missing if args.max_runs is None else missing[: args.max_runs]
     jobs: dict[tuple[int, int, int, str], list[str]] = {}
     for seed, key in chosen:
@@ -172,7 +214,9 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     if args.jobs > 1 and len(jobs) > 1:
         prepare_corpus(args)  # built once, before processes that would all build it at once
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-            for future in [pool.submit(coat_compare, args, seed, names, dp, order) for (seed, dp, order, _), names in jobs.items()]:
+            for future in [
+                pool.submit(coat_compare, args, seed, names, dp, order) for (seed, dp, order, _), names in jobs.items()
+            ]:
                 future.result()
     else:
         for (seed, dp, order, _), names in jobs.items():
@@ -180,7 +224,9 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     still = [(s, k) for s, k in missing if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)]
     failed = [p for p in chosen if p in still]
     if failed:
-        raise SystemExit(f"no finished row for {', '.join(f'seed {s} {k}' for s, k in failed)} in {args.out}/seedN: see its .md reports")
+        raise SystemExit(
+            f"no finished row for {', '.join(f'seed {s} {k}' for s, k in failed)} in {args.out}/seedN: see its .md reports"
+        )
     return still
 
 
@@ -203,22 +249,48 @@ def verdict(coat_gaps: list[float], noise_gaps: list[float] | None, noise: str |
     signed reading (gap_coat - gap_noise against 2 sqrt(se_coat^2 + se_noise^2)), which flips with
     the arbitrary sign. ``met`` is None (not judged) without a noise floor or with one seed."""
     coat, se_coat = statistics.fmean(coat_gaps), standard_error(coat_gaps)
-    out = {"kind": "verdict", "goal_gap": GOAL_GAP, "seeds": len(coat_gaps), "gap_coat": coat, "se_coat": se_coat, "noise_floor": noise,
-           "gap_noise": None, "se_noise": None, "noise_rms": None, "noise_se": None, "allowed_gap": None,
-           "signed_difference": None, "signed_allowed": None, "met": None}
+    out = {
+        "kind": "verdict",
+        "goal_gap": GOAL_GAP,
+        "seeds": len(coat_gaps),
+        "gap_coat": coat,
+        "se_coat": se_coat,
+        "noise_floor": noise,
+        "gap_noise": None,
+        "se_noise": None,
+        "noise_rms": None,
+        "noise_se": None,
+        "allowed_gap": None,
+        "signed_difference": None,
+        "signed_allowed": None,
+        "met": None,
+    }
     if noise_gaps is None:
         out["note"] = "no noise floor: add bf16@data2 to --modes"
         return out
     rms = math.sqrt(statistics.fmean(g * g for g in noise_gaps))
-    out.update(gap_noise=statistics.fmean(noise_gaps), se_noise=standard_error(noise_gaps), noise_rms=rms,
-               noise_se=rms / math.sqrt(len(noise_gaps)), signed_difference=coat - statistics.fmean(noise_gaps))
+    out.update(
+        gap_noise=statistics.fmean(noise_gaps),
+        se_noise=standard_error(noise_gaps),
+        noise_rms=rms,
+        noise_se=rms / math.sqrt(len(noise_gaps)),
+        signed_difference=coat - statistics.fmean(noise_gaps),
+    )
     if se_coat is None or out["se_noise"] is None:
         out["note"] = "standard errors need 2 seeds or more"
         return out
     out["allowed_gap"] = 2 * out["noise_se"]
     out["signed_allowed"] = 2 * math.sqrt(se_coat**2 + out["se_noise"] ** 2)
     out["met"] = coat <= GOAL_GAP and abs(coat) <= out["allowed_gap"]
-    out["note"] = "" if out["met"] else ("mean gap above 0.25%" if coat > GOAL_GAP else "further from zero than two standard errors of the noise floor")
+    out["note"] = (
+        ""
+        if out["met"]
+        else (
+            "mean gap above 0.25%"
+            if coat > GOAL_GAP
+            else "further from zero than two standard errors of the noise floor"
+        )
+    )
     return out
 
 
@@ -228,8 +300,18 @@ def paired_verdict(mode: str, gaps: list[float], preset: str) -> dict:
     when rule[1] needs a standard error and there is one seed only."""
     mean_bound, upper_bound = PAIRED_RULES.get(preset, DEFAULT_PAIRED_RULE)
     mean, se = statistics.fmean(gaps), standard_error(gaps)
-    out = {"kind": "paired_verdict", "mode": mode, "preset": preset, "seeds": len(gaps), "gap_mean": mean, "gap_se": se,
-           "mean_bound": mean_bound, "upper_bound": upper_bound, "upper": None if se is None else mean + 2 * se, "met": None}
+    out = {
+        "kind": "paired_verdict",
+        "mode": mode,
+        "preset": preset,
+        "seeds": len(gaps),
+        "gap_mean": mean,
+        "gap_se": se,
+        "mean_bound": mean_bound,
+        "upper_bound": upper_bound,
+        "upper": None if se is None else mean + 2 * se,
+        "met": None,
+    }
     if upper_bound is not None and se is None:
         out["note"] = "mean + 2 standard errors needs 2 seeds or more"
         return out
@@ -244,24 +326,38 @@ def paired_verdict(mode: str, gaps: list[float], preset: str) -> dict:
 
 
 def paired_verdict_line(v: dict) -> str:
-    rule = f"mean gap <= {v['mean_bound']:.2%}" + (f" and mean + 2 se <= {v['upper_bound']:.2%}" if v["upper_bound"] is not None else "")
-    measured = f"{v['gap_mean']:+.3%}" + (f" (se {v['gap_se']:.3%}, mean + 2 se {v['upper']:+.3%})" if v["gap_se"] is not None else "")
+    rule = f"mean gap <= {v['mean_bound']:.2%}" + (
+        f" and mean + 2 se <= {v['upper_bound']:.2%}" if v["upper_bound"] is not None else ""
+    )
+    measured = f"{v['gap_mean']:+.3%}" + (
+        f" (se {v['gap_se']:.3%}, mean + 2 se {v['upper']:+.3%})" if v["gap_se"] is not None else ""
+    )
     result = "not judged" if v["met"] is None else ("**met**" if v["met"] else "**NOT met**")
-    return f"- {v['mode']} vs BF16 over {v['seeds']} seed(s), rule {rule}: {measured}: {result}" + (f" ({v['note']})" if v.get("note") else "")
+    return f"- {v['mode']} vs BF16 over {v['seeds']} seed(s), rule {rule}: {measured}: {result}" + (
+        f" ({v['note']})" if v.get("note") else ""
+    )
 
 
 def verdict_line(v: dict) -> str:
-    rule = ("Noise-floor reading: COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors of the noise floor, "
-            "i.e. gap_coat <= 0.25% and |gap_coat| <= 2 noise_rms / sqrt(seeds) (gap_coat: the mean of the per-seed gaps; noise_rms: "
-            "the root mean square of the noise floor's per-seed gaps, whose sign is arbitrary: which BF16 run is the reference).")
-    measured = f" Measured over {v['seeds']} seed(s): COAT {v['gap_coat']:+.3%}" + (f" (its own se {v['se_coat']:.3%})" if v["se_coat"] is not None else "")
+    rule = (
+        "Noise-floor reading: COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors of the noise floor, "
+        "i.e. gap_coat <= 0.25% and |gap_coat| <= 2 noise_rms / sqrt(seeds) (gap_coat: the mean of the per-seed gaps; noise_rms: "
+        "the root mean square of the noise floor's per-seed gaps, whose sign is arbitrary: which BF16 run is the reference)."
+    )
+    measured = f" Measured over {v['seeds']} seed(s): COAT {v['gap_coat']:+.3%}" + (
+        f" (its own se {v['se_coat']:.3%})" if v["se_coat"] is not None else ""
+    )
     if v["gap_noise"] is not None:
-        measured += f"; noise floor {v['noise_floor']}: per-seed gaps rms {v['noise_rms']:.3%}, mean {v['gap_noise']:+.3%}"
+        measured += (
+            f"; noise floor {v['noise_floor']}: per-seed gaps rms {v['noise_rms']:.3%}, mean {v['gap_noise']:+.3%}"
+        )
         if v["allowed_gap"] is not None:
-            measured += (f"; |gap_coat| {abs(v['gap_coat']):.3%} against at most {v['allowed_gap']:.3%}. The signed reading, gap_coat - gap_noise "
-                         f"= {v['signed_difference']:+.3%} against 2 sqrt(se_coat^2 + se_noise^2) = {v['signed_allowed']:.3%}, "
-                         f"would say {'met' if v['signed_difference'] <= v['signed_allowed'] else 'not met'} (and the opposite of the "
-                         f"noise floor's sign, {v['gap_coat'] + v['gap_noise']:+.3%}, {'met' if v['gap_coat'] + v['gap_noise'] <= v['signed_allowed'] else 'not met'})")
+            measured += (
+                f"; |gap_coat| {abs(v['gap_coat']):.3%} against at most {v['allowed_gap']:.3%}. The signed reading, gap_coat - gap_noise "
+                f"= {v['signed_difference']:+.3%} against 2 sqrt(se_coat^2 + se_noise^2) = {v['signed_allowed']:.3%}, "
+                f"would say {'met' if v['signed_difference'] <= v['signed_allowed'] else 'not met'} (and the opposite of the "
+                f"noise floor's sign, {v['gap_coat'] + v['gap_noise']:+.3%}, {'met' if v['gap_coat'] + v['gap_noise'] <= v['signed_allowed'] else 'not met'})"
+            )
     result = "not judged" if v["met"] is None else ("**met**" if v["met"] else "**NOT met**")
     return f"{rule}{measured}: {result}" + (f" ({v['note']})." if v.get("note") else ".")
 
@@ -270,26 +366,48 @@ def table(title: str, per_seed: list[dict], keys: list[str]) -> list[str]:
     """One markdown table: a loss per key per seed, the gaps to bf16, their mean and standard error."""
     others = keys[1:]
     names = [k.upper() if k in ("bf16", "coat") else k for k in keys]
-    lines = [title, "", "| seed | " + " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:]) + " |",
-             "|" + "---|" * (1 + len(keys) + len(others))]
+    lines = [
+        title,
+        "",
+        "| seed | " + " | ".join(names) + " | " + " | ".join(f"gap {n}" for n in names[1:]) + " |",
+        "|" + "---|" * (1 + len(keys) + len(others)),
+    ]
     for r in per_seed:
-        lines.append(f"| {r['seed']} | " + " | ".join(f"{r['loss'][k]:.4f}" for k in keys) + " | "
-                     + " | ".join(f"{r['gap'][k]:+.2%}" for k in others) + " |")
+        lines.append(
+            f"| {r['seed']} | "
+            + " | ".join(f"{r['loss'][k]:.4f}" for k in keys)
+            + " | "
+            + " | ".join(f"{r['gap'][k]:+.2%}" for k in others)
+            + " |"
+        )
     mean = {k: statistics.fmean(r["loss"][k] for r in per_seed) for k in keys}
     gaps = {k: [r["gap"][k] for r in per_seed] for k in others}
-    lines.append("| **mean** | " + " | ".join(f"{mean[k]:.4f}" for k in keys) + " | "
-                 + " | ".join(f"**{statistics.fmean(gaps[k]):+.2%}**" for k in others) + " |")
+    lines.append(
+        "| **mean** | "
+        + " | ".join(f"{mean[k]:.4f}" for k in keys)
+        + " | "
+        + " | ".join(f"**{statistics.fmean(gaps[k]):+.2%}**" for k in others)
+        + " |"
+    )
     if len(per_seed) > 1:
-        lines.append("| standard error | " + " | ".join("" for _ in keys) + " | " + " | ".join(f"{standard_error(gaps[k]):.2%}" for k in others) + " |")
+        lines.append(
+            "| standard error | "
+            + " | ".join("" for _ in keys)
+            + " | "
+            + " | ".join(f"{standard_error(gaps[k]):.2%}" for k in others)
+            + " |"
+        )
     return lines
 
 
 def summarize(per_seed: list[dict], keys: list[str]) -> dict:
     """The mean row of one figure: mean loss per key, mean gap and its standard error per key."""
     others = keys[1:]
-    return {"loss": {k: statistics.fmean(r["loss"][k] for r in per_seed) for k in keys},
-            "gap": {k: statistics.fmean(r["gap"][k] for r in per_seed) for k in others},
-            "se": {k: standard_error([r["gap"][k] for r in per_seed]) for k in others}}
+    return {
+        "loss": {k: statistics.fmean(r["loss"][k] for r in per_seed) for k in keys},
+        "gap": {k: statistics.fmean(r["gap"][k] for r in per_seed) for k in others},
+        "se": {k: standard_error([r["gap"][k] for r in per_seed]) for k in others},
+    }
 
 
 def figure(runs: dict[int, dict[str, dict]], keys: list[str], value) -> list[dict]:
@@ -305,12 +423,14 @@ def data_line(rows: list[dict]) -> str:
     first = rows[0]
     width = first["seq"] + 1
     windows = first["steps"] * first.get("global_batch", first["micro_batch"] * first.get("dp", 1))
-    return (f"Data: the {first['corpus']} corpus ({first['corpus_files']} files; train split {first['corpus_train_bytes']:,} bytes, "
-            f"SHA-256 `{first['corpus_train_sha256']}`; validation split {first['corpus_valid_bytes']:,} bytes, SHA-256 "
-            f"`{first['corpus_valid_sha256']}`; split by file). Each run trains on {windows:,} distinct windows of {width} bytes "
-            f"({windows * width / first['corpus_train_bytes']:.1%} of the train split, each byte at most once). Validation: "
-            f"{first['eval_windows']} windows of {width} held-out bytes (SHA-256 `{first['valid_windows_sha256'][:16]}`), the same "
-            f"for every mode and seed, every {first['eval_every']} steps and after the last (forward only, mean per-token loss).")
+    return (
+        f"Data: the {first['corpus']} corpus ({first['corpus_files']} files; train split {first['corpus_train_bytes']:,} bytes, "
+        f"SHA-256 `{first['corpus_train_sha256']}`; validation split {first['corpus_valid_bytes']:,} bytes, SHA-256 "
+        f"`{first['corpus_valid_sha256']}`; split by file). Each run trains on {windows:,} distinct windows of {width} bytes "
+        f"({windows * width / first['corpus_train_bytes']:.1%} of the train split, each byte at most once). Validation: "
+        f"{first['eval_windows']} windows of {width} held-out bytes (SHA-256 `{first['valid_windows_sha256'][:16]}`), the same "
+        f"for every mode and seed, every {first['eval_every']} steps and after the last (forward only, mean per-token loss)."
+    )
 
 
 def check_same_data(runs: dict[int, dict[str, dict]], out: str) -> list[dict]:
@@ -321,8 +441,10 @@ def check_same_data(runs: dict[int, dict[str, dict]], out: str) -> list[dict]:
     for field in fields:
         values = {row.get(field) for row in rows}
         if len(values) > 1:
-            raise SystemExit(f"the runs in {out}/seedN differ in {field} ({', '.join(map(str, sorted(values, key=str)))}): "
-                             "they trained or validated on other data; run them again into a fresh --out")
+            raise SystemExit(
+                f"the runs in {out}/seedN differ in {field} ({', '.join(map(str, sorted(values, key=str)))}): "
+                "they trained or validated on other data; run them again into a fresh --out"
+            )
     return rows
 
 
@@ -340,17 +462,27 @@ def plot(runs, keys, valid_rows, noise, args, plt) -> None:
         (line,) = left.plot(steps, valid, style, marker="o", markersize=3, label=f"{key} validation", linewidth=1.4)
         train = [statistics.fmean(runs[seed][key]["losses"][i] for seed in runs) for i in range(args.steps)]
         smooth = [statistics.fmean(train[max(0, i - window + 1) : i + 1]) for i in range(args.steps)]
-        left.plot(range(start + 1, args.steps + 1), smooth[start:], style, color=line.get_color(), linewidth=0.6, alpha=0.5)
+        left.plot(
+            range(start + 1, args.steps + 1), smooth[start:], style, color=line.get_color(), linewidth=0.6, alpha=0.5
+        )
     left.set_xlabel("step")
     left.set_ylabel(f"loss, mean of {len(runs)} seeds")
-    left.set_title(f"{args.preset}: validation loss (markers), training loss (thin, moving average of {window})", fontsize=9)
+    left.set_title(
+        f"{args.preset}: validation loss (markers), training loss (thin, moving average of {window})", fontsize=9
+    )
     left.legend(fontsize=8)
     for x, key in enumerate(others):
         gaps = [100 * r["gap"][key] for r in valid_rows]
         right.scatter([x] * len(gaps), gaps, s=14, alpha=0.6, color="grey" if key == noise else None)
         if len(gaps) > 1:
-            right.errorbar([x + 0.15], [statistics.fmean(gaps)], yerr=[statistics.stdev(gaps) / math.sqrt(len(gaps))],
-                           fmt="o", color="black", capsize=4)
+            right.errorbar(
+                [x + 0.15],
+                [statistics.fmean(gaps)],
+                yerr=[statistics.stdev(gaps) / math.sqrt(len(gaps))],
+                fmt="o",
+                color="black",
+                capsize=4,
+            )
     right.axhline(0, color="grey", linewidth=0.8)
     right.axhline(100 * GOAL_GAP, color="red", linewidth=0.8, linestyle="--", label="goal: +0.25%")
     right.set_xticks(range(len(others)), [k + (" (noise floor)" if k == noise else "") for k in others], fontsize=8)
@@ -367,24 +499,43 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="tiny")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", default="1,2,3")
-    p.add_argument("--modes", default="bf16,coat,bf16@data2",
-                   help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 "
-                        "layers, COAT's AdamW) and noise floors (bf16@data2: another data order; bf16@dp2: BF16 at DP 2, the same "
-                        "global batch, another reduction order); the first bf16 variant listed is the verdict's noise floor")
+    p.add_argument(
+        "--modes",
+        default="bf16,coat,bf16@data2",
+        help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 "
+        "layers, COAT's AdamW) and noise floors (bf16@data2: another data order; bf16@dp2: BF16 at DP 2, the same "
+        "global batch, another reduction order); the first bf16 variant listed is the verdict's noise floor",
+    )
     p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step: global batch / micro-batch micro-batches "
-                   "accumulated per step (default: one micro-batch per step)")
-    p.add_argument("--tail", type=float, default=0.1, help="fraction of the last steps whose mean training loss is shown")
-    p.add_argument("--eval-every", type=int, help="validation every N steps (default: the preset's: tiny 20, gpt-125m 100)")
-    p.add_argument("--max-runs", type=int, help="run at most N missing (seed, mode) runs, then exit (status 75 when some are left)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs at once, each its own process (on one GPU: an eager run of a small model leaves the GPU idle "
-                        "between launches, which another run's kernels fill; each run's numbers do not depend on it)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        help="sequences per optimizer step: global batch / micro-batch micro-batches "
+        "accumulated per step (default: one micro-batch per step)",
+    )
+    p.add_argument(
+        "--tail", type=float, default=0.1, help="fraction of the last steps whose mean training loss is shown"
+    )
+    p.add_argument(
+        "--eval-every", type=int, help="validation every N steps (default: the preset's: tiny 20, gpt-125m 100)"
+    )
+    p.add_argument(
+        "--max-runs", type=int, help="run at most N missing (seed, mode) runs, then exit (status 75 when some are left)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once, each its own process (on one GPU: an eager run of a small model leaves the GPU idle "
+        "between launches, which another run's kernels fill; each run's numbers do not depend on it)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     keys = [m.strip() for m in args.modes.split(",")]
     if keys[0] != "bf16" or "coat" not in keys:
-        p.error("--modes: start with bf16 (the reference) and include coat, e.g. bf16,coat,bf16@data2,coat-act,coat-opt")
+        p.error(
+            "--modes: start with bf16 (the reference) and include coat, e.g. bf16,coat,bf16@data2,coat-act,coat-opt"
+        )
     for key in keys:
         parse_key(key)
     if args.eval_every == 0:
@@ -398,10 +549,15 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     left = run_missing(args, seeds, keys)
     if left:
-        print(f"{len(left)} run(s) left ({', '.join(f'seed {s} {k}' for s, k in left)}): run the same command again", flush=True)
+        print(
+            f"{len(left)} run(s) left ({', '.join(f'seed {s} {k}' for s, k in left)}): run the same command again",
+            flush=True,
+        )
         return MORE_RUNS_LEFT
 
-    runs = {seed: {k: read_runs(os.path.join(args.out, f"seed{seed}"), seed, args.steps)[k] for k in keys} for seed in seeds}
+    runs = {
+        seed: {k: read_runs(os.path.join(args.out, f"seed{seed}"), seed, args.steps)[k] for k in keys} for seed in seeds
+    }
     rows = check_same_data(runs, args.out)
     others = keys[1:]
     noise = next((k for k in others if parse_key(k)[0] == "bf16"), None)
@@ -411,21 +567,62 @@ def main(argv=None) -> int:
     paired = [paired_verdict(k, [r["gap"][k] for r in valid], args.preset) for k in others if k != noise]
 
     with open(os.path.join(args.out, "accuracy.jsonl"), "w") as f:
-        common = {"preset": args.preset, "steps": args.steps, "tail": args.tail, "corpus": rows[0]["corpus"],
-                  "corpus_train_sha256": rows[0]["corpus_train_sha256"], "corpus_valid_sha256": rows[0]["corpus_valid_sha256"]}
+        common = {
+            "preset": args.preset,
+            "steps": args.steps,
+            "tail": args.tail,
+            "corpus": rows[0]["corpus"],
+            "corpus_train_sha256": rows[0]["corpus_train_sha256"],
+            "corpus_valid_sha256": rows[0]["corpus_valid_sha256"],
+        }
         for v, t in zip(valid, train):
-            f.write(json.dumps({**common, "kind": "seed", "seed": v["seed"], "valid": v["loss"], "gap_valid": v["gap"],
-                                "train_tail": t["loss"], "gap_train_tail": t["gap"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        **common,
+                        "kind": "seed",
+                        "seed": v["seed"],
+                        "valid": v["loss"],
+                        "gap_valid": v["gap"],
+                        "train_tail": t["loss"],
+                        "gap_train_tail": t["gap"],
+                    }
+                )
+                + "\n"
+            )
         mv, mt = summarize(valid, keys), summarize(train, keys)
-        f.write(json.dumps({**common, "kind": "mean", "seed": "mean", "valid": mv["loss"], "gap_valid": mv["gap"], "se_gap_valid": mv["se"],
-                            "train_tail": mt["loss"], "gap_train_tail": mt["gap"], "se_gap_train_tail": mt["se"]}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    **common,
+                    "kind": "mean",
+                    "seed": "mean",
+                    "valid": mv["loss"],
+                    "gap_valid": mv["gap"],
+                    "se_gap_valid": mv["se"],
+                    "train_tail": mt["loss"],
+                    "gap_train_tail": mt["gap"],
+                    "se_gap_train_tail": mt["se"],
+                }
+            )
+            + "\n"
+        )
         f.write(json.dumps({**common, **result}) + "\n")
         for v in paired:
             f.write(json.dumps({**common, **v}) + "\n")
     with open(os.path.join(args.out, "losses.json"), "w") as f:  # every curve, compact: what the plot draws
-        json.dump({"preset": args.preset, "steps": args.steps, "modes": keys,
-                   "losses": {str(s): {k: [round(x, 4) for x in runs[s][k]["losses"]] for k in keys} for s in seeds},
-                   "valid_losses": {str(s): {k: [[n, round(x, 4)] for n, x in runs[s][k]["valid_losses"]] for k in keys} for s in seeds}}, f)
+        json.dump(
+            {
+                "preset": args.preset,
+                "steps": args.steps,
+                "modes": keys,
+                "losses": {str(s): {k: [round(x, 4) for x in runs[s][k]["losses"]] for k in keys} for s in seeds},
+                "valid_losses": {
+                    str(s): {k: [[n, round(x, 4)] for n, x in runs[s][k]["valid_losses"]] for k in keys} for s in seeds
+                },
+            },
+            f,
+        )
 
     command = f"python benchmarks/accuracy.py --preset {args.preset} --steps {args.steps} --seeds {args.seeds} --modes {args.modes} --tail {args.tail}"
     for name in ("micro_batch", "global_batch"):
@@ -433,16 +630,39 @@ def main(argv=None) -> int:
             command += f" --{name.replace('_', '-')} {getattr(args, name)}"
     if args.eval_every is not None:
         command += f" --eval-every {args.eval_every}"
-    lines = [f"# BF16 vs COAT validation loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}", "", f"`{command}`", "",
-             software_line(rows), "", data_line(rows), "",
-             "Every column of a seed starts from the same initial weights and, but for the `@dataN` columns, trains on the same "
-             "batches. " + " ".join(text for key, text in LEGEND.items() if key in others), "",
-             *table("Validation loss after the last step (the primary figure); gap: (mode - BF16) / BF16 per seed; mean: over seeds, "
-                    "with the standard error of the mean gap (sample standard deviation / sqrt(seeds)).", valid, keys), "",
-             *table(f"Training loss, mean over the last {args.tail:.0%} of the steps, beside it (also on text each run sees once; "
-                    "the `@dataN` columns average other batches).", train, keys), "",
-             "The goal, on the paired per-seed validation gaps (rule fixed in benchmarks/accuracy.py before the runs, "
-             "``PAIRED_RULES``):", "", *[paired_verdict_line(v) for v in paired], "", verdict_line(result)]
+    lines = [
+        f"# BF16 vs COAT validation loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}",
+        "",
+        f"`{command}`",
+        "",
+        software_line(rows),
+        "",
+        data_line(rows),
+        "",
+        "Every column of a seed starts from the same initial weights and, but for the `@dataN` columns, trains on the same "
+        "batches. " + " ".join(text for key, text in LEGEND.items() if key in others),
+        "",
+        *table(
+            "Validation loss after the last step (the primary figure); gap: (mode - BF16) / BF16 per seed; mean: over seeds, "
+            "with the standard error of the mean gap (sample standard deviation / sqrt(seeds)).",
+            valid,
+            keys,
+        ),
+        "",
+        *table(
+            f"Training loss, mean over the last {args.tail:.0%} of the steps, beside it (also on text each run sees once; "
+            "the `@dataN` columns average other batches).",
+            train,
+            keys,
+        ),
+        "",
+        "The goal, on the paired per-seed validation gaps (rule fixed in benchmarks/accuracy.py before the runs, "
+        "``PAIRED_RULES``):",
+        "",
+        *[paired_verdict_line(v) for v in paired],
+        "",
+        verdict_line(result),
+    ]
     try:
         import matplotlib
 

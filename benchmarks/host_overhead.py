@@ -71,13 +71,17 @@ def primitives(rows: list) -> None:
     w = torch.randn(512, 512, device=dev, dtype=torch.bfloat16)
     cases = {
         "triton launch, 1 argument": lambda: _noop_kernel[(1,)](x),
-        "triton launch, 10 arguments": lambda: _ten_args_kernel[(4, 2)](x, x, x, x, x, 256, 512, 512, FMAX=448.0, BLOCK=64),
+        "triton launch, 10 arguments": lambda: _ten_args_kernel[(4, 2)](
+            x, x, x, x, x, 256, 512, 512, FMAX=448.0, BLOCK=64
+        ),
         "torch.empty": lambda: torch.empty(256, 512, device=dev),
         "torch.zeros (1 element)": lambda: torch.zeros(1, device=dev),
         "torch.ones (0-d)": lambda: torch.ones((), device=dev),
         "Tensor.amax of 64 floats": lambda: one.expand(64).amax(),
         "torch.mm BF16 256x512x512": lambda: torch.mm(x, w),
-        "torch._scaled_mm 256x512x512": lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+        "torch._scaled_mm 256x512x512": lambda: torch._scaled_mm(
+            a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+        ),
         "tensor_amax": lambda: tensor_amax(x),
         "quantize_per_tensor (own amax)": lambda: quantize_per_tensor(x, check_finite=False),
         "quantize_per_tensor + transpose": lambda: quantize_per_tensor(x, transpose=True, check_finite=False),
@@ -117,6 +121,7 @@ def coat_ops(rows: list) -> None:
         "MLP block fwd+bwd": (lambda: mlp().backward(dy), [x, nw, w1, w2]),
     }
     for name, (fn, grads) in cases.items():
+
         def call(fn=fn, grads=grads):
             fn()
             for g in grads or []:
@@ -130,7 +135,11 @@ def coat_ops(rows: list) -> None:
 def layer_modes():
     from coat_compare.modes import MODES, unavailable_reason
 
-    return [MODES[m] for m in ("coat", "bf16", "te-fp8-current", "bf16-local") if unavailable_reason(MODES[m], "layer") is None]
+    return [
+        MODES[m]
+        for m in ("coat", "bf16", "te-fp8-current", "bf16-local")
+        if unavailable_reason(MODES[m], "layer") is None
+    ]
 
 
 def build_layer_step(preset, mode, seed: int = 1234):
@@ -152,15 +161,31 @@ def layers(rows: list, profile_calls: int) -> str:
 
     small = Preset("host-layer", "layer", layers=1, hidden=512, ffn=1408, heads=8, seq=256, micro_batch=1)
     big = get_preset("gpt-1b")
-    big = Preset("gpt-1b-layer", "layer", layers=1, hidden=big.hidden, ffn=big.ffn, heads=big.heads, seq=big.seq,
-                 micro_batch=big.micro_batch)
+    big = Preset(
+        "gpt-1b-layer",
+        "layer",
+        layers=1,
+        hidden=big.hidden,
+        ffn=big.ffn,
+        heads=big.heads,
+        seq=big.seq,
+        micro_batch=big.micro_batch,
+    )
     cprofile_text = ""
     for mode in layer_modes():
         step, layer = build_layer_step(small, mode)
         host, wall = host_us(step, calls=100)
         kinds = kernel_launches(step)
-        rows.append({"section": "layer 256 tokens", "name": mode.name, "host_us": host, "wall_us": wall,
-                     "launches": sum(kinds.values()), "launches_by_kernel": dict(kinds.most_common())})
+        rows.append(
+            {
+                "section": "layer 256 tokens",
+                "name": mode.name,
+                "host_us": host,
+                "wall_us": wall,
+                "launches": sum(kinds.values()),
+                "launches_by_kernel": dict(kinds.most_common()),
+            }
+        )
         if mode.name == "coat":
             prof = cProfile.Profile()
             prof.enable()
@@ -198,9 +223,14 @@ def main():
         coat_ops(rows)
         cprofile_text = layers(rows, args.profile_layers)
     gpu = torch.cuda.get_device_name()
-    lines = [f"# Host time per op and per layer ({gpu}, torch {torch.__version__}, triton {triton.__version__})", "",
-             "`python benchmarks/host_overhead.py`", "",
-             "host us: time to issue one call; wall us: per call including the GPU (wall >> host: GPU-bound).", ""]
+    lines = [
+        f"# Host time per op and per layer ({gpu}, torch {torch.__version__}, triton {triton.__version__})",
+        "",
+        "`python benchmarks/host_overhead.py`",
+        "",
+        "host us: time to issue one call; wall us: per call including the GPU (wall >> host: GPU-bound).",
+        "",
+    ]
     section = None
     for r in rows:
         if r["section"] != section:

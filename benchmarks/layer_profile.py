@@ -62,8 +62,13 @@ def profile_layer(preset, mode, repeats: int, seed: int = 1234) -> dict:
     by_class = defaultdict(float)
     for name, ms in per_kernel.items():
         by_class[kernel_class(name)] += ms
-    return {"mode": mode.name, "preset": preset.name, "total_ms": sum(per_kernel.values()), "by_class_ms": dict(by_class),
-            "kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))}
+    return {
+        "mode": mode.name,
+        "preset": preset.name,
+        "total_ms": sum(per_kernel.values()),
+        "by_class_ms": dict(by_class),
+        "kernels_ms": dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def main():
@@ -89,16 +94,24 @@ def main():
             rows.append(profile_layer(preset, mode, args.repeats))
             print(f"{mode.name}: {rows[-1]['total_ms']:.2f} ms of kernels per fwd+bwd", flush=True)
     classes = [c for c, _ in CLASSES] + ["other"]
-    lines = [f"# GPU time per kernel class, one {preset.name} fwd+bwd ({torch.cuda.get_device_name()})", "",
-             f"`python benchmarks/layer_profile.py --preset {args.preset} --modes {args.modes}`", "",
-             "Sum of kernel times (ms per fwd+bwd, torch.profiler; kernels only, gaps between them excluded).", "",
-             "| class | " + " | ".join(r["mode"] for r in rows) + " |", "|---|" + "---|" * len(rows)]
+    lines = [
+        f"# GPU time per kernel class, one {preset.name} fwd+bwd ({torch.cuda.get_device_name()})",
+        "",
+        f"`python benchmarks/layer_profile.py --preset {args.preset} --modes {args.modes}`",
+        "",
+        "Sum of kernel times (ms per fwd+bwd, torch.profiler; kernels only, gaps between them excluded).",
+        "",
+        "| class | " + " | ".join(r["mode"] for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
     for c in classes:
         lines.append(f"| {c} | " + " | ".join(f"{r['by_class_ms'].get(c, 0.0):.3f}" for r in rows) + " |")
     lines.append("| **total** | " + " | ".join(f"**{r['total_ms']:.3f}**" for r in rows) + " |")
     for r in rows:
         lines += ["", f"## {r['mode']}: kernels by GPU time (ms per fwd+bwd)", "", "```"]
-        lines += [f"{ms:8.3f}  {kernel_class(name):28s} {name[:100]}" for name, ms in list(r["kernels_ms"].items())[:30]]
+        lines += [
+            f"{ms:8.3f}  {kernel_class(name):28s} {name[:100]}" for name, ms in list(r["kernels_ms"].items())[:30]
+        ]
         lines += ["```"]
     text = "\n".join(lines) + "\n"
     from coat_compare.report import write_markdown_and_rows

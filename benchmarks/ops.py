@@ -23,8 +23,8 @@ import triton
 from torch.autograd.graph import saved_tensors_hooks
 
 from coat_kernels import quantize_per_group, quantize_per_tensor
-from coat_kernels.norm import norm_backward, norm_to_fp8
 from coat_kernels import swiglu as swiglu_module
+from coat_kernels.norm import norm_backward, norm_to_fp8
 from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
 from coat_megatron.config import CoatConfig
 from coat_megatron.fp8 import Fp8WeightCache, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
@@ -59,7 +59,9 @@ class CoatBlock(Bf16Block):
         transpose = "recompute" if self.config.recompute_norm_output else "store"
         n = rmsnorm_to_fp8(x, self.norm, 1e-5, group_size=self.config.group_size, transpose=transpose)
         h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, fp8_output="swiglu")
-        return fp8_linear(swiglu_fp8(h, group_size=self.config.group_size), self.fc2, config=self.config, weight_cache=self.c2)
+        return fp8_linear(
+            swiglu_fp8(h, group_size=self.config.group_size), self.fc2, config=self.config, weight_cache=self.c2
+        )
 
 
 def measure(name, block, x, dy, context=None):
@@ -98,7 +100,12 @@ def measure(name, block, x, dy, context=None):
     y.backward(dy)
     del y, saved
     ms = bench_ms(step, [x] + params)
-    return {"mode": name, "ms": ms, "activation_MiB": activation / MIB, "saved_MiB": None if saved_bytes is None else saved_bytes / MIB}
+    return {
+        "mode": name,
+        "ms": ms,
+        "activation_MiB": activation / MIB,
+        "saved_MiB": None if saved_bytes is None else saved_bytes / MIB,
+    }
 
 
 def te_modes(hidden, ffn):
@@ -115,7 +122,15 @@ def te_modes(hidden, ffn):
         return lambda: te.fp8_autocast(enabled=True, fp8_recipe=r)
 
     def make():
-        return te.LayerNormMLP(hidden, ffn, normalization="RMSNorm", activation="swiglu", bias=False, params_dtype=torch.bfloat16, device="cuda")
+        return te.LayerNormMLP(
+            hidden,
+            ffn,
+            normalization="RMSNorm",
+            activation="swiglu",
+            bias=False,
+            params_dtype=torch.bfloat16,
+            device="cuda",
+        )
 
     return [
         ("TE LayerNormMLP BF16", make, None),
@@ -134,15 +149,31 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs, sweep):
     dh, tiles = swiglu_backward(da, h_q, h_s)
     n_x, n_h, n_a = tokens * hidden, tokens * 2 * ffn, tokens * ffn
     cases = [
-        ("norm_to_fp8 (stats + quantize passes, x read twice)", lambda: norm_to_fp8(x, w, eps=1e-5), n_x * (2 + 1 + 0.25 + 1 + 1)),
-        ("norm_backward", lambda: norm_backward(x, r.x_q, r.x_scales, w, None, r.rstd, group_size=16), n_x * (2 + 1.25 + 2)),
+        (
+            "norm_to_fp8 (stats + quantize passes, x read twice)",
+            lambda: norm_to_fp8(x, w, eps=1e-5),
+            n_x * (2 + 1 + 0.25 + 1 + 1),
+        ),
+        (
+            "norm_backward",
+            lambda: norm_backward(x, r.x_q, r.x_scales, w, None, r.rstd, group_size=16),
+            n_x * (2 + 1.25 + 2),
+        ),
         ("quantize_per_group G=16 (plain)", lambda: quantize_per_group(h, 16, "e4m3", check_finite=False), n_h * 3.25),
         ("quantize_swiglu_input (fc1 output 1x16 + SwiGLU amax)", lambda: quantize_swiglu_input(h, 16), n_h * 3.25),
         ("swiglu_to_fp8, amax from fc1's pass", lambda: swiglu_to_fp8(h_q, h_s, 16, amax=tiles), n_h * 1.25 + n_a),
         ("swiglu_to_fp8 with its own amax pass", lambda: swiglu_to_fp8(h_q, h_s, 16), n_h * 1.25 + n_a),
-        ("swiglu transposed recompute (backward)", lambda: swiglu_to_fp8(h_q, h_s, 16, transpose=True, amax=tiles.amax(), store_q=False), n_h * 1.25 + n_a),
+        (
+            "swiglu transposed recompute (backward)",
+            lambda: swiglu_to_fp8(h_q, h_s, 16, transpose=True, amax=tiles.amax(), store_q=False),
+            n_h * 1.25 + n_a,
+        ),
         ("swiglu_backward", lambda: swiglu_backward(da, h_q, h_s), n_a * 2 + n_h * 1.25 + n_h * 2),
-        ("quantize_per_tensor E5M2 + transpose (dh, amax from SwiGLU)", lambda: quantize_per_tensor(dh, "e5m2", transpose=True, amax=tiles, check_finite=False), n_h * 4),
+        (
+            "quantize_per_tensor E5M2 + transpose (dh, amax from SwiGLU)",
+            lambda: quantize_per_tensor(dh, "e5m2", transpose=True, amax=tiles, check_finite=False),
+            n_h * 4,
+        ),
     ]
     rows = []
     for name, fn, nbytes in cases:
@@ -192,8 +223,22 @@ def main():
     for name, make, ctx in te_rows:
         results.append(measure(name, make(), x, dy, ctx))
     results.append(measure("COAT", CoatBlock(hdim, ffn, CoatConfig()).cuda(), x, dy))
-    results.append(measure("COAT, promoted fprop accumulation", CoatBlock(hdim, ffn, CoatConfig(fprop_fast_accumulation=False)).cuda(), x, dy))
-    results.append(measure("COAT, norm output recomputed for wgrad", CoatBlock(hdim, ffn, CoatConfig(recompute_norm_output=True)).cuda(), x, dy))
+    results.append(
+        measure(
+            "COAT, promoted fprop accumulation",
+            CoatBlock(hdim, ffn, CoatConfig(fprop_fast_accumulation=False)).cuda(),
+            x,
+            dy,
+        )
+    )
+    results.append(
+        measure(
+            "COAT, norm output recomputed for wgrad",
+            CoatBlock(hdim, ffn, CoatConfig(recompute_norm_output=True)).cuda(),
+            x,
+            dy,
+        )
+    )
 
     src = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -213,11 +258,26 @@ def main():
     for r in results:
         vs_te = f"{r['ms'] / te_cur['ms']:.2f}" if te_cur else "-"
         saved = f"{r['saved_MiB']:.0f}" if r["saved_MiB"] is not None else "-"
-        lines.append(f"| {r['mode']} | {r['ms']:.2f} | {vs_te} | {r['activation_MiB']:.0f} | {r['activation_MiB'] / bf16['activation_MiB']:.2f} | {saved} |")
-    lines += ["", f"COAT kernels at this shape (device copy {copy_gbs:.0f} GB/s; bytes = inputs read once + outputs written once):", "", "| kernel | ms | of copy |", "|---|---|---|"]
+        lines.append(
+            f"| {r['mode']} | {r['ms']:.2f} | {vs_te} | {r['activation_MiB']:.0f} | {r['activation_MiB'] / bf16['activation_MiB']:.2f} | {saved} |"
+        )
+    lines += [
+        "",
+        f"COAT kernels at this shape (device copy {copy_gbs:.0f} GB/s; bytes = inputs read once + outputs written once):",
+        "",
+        "| kernel | ms | of copy |",
+        "|---|---|---|",
+    ]
     lines += [f"| {k['kernel']} | {k['ms']:.3f} | {k['of_copy']:.2f} |" for k in kernels]
     if args.profile:
-        lines += ["", "COAT block fwd+bwd, kernels by CUDA time (torch.profiler, 5 iterations):", "", "```", profile(CoatBlock(hdim, ffn, CoatConfig()).cuda(), x, dy), "```"]
+        lines += [
+            "",
+            "COAT block fwd+bwd, kernels by CUDA time (torch.profiler, 5 iterations):",
+            "",
+            "```",
+            profile(CoatBlock(hdim, ffn, CoatConfig()).cuda(), x, dy),
+            "```",
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     os.makedirs(args.out, exist_ok=True)

@@ -58,7 +58,11 @@ def make(shapes, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g) * 0.02) for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-3 * (1 + torch.rand(p.shape, device="cuda", generator=g))
+        p.grad = (
+            torch.randn(p.shape, device="cuda", generator=g)
+            * 1e-3
+            * (1 + torch.rand(p.shape, device="cuda", generator=g))
+        )
     models = [torch.empty(p.shape, dtype=torch.bfloat16, device="cuda") for p in params]
     return params, models
 
@@ -79,7 +83,13 @@ def coat_rows(shapes, numel, label, args):
         ("CoatAdamW + BF16 model weights (fused)", CoatConfig(), True, None, 18.375),
         ("CoatAdamW, no model weights", CoatConfig(), False, None, 16.375),
         ("CoatAdamW + BF16 model weights, exact_math=True", CoatConfig(), True, True, 18.375),
-        ("CoatAdamW + BF16, expansion off (per-group absmax)", CoatConfig(m_expansion=False, v_expansion=False), True, None, 18.125),
+        (
+            "CoatAdamW + BF16, expansion off (per-group absmax)",
+            CoatConfig(m_expansion=False, v_expansion=False),
+            True,
+            None,
+            18.125,
+        ),
     ]
     for name, config, write_model, exact, moved in configs:
         params, models = make(shapes)
@@ -89,7 +99,9 @@ def coat_rows(shapes, numel, label, args):
         ms = bench_ms(opt.step)
         if write_model:
             torch.cuda.synchronize()
-            assert all(torch.equal(w, p.detach().to(torch.bfloat16)) for p, w in zip(params, models)), "BF16 copy differs"
+            assert all(torch.equal(w, p.detach().to(torch.bfloat16)) for p, w in zip(params, models)), (
+                "BF16 copy differs"
+            )
         rows.append(dict(layout=label, name=name, ms=ms, moved=moved, state=opt.state_bytes() / numel))
         del opt, params, models
         free()
@@ -122,9 +134,17 @@ def te_rows(shapes, numel, label):
         import transformer_engine.pytorch  # noqa: F401
         from transformer_engine.pytorch.optimizers import FusedAdam
     except Exception as e:  # a TE build that does not match torch/CUDA fails in many ways
-        return [dict(layout=label, name="TransformerEngine FusedAdam", skipped=f"TE does not import: {type(e).__name__}: {e}")]
+        return [
+            dict(
+                layout=label, name="TransformerEngine FusedAdam", skipped=f"TE does not import: {type(e).__name__}: {e}"
+            )
+        ]
     rows = []
-    for name, dtype, moved in (("FP32", torch.float32, 28.0), ("BF16", torch.bfloat16, 20.0), ("FP8", torch.uint8, 16.0)):
+    for name, dtype, moved in (
+        ("FP32", torch.float32, 28.0),
+        ("BF16", torch.bfloat16, 20.0),
+        ("FP8", torch.uint8, 16.0),
+    ):
         try:
             params, _ = make(shapes)
             opt = FusedAdam(params, **HYPER, adam_w_mode=True, exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype)
@@ -135,7 +155,9 @@ def te_rows(shapes, numel, label):
                     t = s.get(key)
                     if isinstance(t, torch.Tensor):
                         state += t.numel() * (1 if dtype == torch.uint8 else t.element_size())
-            rows.append(dict(layout=label, name=f"TE FusedAdam, {name} states", ms=ms, moved=moved, state=state / numel))
+            rows.append(
+                dict(layout=label, name=f"TE FusedAdam, {name} states", ms=ms, moved=moved, state=state / numel)
+            )
             del opt, params
         except Exception as e:  # noqa: BLE001 - one TE configuration failing must not stop the run
             rows.append(dict(layout=label, name=f"TE FusedAdam, {name} states", skipped=f"{type(e).__name__}: {e}"))
@@ -150,7 +172,15 @@ def sweep_rows(shapes, label):
             params, models = make(shapes)
             opt = CoatAdamW(params, **HYPER)
             opt.model_params = dict(zip(params, models))
-            rows.append(dict(layout=label, name=f"sweep: {groups} groups/program, {warps} warps", ms=bench_ms(opt.step), moved=18.375, state=None))
+            rows.append(
+                dict(
+                    layout=label,
+                    name=f"sweep: {groups} groups/program, {warps} warps",
+                    ms=bench_ms(opt.step),
+                    moved=18.375,
+                    state=None,
+                )
+            )
             del opt, params, models
             free()
     return rows
@@ -193,7 +223,12 @@ def main():
     for label in layouts(args.params):
         coat = next(r for r in rows if r["layout"] == label and r["name"] == "CoatAdamW + BF16 model weights (fused)")
         goals += [
-            (label, "COAT step incl. BF16 write <= 0.6 x (torch fused AdamW + copy)", coat["vs_torch_plus_copy"], coat["vs_torch_plus_copy"] <= 0.6),
+            (
+                label,
+                "COAT step incl. BF16 write <= 0.6 x (torch fused AdamW + copy)",
+                coat["vs_torch_plus_copy"],
+                coat["vs_torch_plus_copy"] <= 0.6,
+            ),
             (label, "COAT step >= 85% of copy bandwidth", coat["of_copy"], coat["of_copy"] >= 0.85),
             (label, "COAT state <= 2.2 bytes/param", coat["state"], coat["state"] <= 2.2),
         ]
@@ -226,7 +261,19 @@ def main():
     with open(os.path.join(args.out, "optimizer.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "optimizer.jsonl"), "w") as f:
-        f.write(json.dumps({"gpu": gpu, "name": "copy", "ms": copy_ms, "GB/s": copy_gbs, "torch": torch.__version__, "triton": triton.__version__}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "gpu": gpu,
+                    "name": "copy",
+                    "ms": copy_ms,
+                    "GB/s": copy_gbs,
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                }
+            )
+            + "\n"
+        )
         for r in rows:
             f.write(json.dumps(r) + "\n")
         for label, goal, value, ok in goals:

@@ -47,7 +47,9 @@ def docstring_corpus() -> str:
         module = importlib.import_module(name)
         objects = [module] + [v for _, v in sorted(vars(module).items()) if inspect.isclass(v) or inspect.isfunction(v)]
         for obj in objects:
-            members = [obj] + ([v for _, v in sorted(vars(obj).items()) if inspect.isfunction(v)] if inspect.isclass(obj) else [])
+            members = [obj] + (
+                [v for _, v in sorted(vars(obj).items()) if inspect.isfunction(v)] if inspect.isclass(obj) else []
+            )
             for m in members:
                 doc = inspect.getdoc(m)
                 if doc and len(doc) > 100 and doc not in seen:
@@ -119,7 +121,13 @@ def train(model, optimizer, data, val, steps, args, capture_at=(), seed=0):
             }
     with torch.no_grad():
         gv = torch.Generator().manual_seed(1234)
-        val_loss = sum(nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item() for x, y in (batch(val, 64, args.seq, gv) for _ in range(8))) / 8
+        val_loss = (
+            sum(
+                nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+                for x, y in (batch(val, 64, args.seq, gv) for _ in range(8))
+            )
+            / 8
+        )
     return losses, val_loss, captured
 
 
@@ -133,7 +141,9 @@ def per_tensor(x, signed=True):
 
 def expanded(fmt="e4m3", expansion=True, k_min=1 / 16, k_max=16.0):
     def apply(x, signed=True):
-        return dequantize_expanded(quantize_expanded(x.contiguous(), 128, fmt, signed, expansion=expansion, k_min=k_min, k_max=k_max)).view(x.shape)
+        return dequantize_expanded(
+            quantize_expanded(x.contiguous(), 128, fmt, signed, expansion=expansion, k_min=k_min, k_max=k_max)
+        ).view(x.shape)
 
     return apply
 
@@ -175,14 +185,19 @@ def one_shot_errors(captured, betas, eps):
             v_flat = torch.cat([v.reshape(-1) for v in vq])
             m_flat, m_ref = torch.cat([m.reshape(-1) for m in mq]), torch.cat([m.reshape(-1) for m in states["m"]])
             rel_elem = (err.abs() / u.abs().clamp_min(1e-12))[u != 0]
-            rows.append({
-                "step": step, "format": name, "bytes_per_param": nbytes,
-                "rel_l2_error_u": (err.norm() / u.norm()).item(),
-                "mse_u": mse, "mse_vs_baseline": mse / base_mse,
-                "median_rel_error_u": rel_elem.median().item(),
-                "m_rel_l2_error": ((m_flat - m_ref).norm() / m_ref.norm()).item(),
-                "v_underflow_fraction": ((v_flat == 0) & nonzero_v).float().mean().item(),
-            })
+            rows.append(
+                {
+                    "step": step,
+                    "format": name,
+                    "bytes_per_param": nbytes,
+                    "rel_l2_error_u": (err.norm() / u.norm()).item(),
+                    "mse_u": mse,
+                    "mse_vs_baseline": mse / base_mse,
+                    "median_rel_error_u": rel_elem.median().item(),
+                    "m_rel_l2_error": ((m_flat - m_ref).norm() / m_ref.norm()).item(),
+                    "v_underflow_fraction": ((v_flat == 0) & nonzero_v).float().mean().item(),
+                }
+            )
     return rows
 
 
@@ -192,7 +207,12 @@ def k_distribution(captured):
     for step, states in sorted(captured.items()):
         for key, signed in (("m", True), ("v", False)):
             k = torch.cat([quantize_expanded(t.contiguous(), 128, "e4m3", signed).k for t in states[key]])
-            out[f"{key}@{step}"] = {"mean": k.mean().item(), "p10": k.quantile(0.1).item(), "median": k.median().item(), "p90": k.quantile(0.9).item()}
+            out[f"{key}@{step}"] = {
+                "mean": k.mean().item(),
+                "p10": k.quantile(0.1).item(),
+                "median": k.median().item(),
+                "p90": k.quantile(0.9).item(),
+            }
     return out
 
 
@@ -222,25 +242,56 @@ def main():
 
     t0 = time.time()
     model = copy.deepcopy(init)
-    fp32_losses, fp32_val, captured = train(model, torch.optim.AdamW(model.parameters(), **hyper), train_data, val_data, args.steps, args, capture_at, args.seed)
-    print(f"FP32 AdamW: loss {fp32_losses[0]:.3f} -> {sum(fp32_losses[-20:]) / 20:.3f}, val {fp32_val:.4f} ({time.time() - t0:.0f} s)")
+    fp32_losses, fp32_val, captured = train(
+        model,
+        torch.optim.AdamW(model.parameters(), **hyper),
+        train_data,
+        val_data,
+        args.steps,
+        args,
+        capture_at,
+        args.seed,
+    )
+    print(
+        f"FP32 AdamW: loss {fp32_losses[0]:.3f} -> {sum(fp32_losses[-20:]) / 20:.3f}, val {fp32_val:.4f} ({time.time() - t0:.0f} s)"
+    )
     errors = one_shot_errors(captured, hyper["betas"], hyper["eps"])
     ks = k_distribution(captured)
 
-    runs = [{"optimizer": "torch AdamW, FP32 states", "final_loss": sum(fp32_losses[-20:]) / 20, "val_loss": fp32_val, "max_gap": 0.0, "mean_gap": 0.0}]
+    runs = [
+        {
+            "optimizer": "torch AdamW, FP32 states",
+            "final_loss": sum(fp32_losses[-20:]) / 20,
+            "val_loss": fp32_val,
+            "max_gap": 0.0,
+            "mean_gap": 0.0,
+        }
+    ]
     if not args.no_trajectories:
         candidates = {
             "CoatAdamW, default (k in [1/16, 16])": lambda ps: CoatAdamW(ps, **hyper),
             "CoatAdamW, k in [1, 16]": lambda ps: CoatAdamW(ps, **hyper, config=CoatConfig(k_min=1.0)),
-            "CoatAdamW, expansion off (per-group 128 absmax)": lambda ps: CoatAdamW(ps, **hyper, config=CoatConfig(m_expansion=False, v_expansion=False)),
+            "CoatAdamW, expansion off (per-group 128 absmax)": lambda ps: CoatAdamW(
+                ps, **hyper, config=CoatConfig(m_expansion=False, v_expansion=False)
+            ),
             "per-tensor E4M3 AdamW (Megatron precision-aware FP8)": lambda ps: PerTensorFp8AdamW(ps, **hyper),
         }
         for name, make in candidates.items():
             t0 = time.time()
             model = copy.deepcopy(init)
-            losses, val, _ = train(model, make(model.parameters()), train_data, val_data, args.steps, args, seed=args.seed)
+            losses, val, _ = train(
+                model, make(model.parameters()), train_data, val_data, args.steps, args, seed=args.seed
+            )
             gaps = [a - b for a, b in zip(losses, fp32_losses)]
-            runs.append({"optimizer": name, "final_loss": sum(losses[-20:]) / 20, "val_loss": val, "max_gap": max(abs(x) for x in gaps), "mean_gap": sum(gaps[-100:]) / min(100, len(gaps))})
+            runs.append(
+                {
+                    "optimizer": name,
+                    "final_loss": sum(losses[-20:]) / 20,
+                    "val_loss": val,
+                    "max_gap": max(abs(x) for x in gaps),
+                    "mean_gap": sum(gaps[-100:]) / min(100, len(gaps)),
+                }
+            )
             print(f"{name}: final {runs[-1]['final_loss']:.4f}, val {val:.4f} ({time.time() - t0:.0f} s)")
 
     last = max(captured)
@@ -255,7 +306,7 @@ def main():
         f"warmup + cosine), batch {args.batch} x {args.seq}. FP32 loss {fp32_losses[0]:.3f} -> {sum(fp32_losses[-20:]) / 20:.3f}.",
         "",
         "u = m_hat / (sqrt(v_hat) + eps), the bias-corrected update direction; errors over all parameters.",
-        f"Baseline: one absmax scale per tensor, E4M3 (TransformerEngine FusedAdam's FP8 states).",
+        "Baseline: one absmax scale per tensor, E4M3 (TransformerEngine FusedAdam's FP8 states).",
         "",
         f"## At step {last}",
         "",
@@ -267,15 +318,39 @@ def main():
             f"| {r['format']} | {r['bytes_per_param']:.4g} | {r['rel_l2_error_u']:.4f} | {r['rel_l2_error_u'] / base:.3f} | "
             f"{r['mse_vs_baseline']:.3g} | {r['median_rel_error_u']:.4f} | {r['v_underflow_fraction']:.2%} |"
         )
-    lines += ["", "## All captures (relative L2 error of u)", "", "| m / v format | " + " | ".join(f"step {s}" for s in sorted(captured)) + " |", "|---|" + "---|" * len(captured)]
+    lines += [
+        "",
+        "## All captures (relative L2 error of u)",
+        "",
+        "| m / v format | " + " | ".join(f"step {s}" for s in sorted(captured)) + " |",
+        "|---|" + "---|" * len(captured),
+    ]
     for name in FORMATS:
-        lines.append(f"| {name} | " + " | ".join(f"{r['rel_l2_error_u']:.4f}" for r in errors if r["format"] == name) + " |")
-    lines += ["", "## k of COAT's default on these states", "", "| state@step | mean | p10 | median | p90 |", "|---|---|---|---|---|"]
-    lines += [f"| {key} | {d['mean']:.2f} | {d['p10']:.2f} | {d['median']:.2f} | {d['p90']:.2f} |" for key, d in ks.items()]
+        lines.append(
+            f"| {name} | " + " | ".join(f"{r['rel_l2_error_u']:.4f}" for r in errors if r["format"] == name) + " |"
+        )
+    lines += [
+        "",
+        "## k of COAT's default on these states",
+        "",
+        "| state@step | mean | p10 | median | p90 |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {key} | {d['mean']:.2f} | {d['p10']:.2f} | {d['median']:.2f} | {d['p90']:.2f} |" for key, d in ks.items()
+    ]
     if len(runs) > 1:
-        lines += ["", "## Training with each state format (same start, same batches)", "",
-                  "| optimizer | final train loss (mean of last 20) | val loss | max abs gap to FP32 | mean gap, last 100 steps |", "|---|---|---|---|---|"]
-        lines += [f"| {r['optimizer']} | {r['final_loss']:.4f} | {r['val_loss']:.4f} | {r['max_gap']:.4f} | {r['mean_gap']:+.4f} |" for r in runs]
+        lines += [
+            "",
+            "## Training with each state format (same start, same batches)",
+            "",
+            "| optimizer | final train loss (mean of last 20) | val loss | max abs gap to FP32 | mean gap, last 100 steps |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['optimizer']} | {r['final_loss']:.4f} | {r['val_loss']:.4f} | {r['max_gap']:.4f} | {r['mean_gap']:+.4f} |"
+            for r in runs
+        ]
     text_out = "\n".join(lines) + "\n"
     print(text_out)
     os.makedirs(args.out, exist_ok=True)

@@ -53,9 +53,9 @@ import time
 
 import torch
 
+from coat_compare.corpus import SOURCES
 from coat_compare.modes import Mode, parse_modes, unavailable_reason
 from coat_compare.presets import Preset, get_preset
-from coat_compare.corpus import SOURCES
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 TARGETS = ("swiglu", "gate", "up", "residual")
@@ -86,7 +86,9 @@ class OutlierInjection:
                 modules[(int(m.group(1)), m.group(2))] = module
         missing = [i for i in layers if (i, fc) not in modules]
         if missing:
-            raise ValueError(f"no layer {missing} in this model (layers 0..{max(i for i, _ in modules)}); choose --inject-layers among them")
+            raise ValueError(
+                f"no layer {missing} in this model (layers 0..{max(i for i, _ in modules)}); choose --inject-layers among them"
+            )
         self.modules = [modules[(i, fc)] for i in layers]
         weight = self.modules[0].weight
         ffn = weight.shape[0] // 2 if fc == "linear_fc1" else weight.shape[1]
@@ -94,7 +96,9 @@ class OutlierInjection:
         c = torch.tensor(channels, dtype=torch.long)
         if (c < 0).any() or (c >= (width if target == "residual" else ffn)).any():
             raise ValueError(f"channels {channels} out of range for --target {target}")
-        self.rows = {"swiglu": torch.cat([c, c + ffn]), "gate": c, "up": c + ffn, "residual": c}[target].to(weight.device)
+        self.rows = {"swiglu": torch.cat([c, c + ffn]), "gate": c, "up": c + ffn, "residual": c}[target].to(
+            weight.device
+        )
         self.out_mask = torch.zeros(width, dtype=torch.bool, device=weight.device)
         self.out_mask[self.rows] = True
         self.swiglu_mask = None
@@ -120,7 +124,11 @@ class OutlierInjection:
         amax = self._channel_amax(output[0] if isinstance(output, tuple) else output)
         # the weight as this forward used it: its injected rows should have grown by growth^step
         w = module.weight.detach().abs().amax(dim=1).float()
-        self._out.append(torch.stack([amax[self.out_mask].max(), amax[~self.out_mask].max(), w[self.out_mask].max(), w[~self.out_mask].max()]))
+        self._out.append(
+            torch.stack(
+                [amax[self.out_mask].max(), amax[~self.out_mask].max(), w[self.out_mask].max(), w[~self.out_mask].max()]
+            )
+        )
 
     @torch.no_grad()
     def _measure_swiglu(self, module, args):
@@ -154,7 +162,9 @@ def scale_weight_rows(param: torch.nn.Parameter, rows: torch.Tensor, factor: flo
     (Megatron distributed, or COAT) optimizer that steps it, and in ``param`` itself (its BF16 value:
     the master's, as the optimizer writes it)."""
     n_cols = param.shape[1]
-    index = (rows[:, None] * n_cols + torch.arange(n_cols, device=rows.device)).reshape(-1)  # in param's flat index space
+    index = (rows[:, None] * n_cols + torch.arange(n_cols, device=rows.device)).reshape(
+        -1
+    )  # in param's flat index space
     owners = 0
     for opt in optimizers:
         group_of = getattr(opt, "model_param_group_index_map", {})
@@ -173,11 +183,15 @@ def scale_weight_rows(param: torch.nn.Parameter, rows: torch.Tensor, factor: flo
             master = main
             master.view(-1)[local] *= factor
         else:
-            raise ValueError(f"the optimizer steps a {main.dtype} copy of the weight with no FP32 master: not a mode this benchmark injects into")
+            raise ValueError(
+                f"the optimizer steps a {main.dtype} copy of the weight with no FP32 master: not a mode this benchmark injects into"
+            )
         if main.dtype == torch.float32:
             param.data.view(-1)[local + span.start] = master.view(-1)[local].to(param.dtype)
     if owners == 0:
-        raise ValueError("no optimizer steps the injected weight (is the model wrapped in Megatron's DDP with its distributed optimizer?)")
+        raise ValueError(
+            "no optimizer steps the injected weight (is the model wrapped in Megatron's DDP with its distributed optimizer?)"
+        )
 
 
 def pick_channels(count: int, width: int, seed: int) -> list[int]:
@@ -213,17 +227,32 @@ def train_mode(preset: Preset, mode: Mode, args) -> list[dict]:
         model, optimizer = build_gpt(preset, mode, args.seed)
         forward_backward = forward_backward_function()
         width = preset.hidden if args.target == "residual" else preset.ffn
-        injection = OutlierInjection(model, unwrap_optimizers(optimizer), args.target, parse_layers(args.inject_layers, preset.layers),
-                                     pick_channels(args.channels, width, args.seed))
+        injection = OutlierInjection(
+            model,
+            unwrap_optimizers(optimizer),
+            args.target,
+            parse_layers(args.inject_layers, preset.layers),
+            pick_channels(args.channels, width, args.seed),
+        )
         device = parallel.device()
         progress = Progress(preset.steps, f"{NAME} {mode.name}")
         bad_in_a_row = 0
         for step in range(preset.steps):
             batch = {k: v.to(device) for k, v in data.batch(step).items()}
             set_learning_rate(optimizer, preset, step)
-            loss, ok = train_step(model, optimizer, batch, preset, None, forward_backward)
-            rows.append({"kind": "step", "mode": mode.name, "step": step, "factor": args.growth**step, "loss": loss,
-                         "finite": math.isfinite(loss), "optimizer_stepped": ok, **injection.read()})
+            loss, ok = train_step(model, optimizer, [batch], preset, None, forward_backward)
+            rows.append(
+                {
+                    "kind": "step",
+                    "mode": mode.name,
+                    "step": step,
+                    "factor": args.growth**step,
+                    "loss": loss,
+                    "finite": math.isfinite(loss),
+                    "optimizer_stepped": ok,
+                    **injection.read(),
+                }
+            )
             injection.grow(args.growth)
             progress.update(step + 1, loss=loss, act=rows[-1].get("out_injected_amax", float("nan")))
             bad_in_a_row = 0 if math.isfinite(loss) else bad_in_a_row + 1
@@ -266,17 +295,33 @@ def summarize(mode: str, steps: list[dict], args) -> dict:
 
 
 def settings(preset: Preset, args) -> dict:
-    return {"preset": preset.name, "layers": preset.layers, "hidden": preset.hidden, "ffn": preset.ffn, "seq": preset.seq,
-            "micro_batch": preset.micro_batch, "steps": preset.steps, "lr": preset.lr, "target": args.target,
-            "channels": args.channels, "inject_layers": parse_layers(args.inject_layers, preset.layers), "growth": args.growth,
-            "blowup": args.blowup, "seed": args.seed}
+    return {
+        "preset": preset.name,
+        "layers": preset.layers,
+        "hidden": preset.hidden,
+        "ffn": preset.ffn,
+        "seq": preset.seq,
+        "micro_batch": preset.micro_batch,
+        "steps": preset.steps,
+        "lr": preset.lr,
+        "target": args.target,
+        "channels": args.channels,
+        "inject_layers": parse_layers(args.inject_layers, preset.layers),
+        "growth": args.growth,
+        "blowup": args.blowup,
+        "seed": args.seed,
+    }
 
 
 def run_worker(preset: Preset, mode: Mode, args) -> int:
     """``--worker``: one mode in this process; its rows go to {out}/outlier_stress-{mode}.jsonl."""
     start = time.perf_counter()
     steps = train_mode(preset, mode, args)
-    summary = {**summarize(mode.name, steps, args), **settings(preset, args), "seconds": round(time.perf_counter() - start, 1)}
+    summary = {
+        **summarize(mode.name, steps, args),
+        **settings(preset, args),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
     with open(os.path.join(args.out, f"{NAME}-{mode.name}.jsonl"), "w") as f:
         for row in [*steps, summary]:
             f.write(json.dumps(row) + "\n")
@@ -286,8 +331,23 @@ def run_worker(preset: Preset, mode: Mode, args) -> int:
 def option_args(args) -> list[str]:
     """The options that define a run (all but --modes), as command-line arguments."""
     given = []
-    for name in ("preset", "steps", "micro_batch", "seq", "layers", "lr", "corpus", "corpus_bytes", "target", "channels",
-                 "inject_layers", "growth", "blowup", "patience", "seed"):
+    for name in (
+        "preset",
+        "steps",
+        "micro_batch",
+        "seq",
+        "layers",
+        "lr",
+        "corpus",
+        "corpus_bytes",
+        "target",
+        "channels",
+        "inject_layers",
+        "growth",
+        "blowup",
+        "patience",
+        "seed",
+    ):
         value = getattr(args, name)
         if value is not None:
             given += [f"--{name.replace('_', '-')}", str(value)]
@@ -295,7 +355,16 @@ def option_args(args) -> list[str]:
 
 
 def worker_command(mode: Mode, args) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--worker", "--modes", mode.name, *option_args(args), "--out", args.out]
+    return [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        "--modes",
+        mode.name,
+        *option_args(args),
+        "--out",
+        args.out,
+    ]
 
 
 def run_mode(preset: Preset, mode: Mode, args) -> list[dict]:
@@ -317,7 +386,9 @@ def run_mode(preset: Preset, mode: Mode, args) -> list[dict]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.run(worker_command(mode, args), stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.mode_timeout)
+            proc = subprocess.run(
+                worker_command(mode, args), stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.mode_timeout
+            )
         failure = None if proc.returncode == 0 and os.path.exists(rows_path) else f"exited with {proc.returncode}"
     except subprocess.TimeoutExpired:
         failure = f"stopped after {args.mode_timeout} s (--mode-timeout)"
@@ -331,8 +402,12 @@ def run_mode(preset: Preset, mode: Mode, args) -> list[dict]:
     with open(rows_path) as f:
         rows = [json.loads(line) for line in f]
     s = rows[-1]
-    print(f"{mode.name}: {s['steps_run']} steps in {s['seconds']} s, loss {s['initial_loss']:.3f} -> {s['final_loss']:.3f}, "
-          f"first non-finite step {s['first_nonfinite_step']}", file=sys.stderr, flush=True)
+    print(
+        f"{mode.name}: {s['steps_run']} steps in {s['seconds']} s, loss {s['initial_loss']:.3f} -> {s['final_loss']:.3f}, "
+        f"first non-finite step {s['first_nonfinite_step']}",
+        file=sys.stderr,
+        flush=True,
+    )
     return rows
 
 
@@ -354,8 +429,12 @@ def report(preset: Preset, args, rows: list[dict]) -> str:
             steps.setdefault(r["mode"], {})[r["step"]] = r
     swiglu = args.target != "residual"
     layer_list = ", ".join(map(str, parse_layers(args.inject_layers, preset.layers)))
-    what = {"swiglu": "linear_fc1's gate and up rows", "gate": "linear_fc1's gate rows", "up": "linear_fc1's up rows",
-            "residual": "linear_fc2's rows (residual channels)"}[args.target]
+    what = {
+        "swiglu": "linear_fc1's gate and up rows",
+        "gate": "linear_fc1's gate rows",
+        "up": "linear_fc1's up rows",
+        "residual": "linear_fc2's rows (residual channels)",
+    }[args.target]
     command = " ".join(["python benchmarks/outlier_stress.py", "--modes", args.modes, *option_args(args)])
     versions = f"torch {torch.__version__}, megatron-core {package_version('megatron-core')}"
     te = package_version("transformer-engine") or package_version("transformer_engine")
@@ -363,40 +442,62 @@ def report(preset: Preset, args, rows: list[dict]) -> str:
         versions += f", TransformerEngine {te}"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"a CPU ({os.cpu_count()} cores)"
     lines = [
-        f"# Outlier stress: {', '.join(s['mode'] for s in summaries)}", "",
-        f"`{command}`", "",
-        f"On {device}; {versions}.", "",
+        f"# Outlier stress: {', '.join(s['mode'] for s in summaries)}",
+        "",
+        f"`{command}`",
+        "",
+        f"On {device}; {versions}.",
+        "",
         f"{preset.name}: {preset.layers} layers, hidden {preset.hidden}, FFN {preset.ffn}, seq {preset.seq} x micro-batch "
         f"{preset.micro_batch}, peak LR {preset.lr:g}, {preset.steps} steps, seed {args.seed} (same initial weights and batches "
         f"in every mode). Injected: {args.channels} channels of {what} in layer(s) {layer_list}, x{args.growth:g} after every "
-        f"optimizer step (x{args.growth ** (preset.steps - 1):.3g} by the last step), in the masters and the model weights.", "",
+        f"optimizer step (x{args.growth ** (preset.steps - 1):.3g} by the last step), in the masters and the model weights.",
+        "",
         "| mode | status | steps | loss first -> last 10 | min loss | step: first non-finite loss | step: first loss > "
         f"{args.blowup:g}x first | injected max abs act first -> last | others last | step: act > 448 | step: act > 57344"
-        + (" | SwiGLU out injected last | step: SwiGLU out > 448" if swiglu else "") + " | injected weight rows max abs first -> last | seconds |",
+        + (" | SwiGLU out injected last | step: SwiGLU out > 448" if swiglu else "")
+        + " | injected weight rows max abs first -> last | seconds |",
         "|" + "---|" * (13 + 2 * swiglu),
     ]
     for s in summaries:
         if s["status"] != "ok":
             lines.append(f"| {s['mode']} | {s['status']}: {s['reason']} |" + " |" * (11 + 2 * swiglu))
             continue
-        cells = [s["mode"], "ok", s["steps_run"], f"{fmt_number(s['initial_loss'])} -> {fmt_number(s['final_loss'])}",
-                 fmt_number(s["min_loss"]), fmt_number(s["first_nonfinite_step"]), fmt_number(s["first_blowup_step"]),
-                 f"{fmt_number(s['out_injected_amax_first'])} -> {fmt_number(s['out_injected_amax_last'])}",
-                 fmt_number(s["out_other_amax_last"]), fmt_number(s["out_past_e4m3_step"]), fmt_number(s["out_past_e5m2_step"])]
+        cells = [
+            s["mode"],
+            "ok",
+            s["steps_run"],
+            f"{fmt_number(s['initial_loss'])} -> {fmt_number(s['final_loss'])}",
+            fmt_number(s["min_loss"]),
+            fmt_number(s["first_nonfinite_step"]),
+            fmt_number(s["first_blowup_step"]),
+            f"{fmt_number(s['out_injected_amax_first'])} -> {fmt_number(s['out_injected_amax_last'])}",
+            fmt_number(s["out_other_amax_last"]),
+            fmt_number(s["out_past_e4m3_step"]),
+            fmt_number(s["out_past_e5m2_step"]),
+        ]
         if swiglu:
             cells += [fmt_number(s["swiglu_injected_amax_last"]), fmt_number(s["swiglu_past_e4m3_step"])]
-        cells += [f"{fmt_number(s['weight_injected_amax_first'])} -> {fmt_number(s['weight_injected_amax_last'])}", s["seconds"]]
+        cells += [
+            f"{fmt_number(s['weight_injected_amax_first'])} -> {fmt_number(s['weight_injected_amax_last'])}",
+            s["seconds"],
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", "injected max abs act: max |output| over the injected channels of the injected linear (linear_fc1's output for "
-              "the SwiGLU targets, linear_fc2's for residual) as the mode computes it (COAT's FP8 output dequantized); others: "
-              "its other channels. SwiGLU out: linear_fc2's input in the injected FFN channels. Injected weight rows: as the "
-              "forward read them (they grow by the factor unless the optimizer pushes back). Each mode stops after "
-              f"{args.patience} non-finite losses in a row."]
+    lines += [
+        "",
+        "injected max abs act: max |output| over the injected channels of the injected linear (linear_fc1's output for "
+        "the SwiGLU targets, linear_fc2's for residual) as the mode computes it (COAT's FP8 output dequantized); others: "
+        "its other channels. SwiGLU out: linear_fc2's input in the injected FFN channels. Injected weight rows: as the "
+        "forward read them (they grow by the factor unless the optimizer pushes back). Each mode stops after "
+        f"{args.patience} non-finite losses in a row.",
+    ]
     trained = [m for m in steps]
     if trained:
         every = max(1, preset.steps // 20)
         shown = sorted({i for m in trained for i in steps[m] if i % every == 0 or i == max(steps[m])})
-        header = "| step | growth |" + "".join(f" {m} loss | {m} act |" + (f" {m} SwiGLU |" if swiglu else "") for m in trained)
+        header = "| step | growth |" + "".join(
+            f" {m} loss | {m} act |" + (f" {m} SwiGLU |" if swiglu else "") for m in trained
+        )
         lines += ["", "## Per step", "", header, "|" + "---|" * (2 + len(trained) * (2 + swiglu))]
         for i in shown:
             cells = [str(i), fmt_number(args.growth**i, 3)]
@@ -431,12 +532,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="bf16,te-fp8-current,coat")
     p.add_argument("--target", choices=TARGETS, default="swiglu", help="which weight's rows grow (see above)")
     p.add_argument("--channels", type=int, default=4, help="how many channels grow")
-    p.add_argument("--inject-layers", default="middle", help="'middle' (layer L // 2), 'all', or 0-based layer numbers: 0,3")
-    p.add_argument("--growth", type=float, default=1.03, help="factor applied to the injected rows after every optimizer step")
-    p.add_argument("--blowup", type=float, default=1.5, help="report the first step whose loss exceeds this multiple of the first step's")
+    p.add_argument(
+        "--inject-layers", default="middle", help="'middle' (layer L // 2), 'all', or 0-based layer numbers: 0,3"
+    )
+    p.add_argument(
+        "--growth", type=float, default=1.03, help="factor applied to the injected rows after every optimizer step"
+    )
+    p.add_argument(
+        "--blowup",
+        type=float,
+        default=1.5,
+        help="report the first step whose loss exceeds this multiple of the first step's",
+    )
     p.add_argument("--patience", type=int, default=3, help="stop a mode after this many non-finite losses in a row")
     p.add_argument("--seed", type=int, default=1, help="initial weights, data order and the injected channels")
-    p.add_argument("--mode-timeout", type=float, default=1800, help="seconds per mode before it is stopped (a failed row)")
+    p.add_argument(
+        "--mode-timeout", type=float, default=1800, help="seconds per mode before it is stopped (a failed row)"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one mode, in this process
     args = p.parse_args(argv)
@@ -449,9 +561,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     preset = get_preset(args.preset)
     if preset.kind != "train":
-        raise SystemExit(f"--preset {preset.name} is a one-layer preset; choose an end-to-end one (tiny, gpt-125m, ...)")
-    preset = preset.with_overrides(steps=args.steps, micro_batch=args.micro_batch, seq=args.seq, layers=args.layers, lr=args.lr,
-                                   corpus=args.corpus, corpus_bytes=args.corpus_bytes)
+        raise SystemExit(
+            f"--preset {preset.name} is a one-layer preset; choose an end-to-end one (tiny, gpt-125m, ...)"
+        )
+    preset = preset.with_overrides(
+        steps=args.steps,
+        micro_batch=args.micro_batch,
+        seq=args.seq,
+        layers=args.layers,
+        lr=args.lr,
+        corpus=args.corpus,
+        corpus_bytes=args.corpus_bytes,
+    )
     modes = parse_modes(args.modes)
     os.makedirs(args.out, exist_ok=True)
     if args.worker:

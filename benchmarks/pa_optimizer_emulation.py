@@ -64,9 +64,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from coat_compare.corpus import ByteBatches, stdlib_docstrings
 from coat_kernels import dequantize_expanded, quantize_expanded
 from coat_megatron import CoatConfig
-from coat_compare.corpus import ByteBatches, stdlib_docstrings
 
 E4M3_MAX = 448.0  # FusedAdam.dtype_to_range_map[torch.uint8]
 # An update counts as blown up above this multiple of exact Adam's largest: rounding m and v to E4M3
@@ -102,8 +102,16 @@ def bf16(x: torch.Tensor, signed: bool = True) -> torch.Tensor:
 def coat_expanded(x: torch.Tensor, signed: bool = True) -> torch.Tensor:
     """COAT's state format with CoatConfig's defaults (E4M3, groups of 128, expansion, k in [1/16, 16])."""
     c = CoatConfig()
-    state = quantize_expanded(x.contiguous(), c.optimizer_group_size, c.m_format if signed else c.v_format, signed=signed,
-                              expansion=True, k_min=c.k_min, k_max=c.k_max, backend="reference")
+    state = quantize_expanded(
+        x.contiguous(),
+        c.optimizer_group_size,
+        c.m_format if signed else c.v_format,
+        signed=signed,
+        expansion=True,
+        k_min=c.k_min,
+        k_max=c.k_max,
+        backend="reference",
+    )
     return dequantize_expanded(state, torch.float32, backend="reference").view(x.shape)
 
 
@@ -139,8 +147,17 @@ class EmulatedAdamW:
     FP32 parameters; ``step`` applies Megatron's global-norm gradient clipping first and returns the
     step's statistics (see the module docstring)."""
 
-    def __init__(self, named_params, fmt: str, lr: float, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 clip_grad: float = 1.0, watch: str = "output.weight"):
+    def __init__(
+        self,
+        named_params,
+        fmt: str,
+        lr: float,
+        betas=(0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+        clip_grad: float = 1.0,
+        watch: str = "output.weight",
+    ):
         self.params = dict(named_params)
         self.store_m, self.store_v = FORMATS[fmt]
         self.lr, self.betas, self.eps, self.wd, self.clip = lr, betas, eps, weight_decay, clip_grad
@@ -160,7 +177,16 @@ class EmulatedAdamW:
         clip = min(1.0, self.clip / (norm.item() + 1e-6))
         bc1, bc2 = 1 - b1**self.t, 1 - b2**self.t
         bound = adam_update_bound(self.t, b1, b2)
-        totals = dict(n=0, v_lost=0, m_alive_v_dead=0, over_bound=0, max_update=0.0, watch_over_bound=0, watch_n=0, watch_max_update=0.0)
+        totals = dict(
+            n=0,
+            v_lost=0,
+            m_alive_v_dead=0,
+            over_bound=0,
+            max_update=0.0,
+            watch_over_bound=0,
+            watch_n=0,
+            watch_max_update=0.0,
+        )
         for name, p in self.params.items():
             g = grads[name] * clip
             seen = self.seen[name].logical_or_(g != 0)
@@ -217,7 +243,9 @@ class Block(nn.Module):
 
     def forward(self, x):
         b, s, d = x.shape
-        q, k, v = self.linear_qkv(self.input_layernorm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = (
+            self.linear_qkv(self.input_layernorm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        )
         attn = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
         x = x + self.linear_proj(attn.transpose(1, 2).reshape(b, s, d))
         gate, up = self.linear_fc1(self.pre_mlp_layernorm(x)).chunk(2, dim=-1)
@@ -237,7 +265,11 @@ class LlamaGPT(nn.Module):
         with torch.no_grad():  # coat-compare's init_weights_by_name: N(0, 0.02), output projections / sqrt(2 L)
             for name, p in self.named_parameters():
                 if p.dim() > 1:
-                    std = 0.02 / math.sqrt(2 * layers) if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0.02
+                    std = (
+                        0.02 / math.sqrt(2 * layers)
+                        if name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+                        else 0.02
+                    )
                     p.copy_(torch.randn(p.shape, generator=g) * std)
 
     def forward(self, tokens):
@@ -267,7 +299,16 @@ def train(init: nn.Module, fmt: str, data: ByteBatches, unseen: torch.Tensor, ar
         loss.backward()
         stats = opt.step()
         predicts_unseen = unseen[logits.detach().argmax(-1)].float().mean().item()
-        rows.append({"format": fmt, "step": step + 1, "loss": loss.item(), "lr": opt.lr, "predicts_unseen": predicts_unseen, **stats})
+        rows.append(
+            {
+                "format": fmt,
+                "step": step + 1,
+                "loss": loss.item(),
+                "lr": opt.lr,
+                "predicts_unseen": predicts_unseen,
+                **stats,
+            }
+        )
         if not math.isfinite(loss.item()):
             break
     return rows
@@ -294,12 +335,24 @@ def report(rows: list[dict], args, n_params: int, n_unseen: int, seconds: float)
         "|---|" + "---|" * len(by_fmt),
     ]
     for s in shown:
-        lines.append(f"| {s} | " + " | ".join(next((f"{r['loss']:.3f}" for r in rs if r["step"] == s), "-") for rs in by_fmt.values()) + " |")
+        lines.append(
+            f"| {s} | "
+            + " | ".join(next((f"{r['loss']:.3f}" for r in rs if r["step"] == s), "-") for rs in by_fmt.values())
+            + " |"
+        )
     lines.append("| largest | " + " | ".join(f"{max(r['loss'] for r in rs):.3f}" for rs in by_fmt.values()) + " |")
     # the first spike: the first step after the warm-up whose loss is above the untrained model's
-    spikes = [next((r for r in rs if r["step"] > args.warmup and r["loss"] > rs[0]["loss"]), None) for rs in by_fmt.values()]
-    lines.append("| first spike above step 1's loss | " + " | ".join(str(r["step"]) if r else "none" for r in spikes) + " |")
-    lines.append("| there: positions predicting a never-seen token | " + " | ".join(f"{r['predicts_unseen']:.1%}" if r else "-" for r in spikes) + " |")
+    spikes = [
+        next((r for r in rs if r["step"] > args.warmup and r["loss"] > rs[0]["loss"]), None) for rs in by_fmt.values()
+    ]
+    lines.append(
+        "| first spike above step 1's loss | " + " | ".join(str(r["step"]) if r else "none" for r in spikes) + " |"
+    )
+    lines.append(
+        "| there: positions predicting a never-seen token | "
+        + " | ".join(f"{r['predicts_unseen']:.1%}" if r else "-" for r in spikes)
+        + " |"
+    )
     lines += [
         "",
         "## What the stored moments do to the update (mean over steps 2..end; largest over all steps)",
@@ -326,15 +379,24 @@ def report(rows: list[dict], args, n_params: int, n_unseen: int, seconds: float)
 
 
 def command_line(args) -> str:
-    return (f"--steps {args.steps} --vocab {args.vocab} --lr {args.lr:g} --dim {args.dim} --layers {args.layers} "
-            f"--seq {args.seq} --batch {args.batch} --formats {args.formats}")
+    return (
+        f"--steps {args.steps} --vocab {args.vocab} --lr {args.lr:g} --dim {args.dim} --layers {args.layers} "
+        f"--seq {args.seq} --batch {args.batch} --formats {args.formats}"
+    )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--vocab", type=int, default=32000, help="gpt-1b's 32000 (byte tokens: 107 of them occur in the corpus); 256 for fewer unused rows")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate: 3e-3 as coat-compare's tiny preset (gpt-1b: 3e-4)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=32000,
+        help="gpt-1b's 32000 (byte tokens: 107 of them occur in the corpus); 256 for fewer unused rows",
+    )
+    p.add_argument(
+        "--lr", type=float, default=3e-3, help="peak learning rate: 3e-3 as coat-compare's tiny preset (gpt-1b: 3e-4)"
+    )
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -359,10 +421,13 @@ def main():
         t0 = time.time()
         fmt_rows = train(init, fmt, data, unseen, args)
         rows += fmt_rows
-        print(f"{fmt}: loss {fmt_rows[0]['loss']:.3f} -> {fmt_rows[-1]['loss']:.3f} at step {fmt_rows[-1]['step']} "
-              f"(largest {max(r['loss'] for r in fmt_rows):.3f}), updates over bound "
-              f"{sum(r['over_bound'] for r in fmt_rows) / len(fmt_rows):.2%}, largest update {max(r['max_update'] for r in fmt_rows):.3g} "
-              f"({time.time() - t0:.0f} s)", flush=True)
+        print(
+            f"{fmt}: loss {fmt_rows[0]['loss']:.3f} -> {fmt_rows[-1]['loss']:.3f} at step {fmt_rows[-1]['step']} "
+            f"(largest {max(r['loss'] for r in fmt_rows):.3f}), updates over bound "
+            f"{sum(r['over_bound'] for r in fmt_rows) / len(fmt_rows):.2%}, largest update {max(r['max_update'] for r in fmt_rows):.3g} "
+            f"({time.time() - t0:.0f} s)",
+            flush=True,
+        )
     text = report(rows, args, n_params, int(unseen.sum()), time.time() - start)
     print(text)
     os.makedirs(args.out, exist_ok=True)

@@ -19,7 +19,13 @@ from unittest import mock
 import torch
 import triton
 
-from coat_kernels import dequantize_per_group, dequantize_per_tensor, quantize_per_group, quantize_per_tensor, tensor_amax
+from coat_kernels import (
+    dequantize_per_group,
+    dequantize_per_tensor,
+    quantize_per_group,
+    quantize_per_tensor,
+    tensor_amax,
+)
 from coat_kernels import per_group as qg_module
 from coat_kernels import per_tensor as qt_module
 
@@ -54,13 +60,27 @@ def main() -> None:
     def case(name, fn, bytes_moved, note=""):
         ms = bench_ms(fn)
         gbs = bytes_moved / ms / 1e6
-        rows.append({"kernel": name, "ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs, "bytes": bytes_moved, "note": note})
+        rows.append(
+            {"kernel": name, "ms": ms, "GB/s": gbs, "of_copy": gbs / copy_gbs, "bytes": bytes_moved, "note": note}
+        )
 
     for g in (16, 32, 64, 128):
-        case(f"quantize_per_group G={g} e4m3", lambda g=g: quantize_per_group(x, g, "e4m3", check_finite=False), numel * (2 + 1) + numel // g * 4)
-    case("dequantize_per_group G=16 -> bf16", lambda: dequantize_per_group(q16, s16, 16, torch.bfloat16), numel * (1 + 2) + numel // 16 * 4)
+        case(
+            f"quantize_per_group G={g} e4m3",
+            lambda g=g: quantize_per_group(x, g, "e4m3", check_finite=False),
+            numel * (2 + 1) + numel // g * 4,
+        )
+    case(
+        "dequantize_per_group G=16 -> bf16",
+        lambda: dequantize_per_group(q16, s16, 16, torch.bfloat16),
+        numel * (1 + 2) + numel // 16 * 4,
+    )
     case("tensor_amax (group-scaling pass)", lambda: tensor_amax(x), numel * 2)
-    case("quantize_per_tensor e4m3, amax from producer", lambda: quantize_per_tensor(x, "e4m3", amax=amax, check_finite=False), numel * (2 + 1))
+    case(
+        "quantize_per_tensor e4m3, amax from producer",
+        lambda: quantize_per_tensor(x, "e4m3", amax=amax, check_finite=False),
+        numel * (2 + 1),
+    )
     case(
         "quantize_per_tensor e4m3 + transpose, amax from producer",
         lambda: quantize_per_tensor(x, "e4m3", transpose=True, amax=amax, check_finite=False),
@@ -85,11 +105,34 @@ def main() -> None:
         for cfg in [(32, 256, 8), (16, 256, 4), (64, 256, 8), (64, 128, 8), (16, 128, 4), (128, 128, 8), (8, 256, 2)]:
             with mock.patch.object(qg_module, "_blocks", lambda *_a, cfg=cfg: cfg):
                 ms = bench_ms(lambda: quantize_per_group(x, 16, "e4m3", check_finite=False))
-            sweep.append({"kernel": "quantize_per_group G=16", "blocks": cfg, "ms": ms, "of_copy": numel * 3.25 / ms / 1e6 / copy_gbs})
-        for cfg in [(128, 128, 8), (128, 128, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (256, 64, 8), (64, 256, 8), (256, 128, 8)]:
+            sweep.append(
+                {
+                    "kernel": "quantize_per_group G=16",
+                    "blocks": cfg,
+                    "ms": ms,
+                    "of_copy": numel * 3.25 / ms / 1e6 / copy_gbs,
+                }
+            )
+        for cfg in [
+            (128, 128, 8),
+            (128, 128, 4),
+            (64, 64, 4),
+            (64, 128, 4),
+            (128, 64, 4),
+            (256, 64, 8),
+            (64, 256, 8),
+            (256, 128, 8),
+        ]:
             with mock.patch.object(qt_module, "_quantize_blocks", lambda *_a, cfg=cfg: cfg):
                 ms = bench_ms(lambda: quantize_per_tensor(x, "e4m3", transpose=True, amax=amax, check_finite=False))
-            sweep.append({"kernel": "quantize_per_tensor + transpose (producer amax)", "blocks": cfg, "ms": ms, "of_copy": numel * 4 / ms / 1e6 / copy_gbs})
+            sweep.append(
+                {
+                    "kernel": "quantize_per_tensor + transpose (producer amax)",
+                    "blocks": cfg,
+                    "ms": ms,
+                    "of_copy": numel * 4 / ms / 1e6 / copy_gbs,
+                }
+            )
         for cfg in [(64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 512, 8)]:
             with mock.patch.object(qt_module, "_AMAX_BLOCKS", cfg):
                 ms = bench_ms(lambda: tensor_amax(x))
@@ -106,7 +149,13 @@ def main() -> None:
     ]
     lines += [f"| {r['kernel']} | {r['ms']:.3f} | {r['GB/s']:.0f} | {r['of_copy']:.2f} | {r['note']} |" for r in rows]
     if sweep:
-        lines += ["", "Tile sweep (BLOCK_M, BLOCK_N, num_warps):", "", "| kernel | blocks | ms | of copy |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "Tile sweep (BLOCK_M, BLOCK_N, num_warps):",
+            "",
+            "| kernel | blocks | ms | of copy |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {r['kernel']} | {r['blocks']} | {r['ms']:.3f} | {r['of_copy']:.2f} |" for r in sweep]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -23,10 +23,16 @@ import time
 
 import torch
 
-
 # what the host calls to put work on the GPU (a graph replay is one cudaGraphLaunch)
-LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
-                "cudaMemsetAsync", "cudaMemcpyAsync"}
+LAUNCH_CALLS = {
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+    "cudaMemsetAsync",
+    "cudaMemcpyAsync",
+}
 
 
 def busy_ms(intervals: list[tuple[float, float]]) -> float:
@@ -61,7 +67,7 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     def step(i):
         batch = {k: v.cuda() for k, v in data.batch(i).items()}
         set_learning_rate(optimizer, preset, i)
-        return train_step(model, optimizer, batch, preset, None, forward_backward)
+        return train_step(model, optimizer, [batch], preset, None, forward_backward)
 
     for i in range(preset.warmup_steps + 1):
         step(i)
@@ -79,10 +85,16 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
     table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
     return {
-        "mode": mode.name, "graphs": graphs, "preset": preset.name, "wall_ms_per_step": wall, "gpu_busy_ms_per_step": gpu,
-        "gpu_busy_fraction": gpu / wall, "kernel_launches_per_step": len(kernels) / steps,
+        "mode": mode.name,
+        "graphs": graphs,
+        "preset": preset.name,
+        "wall_ms_per_step": wall,
+        "gpu_busy_ms_per_step": gpu,
+        "gpu_busy_fraction": gpu / wall,
+        "kernel_launches_per_step": len(kernels) / steps,
         "host_launch_calls_per_step": len(host_launches) / steps,
-        "top_gpu": table_gpu, "top_cpu": table_cpu,
+        "top_gpu": table_gpu,
+        "top_cpu": table_cpu,
     }
 
 
@@ -92,7 +104,9 @@ def main():
     p.add_argument("--modes", default="bf16,coat")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=None)
-    p.add_argument("--cuda-graphs", default="none", help="comma-separated: none, local, full (as coat-compare --cuda-graphs)")
+    p.add_argument(
+        "--cuda-graphs", default="none", help="comma-separated: none, local, full (as coat-compare --cuda-graphs)"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row printed as JSON
@@ -110,39 +124,79 @@ def main():
     if args.one:
         with contextlib.ExitStack() as stack:
             parallel.initialize(1, 1, stack)
-            print(ROW_MARK + json.dumps(profile_mode(preset, *configs[0], seed=args.seed, steps=args.steps)), flush=True)
+            print(
+                ROW_MARK + json.dumps(profile_mode(preset, *configs[0], seed=args.seed, steps=args.steps)), flush=True
+            )
         return
     rows = []
     for mode, graphs in configs:
         # each configuration in a fresh process: CUDA graph memory pools outlive their models
         # (see coat_compare.job.isolate_runs)
-        cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--modes", mode.name, "--cuda-graphs", graphs,
-               "--steps", str(args.steps), "--seed", str(args.seed), "--one"]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--preset",
+            args.preset,
+            "--modes",
+            mode.name,
+            "--cuda-graphs",
+            graphs,
+            "--steps",
+            str(args.steps),
+            "--seed",
+            str(args.seed),
+            "--one",
+        ]
         if args.micro_batch:
             cmd += ["--micro-batch", str(args.micro_batch)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        found = [line[len(ROW_MARK):] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
+        found = [line[len(ROW_MARK) :] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
         if not found:
             print(f"{mode.name} (graphs {graphs}) failed ({proc.returncode}): {proc.stderr[-2000:]}", flush=True)
             continue
         r = json.loads(found[-1])
         rows.append(r)
-        print(f"{r['mode']} (graphs {graphs}): {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
-              f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step, "
-              f"{r['host_launch_calls_per_step']:.0f} host launch calls/step", flush=True)
-    lines = [f"# One training step, {args.preset} (micro-batch {preset.micro_batch}), {torch.cuda.get_device_name()}", "",
-             f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps} --cuda-graphs {args.cuda_graphs}`", "",
-             "| mode | CUDA graphs | wall ms/step | GPU busy ms/step | busy fraction | kernels run/step | host launch calls/step |",
-             "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['graphs']} | {r['wall_ms_per_step']:.1f} | {r['gpu_busy_ms_per_step']:.1f} | {r['gpu_busy_fraction']:.2f} | "
-              f"{r['kernel_launches_per_step']:.0f} | {r['host_launch_calls_per_step']:.0f} |" for r in rows]
+        print(
+            f"{r['mode']} (graphs {graphs}): {r['wall_ms_per_step']:.1f} ms/step, GPU busy {r['gpu_busy_ms_per_step']:.1f} ms "
+            f"({r['gpu_busy_fraction']:.2f}), {r['kernel_launches_per_step']:.0f} kernels/step, "
+            f"{r['host_launch_calls_per_step']:.0f} host launch calls/step",
+            flush=True,
+        )
+    lines = [
+        f"# One training step, {args.preset} (micro-batch {preset.micro_batch}), {torch.cuda.get_device_name()}",
+        "",
+        f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps} --cuda-graphs {args.cuda_graphs}`",
+        "",
+        "| mode | CUDA graphs | wall ms/step | GPU busy ms/step | busy fraction | kernels run/step | host launch calls/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['mode']} | {r['graphs']} | {r['wall_ms_per_step']:.1f} | {r['gpu_busy_ms_per_step']:.1f} | {r['gpu_busy_fraction']:.2f} | "
+        f"{r['kernel_launches_per_step']:.0f} | {r['host_launch_calls_per_step']:.0f} |"
+        for r in rows
+    ]
     for r in rows:
         name = r["mode"] + ("" if r["graphs"] == "none" else f" with {r['graphs']} CUDA graphs")
-        lines += ["", f"## {name}: GPU time by kernel", "", "```", r["top_gpu"], "```", "", f"## {name}: host time by function", "", "```", r["top_cpu"], "```"]
+        lines += [
+            "",
+            f"## {name}: GPU time by kernel",
+            "",
+            "```",
+            r["top_gpu"],
+            "```",
+            "",
+            f"## {name}: host time by function",
+            "",
+            "```",
+            r["top_cpu"],
+            "```",
+        ]
     text = "\n".join(lines) + "\n"
     from coat_compare.report import write_markdown_and_rows
 
-    write_markdown_and_rows(args.out, "step_profile", text, [{k: v for k, v in r.items() if not k.startswith("top_")} for r in rows])
+    write_markdown_and_rows(
+        args.out, "step_profile", text, [{k: v for k, v in r.items() if not k.startswith("top_")} for r in rows]
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from coat_megatron.config import CoatConfig
+
 from .modes import Mode
 from .presets import Preset
 
@@ -41,8 +42,11 @@ CUDA_GRAPHS = {"none": "none", "local": "local", "full": "full_iteration"}
 # name for E4M3 with one scale per tensor; main params and grads keep their FP32 defaults).
 # tests/optimizer/test_pa_emulation.py checks them against megatron.training's own parsing.
 PRECISION_AWARE_FP8_FIELDS = dict(
-    use_precision_aware_optimizer=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8,
-    main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+    use_precision_aware_optimizer=True,
+    exp_avg_dtype=torch.uint8,
+    exp_avg_sq_dtype=torch.uint8,
+    main_params_dtype=torch.float32,
+    main_grads_dtype=torch.float32,
 )
 
 
@@ -116,7 +120,10 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 def layer_spec(mode: Mode, config):
     """The ModuleSpec of one TransformerLayer for ``mode`` (``config``: sequence parallel or not)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     from coat_megatron.spec import get_gpt_layer_coat_spec
 
@@ -144,13 +151,15 @@ def block_spec(mode: Mode, config):
     layer = layer_spec(mode, config)
     if spec == "te":
         return layer
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=layer.submodules.input_layernorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=layer.submodules.input_layernorm
+    )
 
 
 def parameter_name(name: str) -> str:
     """A parameter's name without wrapper prefixes, TE's fused-norm names mapped to the local spec's."""
     while name.startswith("module."):
-        name = name[len("module."):]
+        name = name[len("module.") :]
     for te, local in TE_NAMES.items():
         if name.endswith(te):
             return name[: -len(te)] + local
@@ -214,14 +223,25 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
         gpt = gpt.cuda()
     init_weights_by_name(gpt, seed, preset.layers)
     module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=mode.grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=mode.grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
     layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
     with _ddp_stream(graphs):
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)
     config.finalize_model_grads_func = finalize_model_grads
     fields = dict(
-        optimizer="adam", lr=preset.lr, weight_decay=WEIGHT_DECAY, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
-        bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True, fp8_recipe=mode.fp8_recipe,
+        optimizer="adam",
+        lr=preset.lr,
+        weight_decay=WEIGHT_DECAY,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        clip_grad=1.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        fp8_recipe=mode.fp8_recipe,
     )
     if mode.precision_aware:
         fields.update(PRECISION_AWARE_FP8_FIELDS)
@@ -272,5 +292,3 @@ def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
 def unwrap_optimizers(optimizer) -> list:
     """The DistributedOptimizers inside what get_megatron_optimizer / get_coat_optimizer returned."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-

@@ -33,7 +33,9 @@ def checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> 
     return state
 
 
-def save_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None) -> None:
+def save_checkpoint(
+    directory, model, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
+) -> None:
     """Save model and optimizer (and ``step``, the number of optimizer steps taken) into
     ``directory``, which must exist and be the same path on every rank."""
     from megatron.core import dist_checkpointing

@@ -100,7 +100,7 @@ class AllGatherBytes:
         return gather
 
     def _group_name(self, group) -> str | None:
-        """"tp", "dp", "other", or None for a group of one rank."""
+        """ "tp", "dp", "other", or None for a group of one rank."""
         key = id(group)
         if key not in self._groups:
             ranks = _ranks(group)
@@ -130,5 +130,9 @@ def all_gather_fields(per_step_bytes: dict[str, float]) -> dict:
     every count (``all_gather_bytes``)."""
     tp = per_step_bytes.get("tp_wide", 0) + per_step_bytes.get("tp_fp8", 0)
     dp = per_step_bytes.get("dp_wide", 0) + per_step_bytes.get("dp_fp8", 0)
-    return {"sp_all_gather_bytes": tp, "sp_all_gather_fp8_bytes": per_step_bytes.get("tp_fp8", 0), "dp_all_gather_bytes": dp,
-            "all_gather_bytes": dict(per_step_bytes)}
+    return {
+        "sp_all_gather_bytes": tp,
+        "sp_all_gather_fp8_bytes": per_step_bytes.get("tp_fp8", 0),
+        "dp_all_gather_bytes": dp,
+        "all_gather_bytes": dict(per_step_bytes),
+    }

@@ -166,10 +166,18 @@ def _docstring_sources():
 
 # name: (what it is, its candidate files and versions, how a file becomes a document, what to do when it is too small)
 SOURCES = {
-    "docstrings": ("the standard library's docstrings", _docstring_sources, file_docstrings,
-                   "use --corpus-bytes {available} or less, or --corpus packages"),
-    "packages": ("Python sources of the standard library and the installed distributions", package_files, read_source,
-                 "install more Python packages (e.g. pip install sympy networkx scipy pandas transformers) or use --corpus-bytes {available}"),
+    "docstrings": (
+        "the standard library's docstrings",
+        _docstring_sources,
+        file_docstrings,
+        "use --corpus-bytes {available} or less, or --corpus packages",
+    ),
+    "packages": (
+        "Python sources of the standard library and the installed distributions",
+        package_files,
+        read_source,
+        "install more Python packages (e.g. pip install sympy networkx scipy pandas transformers) or use --corpus-bytes {available}",
+    ),
 }
 # each corpus's size when none is asked for (None: every file the source has)
 DEFAULT_MAX_BYTES = {"docstrings": None, "packages": 100 << 20}
@@ -184,7 +192,9 @@ def is_validation_file(key: str) -> bool:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") < VALID_FRACTION * 2**64
 
 
-def collect_documents(files: list[SourceFile], read, max_bytes: int | None) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
+def collect_documents(
+    files: list[SourceFile], read, max_bytes: int | None
+) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
     """Documents ``(key, bytes)`` read from ``files`` in order until they hold ``max_bytes`` (all
     of them for None), exact duplicates once; and how many files were left out, and why."""
     documents, seen, total = [], set(), 0
@@ -219,8 +229,11 @@ class Corpus:
     def identity(self) -> dict:
         """What a report row records of the data: the corpus, each split's bytes and SHA-256."""
         m = self.manifest
-        return {"corpus": self.name, "corpus_files": m["train"]["files"] + m["valid"]["files"],
-                **{f"corpus_{split}_{k}": m[split][k] for split in ("train", "valid") for k in ("bytes", "sha256")}}
+        return {
+            "corpus": self.name,
+            "corpus_files": m["train"]["files"] + m["valid"]["files"],
+            **{f"corpus_{split}_{k}": m[split][k] for split in ("train", "valid") for k in ("bytes", "sha256")},
+        }
 
 
 def default_cache_dir() -> str:
@@ -243,9 +256,14 @@ def load_corpus(name: str, max_bytes: int | None = None, cache_dir: str | None =
         raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(SOURCES)}")
     what, list_files, read, too_small = SOURCES[name]
     files, versions = list_files()
-    fingerprint = hashlib.sha256(json.dumps(
-        [FORMAT, name, max_bytes, VALID_FRACTION, platform.python_version(), [(f.key, f.size) for f in files]]).encode()).hexdigest()
-    directory = os.path.join(cache_dir or default_cache_dir(), f"{name}-{'all' if max_bytes is None else max_bytes}-{fingerprint[:16]}")
+    fingerprint = hashlib.sha256(
+        json.dumps(
+            [FORMAT, name, max_bytes, VALID_FRACTION, platform.python_version(), [(f.key, f.size) for f in files]]
+        ).encode()
+    ).hexdigest()
+    directory = os.path.join(
+        cache_dir or default_cache_dir(), f"{name}-{'all' if max_bytes is None else max_bytes}-{fingerprint[:16]}"
+    )
     if not os.path.exists(os.path.join(directory, "manifest.json")):
         _build(directory, name, what, files, versions, read, max_bytes, too_small, fingerprint)
     with open(os.path.join(directory, "manifest.json")) as f:
@@ -258,17 +276,25 @@ def _build(directory, name, what, files, versions, read, max_bytes, too_small, f
     documents, skipped = collect_documents(files, read, max_bytes)
     total = sum(len(text) for _, text in documents)
     if max_bytes is not None and total < max_bytes:
-        raise ValueError(f"the {name} corpus ({what}) needs {max_bytes:,} bytes; this machine has {total:,}: "
-                         + too_small.format(available=total))
+        raise ValueError(
+            f"the {name} corpus ({what}) needs {max_bytes:,} bytes; this machine has {total:,}: "
+            + too_small.format(available=total)
+        )
     splits = {"train": [], "valid": []}
     for key, text in documents:
         splits["valid" if is_validation_file(key) else "train"].append((key, text))
     used = {key.split("/", 1)[0] for key, _ in documents}
     manifest = {
-        "format": FORMAT, "corpus": name, "source": what, "max_bytes": max_bytes, "valid_fraction": VALID_FRACTION,
+        "format": FORMAT,
+        "corpus": name,
+        "source": what,
+        "max_bytes": max_bytes,
+        "valid_fraction": VALID_FRACTION,
         "split_rule": "a file is in valid iff int(sha256(key)[:8 bytes]) < valid_fraction * 2**64",
-        "python": platform.python_version(), "fingerprint": fingerprint,
-        "packages": {k: v for k, v in versions.items() if k in used}, "skipped_files": skipped,
+        "python": platform.python_version(),
+        "fingerprint": fingerprint,
+        "packages": {k: v for k, v in versions.items() if k in used},
+        "skipped_files": skipped,
         "files": [[key, len(text), split] for split, docs in splits.items() for key, text in docs],
     }
     # a private directory renamed into place: processes building at once (torchrun ranks) cannot
@@ -281,7 +307,9 @@ def _build(directory, name, what, files, versions, read, max_bytes, too_small, f
         for split, docs in splits.items():
             data = b"".join(text for _, text in docs)
             if not data:
-                raise ValueError(f"the {name} corpus has no {split} file out of {len(documents)}: give it a larger --corpus-bytes")
+                raise ValueError(
+                    f"the {name} corpus has no {split} file out of {len(documents)}: give it a larger --corpus-bytes"
+                )
             with open(os.path.join(scratch, f"{split}.bin"), "wb") as f:
                 f.write(data)
             manifest[split] = {"bytes": len(data), "files": len(docs), "sha256": hashlib.sha256(data).hexdigest()}
@@ -302,7 +330,9 @@ def _read_split(directory: str, split: str, expected: dict) -> torch.Tensor:
     with open(path, "rb") as f:
         f.readinto(data)
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
-        raise ValueError(f"{path} does not match the SHA-256 in its manifest: delete {directory} and run again to rebuild it")
+        raise ValueError(
+            f"{path} does not match the SHA-256 in its manifest: delete {directory} and run again to rebuild it"
+        )
     return torch.frombuffer(data, dtype=torch.uint8)
 
 
@@ -345,10 +375,12 @@ class TrainingWindows:
         if steps > len(self):
             need, have = steps * self.batch_size, len(self.order)
             width = self.seq_length + 1
-            raise ValueError(f"{steps} steps of {self.batch_size} sequences need {need:,} windows of {width} bytes "
-                             f"({need * width / 1e6:.1f} MB) of training text, and the corpus's train split holds {have:,} "
-                             f"({have * width / 1e6:.1f} MB), each to be seen at most once: use --steps {len(self)} or fewer, "
-                             "or a bigger corpus (--corpus packages, --corpus-bytes)")
+            raise ValueError(
+                f"{steps} steps of {self.batch_size} sequences need {need:,} windows of {width} bytes "
+                f"({need * width / 1e6:.1f} MB) of training text, and the corpus's train split holds {have:,} "
+                f"({have * width / 1e6:.1f} MB), each to be seen at most once: use --steps {len(self)} or fewer, "
+                "or a bigger corpus (--corpus packages, --corpus-bytes)"
+            )
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self):
@@ -363,8 +395,10 @@ def validation_windows(data: torch.Tensor, seq_length: int, count: int) -> torch
     ``VALIDATION_SEED``: the same for every mode, seed and data order of one corpus and length."""
     available = len(data) // (seq_length + 1)
     if count > available:
-        raise ValueError(f"{count} validation windows of {seq_length + 1} bytes asked for, and the validation split ({len(data):,} bytes) "
-                         f"holds {available}: use --eval-windows {available} or fewer, or a bigger corpus (--corpus-bytes)")
+        raise ValueError(
+            f"{count} validation windows of {seq_length + 1} bytes asked for, and the validation split ({len(data):,} bytes) "
+            f"holds {available}: use --eval-windows {available} or fewer, or a bigger corpus (--corpus-bytes)"
+        )
     windows = data[: available * (seq_length + 1)].view(available, seq_length + 1)
     chosen = torch.randperm(available, generator=torch.Generator().manual_seed(VALIDATION_SEED))[:count]
     return windows[chosen.sort().values]

@@ -59,7 +59,11 @@ def groups(rows: list[dict]) -> list[tuple[str, int, int]]:
 
 def _ok(rows, group, kind):
     preset, tp, dp = group
-    return [r for r in rows if r.get("kind") == kind and r.get("preset") == preset and layout(r) == (tp, dp) and r.get("status") == "ok"]
+    return [
+        r
+        for r in rows
+        if r.get("kind") == kind and r.get("preset") == preset and layout(r) == (tp, dp) and r.get("status") == "ok"
+    ]
 
 
 def _by_mode(rows) -> dict[str, dict]:
@@ -100,18 +104,38 @@ def _ratio_goal(goal, preset, num, den, key, target, at_most, reference) -> Goal
     """num[key] / den[key] against ``target`` (at most, or at least); ``reference`` names den."""
     if num is None or den is None:
         missing = "coat row" if num is None else f"{reference} row"
-        return Goal(goal, preset, f"{'<=' if at_most else '>='} {target}", None, None, note=f"not measured: no {missing}")
+        return Goal(
+            goal, preset, f"{'<=' if at_most else '>='} {target}", None, None, note=f"not measured: no {missing}"
+        )
     ratio = num[key] / den[key]
     if key in SPEED_KEYS and (on_cpu(num) or on_cpu(den)):
         where = f"vs {den['mode']}; measured on {den.get('device', '?')}"
-        return Goal(goal, preset, f"{'<=' if at_most else '>='} {target}", round(ratio, 4), None,
-                    note=f"{NOT_APPLICABLE}: speed goals are judged on a GPU ({where})")
+        return Goal(
+            goal,
+            preset,
+            f"{'<=' if at_most else '>='} {target}",
+            round(ratio, 4),
+            None,
+            note=f"{NOT_APPLICABLE}: speed goals are judged on a GPU ({where})",
+        )
     met = ratio <= target if at_most else ratio >= target
     missed = "" if met else f"{abs(ratio - target) / target:.1%} {'above' if at_most else 'below'} the target"
-    where = f"{den.get('device', '?')}, memory from {den['memory_source']}" if "memory_source" in den else den.get("device", "?")
+    where = (
+        f"{den.get('device', '?')}, memory from {den['memory_source']}"
+        if "memory_source" in den
+        else den.get("device", "?")
+    )
     if key == "peak_MiB" and den.get("graphs", "none") != "none":
         where += f"; CUDA graphs {den['graphs']}: the allocated peak, without the graphs' private pools"
-    return Goal(goal, preset, f"{'<=' if at_most else '>='} {target}", round(ratio, 4), met, missed, f"vs {den['mode']}; {where}")
+    return Goal(
+        goal,
+        preset,
+        f"{'<=' if at_most else '>='} {target}",
+        round(ratio, 4),
+        met,
+        missed,
+        f"vs {den['mode']}; {where}",
+    )
 
 
 def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
@@ -124,9 +148,36 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
         if layer:
             coat = _by_mode(layer).get(COAT)
             goals += [
-                _ratio_goal("per-layer activation memory vs the best BF16", preset, coat, best(layer, "bf16", "activation_MiB"), "activation_MiB", 0.61, True, "BF16"),
-                _ratio_goal("per-layer activation memory vs the best TE FP8 mode", preset, coat, best(layer, "te-fp8", "activation_MiB"), "activation_MiB", 0.92, True, "TE FP8"),
-                _ratio_goal("per-layer fwd+bwd time vs TE FP8 current scaling", preset, coat, _by_mode(layer).get("te-fp8-current"), "ms", 0.90, True, "te-fp8-current"),
+                _ratio_goal(
+                    "per-layer activation memory vs the best BF16",
+                    preset,
+                    coat,
+                    best(layer, "bf16", "activation_MiB"),
+                    "activation_MiB",
+                    0.61,
+                    True,
+                    "BF16",
+                ),
+                _ratio_goal(
+                    "per-layer activation memory vs the best TE FP8 mode",
+                    preset,
+                    coat,
+                    best(layer, "te-fp8", "activation_MiB"),
+                    "activation_MiB",
+                    0.92,
+                    True,
+                    "TE FP8",
+                ),
+                _ratio_goal(
+                    "per-layer fwd+bwd time vs TE FP8 current scaling",
+                    preset,
+                    coat,
+                    _by_mode(layer).get("te-fp8-current"),
+                    "ms",
+                    0.90,
+                    True,
+                    "te-fp8-current",
+                ),
             ]
         train = _ok(rows, group, "train")
         if train:
@@ -135,33 +186,102 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
             mb = coat["micro_batch"] if coat else None
             same = [r for r in train if r["micro_batch"] == mb]
             same_held = [r for r in held if r["micro_batch"] == mb]
-            fastest = max((r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None)
+            fastest = max(
+                (r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None
+            )
             coat_rows = [r for r in same if r["mode"] in CONFIGURATIONS]
-            default_fastest = max((r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None)
+            default_fastest = max(
+                (r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None
+            )
             others = [r for r in coat_rows if r["mode"] not in DEFAULT_NAMES]
             goals += [
-                _ratio_goal("end-to-end peak memory vs BF16, equal micro-batch", preset, coat, best(same_held, "bf16", "peak_MiB"), "peak_MiB", 0.55, True, "BF16"),
-                _ratio_goal("end-to-end peak memory vs te-fp8-pa, equal micro-batch", preset, coat, _best_of_mode(same_held, "te-fp8-pa", "peak_MiB"), "peak_MiB", 0.70, True, "te-fp8-pa"),
-                _ratio_goal("tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration", preset, fastest,
-                            best(same, "bf16", "tokens_per_s", lowest=False), "tokens_per_s", 1.10, False, "BF16"),
-                _ratio_goal("tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration", preset, fastest,
-                            best(same, "te-fp8", "tokens_per_s", lowest=False), "tokens_per_s", 1.10, False, "TE FP8"),
+                _ratio_goal(
+                    "end-to-end peak memory vs BF16, equal micro-batch",
+                    preset,
+                    coat,
+                    best(same_held, "bf16", "peak_MiB"),
+                    "peak_MiB",
+                    0.55,
+                    True,
+                    "BF16",
+                ),
+                _ratio_goal(
+                    "end-to-end peak memory vs te-fp8-pa, equal micro-batch",
+                    preset,
+                    coat,
+                    _best_of_mode(same_held, "te-fp8-pa", "peak_MiB"),
+                    "peak_MiB",
+                    0.70,
+                    True,
+                    "te-fp8-pa",
+                ),
+                _ratio_goal(
+                    "tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration",
+                    preset,
+                    fastest,
+                    best(same, "bf16", "tokens_per_s", lowest=False),
+                    "tokens_per_s",
+                    1.10,
+                    False,
+                    "BF16",
+                ),
+                _ratio_goal(
+                    "tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration",
+                    preset,
+                    fastest,
+                    best(same, "te-fp8", "tokens_per_s", lowest=False),
+                    "tokens_per_s",
+                    1.10,
+                    False,
+                    "TE FP8",
+                ),
             ]
             if others:
-                goals.append(_ratio_goal("default coat tokens/s vs the fastest COAT configuration, equal micro-batch", preset, default_fastest,
-                                         max(coat_rows, key=lambda r: r["tokens_per_s"]), "tokens_per_s", 0.97, False, "fastest COAT"))
+                goals.append(
+                    _ratio_goal(
+                        "default coat tokens/s vs the fastest COAT configuration, equal micro-batch",
+                        preset,
+                        default_fastest,
+                        max(coat_rows, key=lambda r: r["tokens_per_s"]),
+                        "tokens_per_s",
+                        0.97,
+                        False,
+                        "fastest COAT",
+                    )
+                )
         search = _ok(rows, group, "search")
         if search:
             fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
             coat = _best_of_mode(fitted, COAT, "tokens_per_s", lowest=False)
             goals += [
-                _ratio_goal("tokens/s at each mode's largest micro-batch vs BF16", preset, coat, best(fitted, "bf16", "tokens_per_s", lowest=False), "tokens_per_s", 1.5, False, "BF16"),
-                _ratio_goal("tokens/s at each mode's largest micro-batch vs the best TE mode", preset, coat, best(fitted, "te-fp8", "tokens_per_s", lowest=False), "tokens_per_s", 1.15, False, "TE FP8"),
+                _ratio_goal(
+                    "tokens/s at each mode's largest micro-batch vs BF16",
+                    preset,
+                    coat,
+                    best(fitted, "bf16", "tokens_per_s", lowest=False),
+                    "tokens_per_s",
+                    1.5,
+                    False,
+                    "BF16",
+                ),
+                _ratio_goal(
+                    "tokens/s at each mode's largest micro-batch vs the best TE mode",
+                    preset,
+                    coat,
+                    best(fitted, "te-fp8", "tokens_per_s", lowest=False),
+                    "tokens_per_s",
+                    1.15,
+                    False,
+                    "TE FP8",
+                ),
             ]
     if every_goal:
         measured = {g.goal for g in goals}
-        goals += [Goal(goal, preset, target, None, None, note=f"not measured: {command}")
-                  for goal, preset, target, command in UNMEASURED if goal not in measured]
+        goals += [
+            Goal(goal, preset, target, None, None, note=f"not measured: {command}")
+            for goal, preset, target, command in UNMEASURED
+            if goal not in measured
+        ]
     if every_goal or any(r.get("preset") == "llama2-7b" and layout(r) == (1, 1) for r in rows):
         goals.append(_llama2_7b_fits(rows))
         goals.append(_fits_one_gpu(rows, "llama2-7b", 2, 12000.0, 16, "80 GB", "H100"))
@@ -171,19 +291,56 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
 
 
 UNMEASURED = [
-    ("per-layer activation memory vs the best BF16", "llama2-7b-layer", "<= 0.61", "coat-compare --preset llama2-7b-layer --modes all"),
-    ("per-layer activation memory vs the best TE FP8 mode", "llama2-7b-layer", "<= 0.92", "coat-compare --preset llama2-7b-layer --modes all"),
-    ("per-layer fwd+bwd time vs TE FP8 current scaling", "llama2-7b-layer", "<= 0.9", "coat-compare --preset llama2-7b-layer --modes all"),
+    (
+        "per-layer activation memory vs the best BF16",
+        "llama2-7b-layer",
+        "<= 0.61",
+        "coat-compare --preset llama2-7b-layer --modes all",
+    ),
+    (
+        "per-layer activation memory vs the best TE FP8 mode",
+        "llama2-7b-layer",
+        "<= 0.92",
+        "coat-compare --preset llama2-7b-layer --modes all",
+    ),
+    (
+        "per-layer fwd+bwd time vs TE FP8 current scaling",
+        "llama2-7b-layer",
+        "<= 0.9",
+        "coat-compare --preset llama2-7b-layer --modes all",
+    ),
     ("end-to-end peak memory vs BF16, equal micro-batch", "gpt-1b", "<= 0.55", "coat-compare --preset gpt-1b"),
     ("end-to-end peak memory vs te-fp8-pa, equal micro-batch", "gpt-1b", "<= 0.7", "coat-compare --preset gpt-1b"),
-    ("default coat tokens/s vs the fastest COAT configuration, equal micro-batch", "gpt-1b", ">= 0.97",
-     "coat-compare --preset gpt-1b --micro-batch 4 --modes coat,coat-cached --cuda-graphs local"),
-    ("tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration", "gpt-1b", ">= 1.1",
-     "coat-compare --preset gpt-1b --micro-batch 4 --cuda-graphs none,local,full"),
-    ("tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration", "gpt-1b", ">= 1.1",
-     "coat-compare --preset gpt-1b --micro-batch 4 --cuda-graphs none,local,full"),
-    ("tokens/s at each mode's largest micro-batch vs BF16", "gpt-1b", ">= 1.5", "coat-compare --preset gpt-1b --search"),
-    ("tokens/s at each mode's largest micro-batch vs the best TE mode", "gpt-1b", ">= 1.15", "coat-compare --preset gpt-1b --search"),
+    (
+        "default coat tokens/s vs the fastest COAT configuration, equal micro-batch",
+        "gpt-1b",
+        ">= 0.97",
+        "coat-compare --preset gpt-1b --micro-batch 4 --modes coat,coat-cached --cuda-graphs local",
+    ),
+    (
+        "tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration",
+        "gpt-1b",
+        ">= 1.1",
+        "coat-compare --preset gpt-1b --micro-batch 4 --cuda-graphs none,local,full",
+    ),
+    (
+        "tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration",
+        "gpt-1b",
+        ">= 1.1",
+        "coat-compare --preset gpt-1b --micro-batch 4 --cuda-graphs none,local,full",
+    ),
+    (
+        "tokens/s at each mode's largest micro-batch vs BF16",
+        "gpt-1b",
+        ">= 1.5",
+        "coat-compare --preset gpt-1b --search",
+    ),
+    (
+        "tokens/s at each mode's largest micro-batch vs the best TE mode",
+        "gpt-1b",
+        ">= 1.15",
+        "coat-compare --preset gpt-1b --search",
+    ),
 ]
 
 
@@ -206,36 +363,86 @@ def _llama2_7b_fits(rows: list[dict]) -> Goal:
         else:
             bf16 = fits
     if coat is None or bf16 is None:
-        return Goal(goal, "llama2-7b", "coat fits, bf16 does not", None, None,
-                    note="not measured: coat-compare --preset llama2-7b --modes bf16,coat --search --search-max-micro-batch 1")
+        return Goal(
+            goal,
+            "llama2-7b",
+            "coat fits, bf16 does not",
+            None,
+            None,
+            note="not measured: coat-compare --preset llama2-7b --modes bf16,coat --search --search-max-micro-batch 1",
+        )
     met = coat and not bf16
     missed = "" if met else ("COAT does not fit" if not coat else "BF16 fits too")
-    return Goal(goal, "llama2-7b", "coat fits, bf16 does not", f"coat {'fits' if coat else 'OOM'}, bf16 {'fits' if bf16 else 'OOM'}", met, missed)
+    return Goal(
+        goal,
+        "llama2-7b",
+        "coat fits, bf16 does not",
+        f"coat {'fits' if coat else 'OOM'}, bf16 {'fits' if bf16 else 'OOM'}",
+        met,
+        missed,
+    )
 
 
-def _fits_one_gpu(rows: list[dict], preset: str, micro_batch: int, tokens_per_s: float | None, global_batch: int | None,
-                  memory: str, gpu: str) -> Goal:
+def _fits_one_gpu(
+    rows: list[dict],
+    preset: str,
+    micro_batch: int,
+    tokens_per_s: float | None,
+    global_batch: int | None,
+    memory: str,
+    gpu: str,
+) -> Goal:
     """Default COAT trains ``preset`` on one ``gpu`` at ``micro_batch`` or more (and at least
     ``tokens_per_s``, at a global batch of ``global_batch`` sequences or more), judged on its
     end-to-end rows there (the largest micro-batch that ran)."""
-    target = (f"micro-batch >= {micro_batch}" + (f", >= {tokens_per_s:.0f} tokens/s" if tokens_per_s else "")
-              + (f" at global batch >= {global_batch}" if global_batch else "") + f" on one {memory} {gpu}")
+    target = (
+        f"micro-batch >= {micro_batch}"
+        + (f", >= {tokens_per_s:.0f} tokens/s" if tokens_per_s else "")
+        + (f" at global batch >= {global_batch}" if global_batch else "")
+        + f" on one {memory} {gpu}"
+    )
     goal = f"{preset} trains with default coat on one {memory} GPU"
-    runs = [r for r in rows if r.get("preset") == preset and r.get("mode") in DEFAULT_NAMES and r.get("kind") == "train"
-            and layout(r) == (1, 1) and gpu in str(r.get("device", ""))
-            and (global_batch is None or r.get("global_batch", r.get("micro_batch", 0)) >= global_batch)]
+    runs = [
+        r
+        for r in rows
+        if r.get("preset") == preset
+        and r.get("mode") in DEFAULT_NAMES
+        and r.get("kind") == "train"
+        and layout(r) == (1, 1)
+        and gpu in str(r.get("device", ""))
+        and (global_batch is None or r.get("global_batch", r.get("micro_batch", 0)) >= global_batch)
+    ]
     if not runs:
         batch = f" --global-batch {global_batch}" if global_batch else ""
-        return Goal(goal, preset, target, None, None,
-                    note=f"not measured: coat-compare --preset {preset} --modes bf16,te-fp8-current,te-fp8-pa,coat --micro-batch {micro_batch}{batch} on an {gpu}")
+        return Goal(
+            goal,
+            preset,
+            target,
+            None,
+            None,
+            note=f"not measured: coat-compare --preset {preset} --modes bf16,te-fp8-current,te-fp8-pa,coat --micro-batch {micro_batch}{batch} on an {gpu}",
+        )
     ok = [r for r in runs if r["status"] == "ok"]
     if not ok:
-        return Goal(goal, preset, target, f"{runs[0]['status']} at micro-batch {runs[0]['micro_batch']}", False, "does not train", runs[0].get("reason", "")[:120])
+        return Goal(
+            goal,
+            preset,
+            target,
+            f"{runs[0]['status']} at micro-batch {runs[0]['micro_batch']}",
+            False,
+            "does not train",
+            runs[0].get("reason", "")[:120],
+        )
     top = max(ok, key=lambda r: (r["micro_batch"], r["tokens_per_s"]))
     met = top["micro_batch"] >= micro_batch and (tokens_per_s is None or top["tokens_per_s"] >= tokens_per_s)
-    measured = f"micro-batch {top['micro_batch']}, {top['tokens_per_s']:.0f} tokens/s, peak {top['peak_MiB'] / 1024:.1f} GiB"
+    measured = (
+        f"micro-batch {top['micro_batch']}, {top['tokens_per_s']:.0f} tokens/s, peak {top['peak_MiB'] / 1024:.1f} GiB"
+    )
     missed = ""
     if not met:
-        missed = (f"micro-batch {top['micro_batch']} < {micro_batch}" if top["micro_batch"] < micro_batch
-                  else f"{(tokens_per_s - top['tokens_per_s']) / tokens_per_s:.1%} below {tokens_per_s:.0f} tokens/s")
+        missed = (
+            f"micro-batch {top['micro_batch']} < {micro_batch}"
+            if top["micro_batch"] < micro_batch
+            else f"{(tokens_per_s - top['tokens_per_s']) / tokens_per_s:.1%} below {tokens_per_s:.0f} tokens/s"
+        )
     return Goal(goal, preset, target, measured, met, missed, top.get("device", "?"))

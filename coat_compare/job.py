@@ -49,8 +49,8 @@ from pathlib import Path
 
 import torch
 
-from .corpus import SOURCES
 from . import parallel
+from .corpus import SOURCES
 from .goals import evaluate
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
 from .plots import draw
@@ -80,52 +80,117 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked whole (``check_args``) before the job starts any work."""
     p = _Parser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current)")
-    p.add_argument("--steps", type=int, help="optimizer steps (end-to-end presets; default: the preset's): more than "
-                                             f"the preset's warm-up steps, which are not timed ({warmup_steps_help()})")
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps (end-to-end presets; default: the preset's): more than "
+        f"the preset's warm-up steps, which are not timed ({warmup_steps_help()})",
+    )
     p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
-    p.add_argument("--global-batch", type=int, metavar="N",
-                   help="sequences per optimizer step (end-to-end presets): each data-parallel rank accumulates the gradients of "
-                        "N / (micro-batch x DP) micro-batches (default: one micro-batch per rank)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        metavar="N",
+        help="sequences per optimizer step (end-to-end presets): each data-parallel rank accumulates the gradients of "
+        "N / (micro-batch x DP) micro-batches (default: one micro-batch per rank)",
+    )
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
     data = p.add_argument_group("data (end-to-end presets)")
-    data.add_argument("--data-seed", type=int, help="order of the training windows (default: --seed): another order, same weights")
-    data.add_argument("--corpus", choices=list(SOURCES), help="docstrings (the standard library's, 1.4 MB) or packages (Python sources "
-                      "of the standard library and the installed packages); default: the preset's (tiny: docstrings)")
-    data.add_argument("--corpus-bytes", type=int, metavar="N",
-                      help="the corpus's size: whole files until N bytes (default: all of the docstrings; 100 MiB of package sources)")
-    data.add_argument("--eval-every", type=int, metavar="N",
-                      help="validation loss after every N steps and after the last; 0: none (default: the preset's: tiny 20, "
-                           "gpt-125m 100, others 0; runs with CUDA graphs 0)")
-    data.add_argument("--eval-windows", type=int, metavar="N", help="validation windows of seq + 1 bytes (default: the preset's: 64 tiny, 256 others)")
+    data.add_argument(
+        "--data-seed", type=int, help="order of the training windows (default: --seed): another order, same weights"
+    )
+    data.add_argument(
+        "--corpus",
+        choices=list(SOURCES),
+        help="docstrings (the standard library's, 1.4 MB) or packages (Python sources "
+        "of the standard library and the installed packages); default: the preset's (tiny: docstrings)",
+    )
+    data.add_argument(
+        "--corpus-bytes",
+        type=int,
+        metavar="N",
+        help="the corpus's size: whole files until N bytes (default: all of the docstrings; 100 MiB of package sources)",
+    )
+    data.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="validation loss after every N steps and after the last; 0: none (default: the preset's: tiny 20, "
+        "gpt-125m 100, others 0; runs with CUDA graphs 0)",
+    )
+    data.add_argument(
+        "--eval-windows",
+        type=int,
+        metavar="N",
+        help="validation windows of seq + 1 bytes (default: the preset's: 64 tiny, 256 others)",
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (launch tp x dp processes with torchrun)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
-    p.add_argument("--out", default=os.environ.get("OUT", "out"),
-                   help="report directory, made if missing and checked writable first (default $OUT or ./out)")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT", "out"),
+        help="report directory, made if missing and checked writable first (default $OUT or ./out)",
+    )
     p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
-    p.add_argument("--cuda-graphs", default="none", type=parse_graphs, metavar="LIST",
-                   help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
-                        "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local), full (the whole forward+backward "
-                        "of a step in one graph, Megatron's full_iteration); default none")
+    p.add_argument(
+        "--cuda-graphs",
+        default="none",
+        type=parse_graphs,
+        metavar="LIST",
+        help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
+        "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local), full (the whole forward+backward "
+        "of a step in one graph, Megatron's full_iteration); default none",
+    )
     p.add_argument("--no-plots", action="store_true")
     search = p.add_argument_group("micro-batch search (end-to-end presets)")
-    search.add_argument("--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)")
+    search.add_argument(
+        "--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)"
+    )
     search.add_argument("--search-start", type=int, default=1)
     search.add_argument("--search-max-micro-batch", type=int, help="do not try beyond this micro-batch")
-    search.add_argument("--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed")
-    search.add_argument("--search-steps", type=int, default=6,
-                        help="steps per try (default 6): more than the preset's warm-up steps, which are not timed "
-                             f"({warmup_steps_help()})")
-    search.add_argument("--fit-memory", type=float, help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)")
+    search.add_argument(
+        "--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed"
+    )
+    search.add_argument(
+        "--search-steps",
+        type=int,
+        default=6,
+        help="steps per try (default 6): more than the preset's warm-up steps, which are not timed "
+        f"({warmup_steps_help()})",
+    )
+    search.add_argument(
+        "--fit-memory",
+        type=float,
+        help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)",
+    )
     ckpt = p.add_argument_group("checkpoints (end-to-end presets)")
-    ckpt.add_argument("--save", metavar="DIR", help="write a dist checkpoint (dp_reshardable) into DIR after --save-step steps, and go on")
+    ckpt.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write a dist checkpoint (dp_reshardable) into DIR after --save-step steps, and go on",
+    )
     ckpt.add_argument("--save-step", type=int, help="steps before --save writes (default: half of --steps)")
-    ckpt.add_argument("--load", metavar="DIR", help="start from the checkpoint in DIR, at its step (any --dp; the same --tp)")
-    ckpt.add_argument("--resume-check", action="store_true",
-                      help="save at --dp after --save-step steps, resume at DP 1 and at --dp, compare the losses with the uninterrupted run")
-    ckpt.add_argument("--checkpoint-dir", help="where --resume-check writes its checkpoint (a temporary directory inside; default: the system's)")
-    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one run of --search / --resume-check, in its own processes
+    ckpt.add_argument(
+        "--load", metavar="DIR", help="start from the checkpoint in DIR, at its step (any --dp; the same --tp)"
+    )
+    ckpt.add_argument(
+        "--resume-check",
+        action="store_true",
+        help="save at --dp after --save-step steps, resume at DP 1 and at --dp, compare the losses with the uninterrupted run",
+    )
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        help="where --resume-check writes its checkpoint (a temporary directory inside; default: the system's)",
+    )
+    p.add_argument(
+        "--probe", action="store_true", help=argparse.SUPPRESS
+    )  # one run of --search / --resume-check, in its own processes
     p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
     args = p.parse_args(argv)
     try:
@@ -158,8 +223,10 @@ def check_args(args) -> None:
     if args.search and args.resume_check:
         raise ValueError("--search and --resume-check are separate jobs; run one, then the other")
     if args.name is not None and (not args.name or os.sep in args.name):
-        raise ValueError(f"--name {args.name!r} names the report files inside --out: give a file name without "
-                         f"'{os.sep}' (and the directory as --out)")
+        raise ValueError(
+            f"--name {args.name!r} names the report files inside --out: give a file name without "
+            f"'{os.sep}' (and the directory as --out)"
+        )
     if args.summarize:
         return
     if args.resume_check and args.dp < 2:
@@ -169,10 +236,19 @@ def check_args(args) -> None:
     if args.probe and len(args.cuda_graphs) != 1:
         raise ValueError("--probe is one run: give one --cuda-graphs value")
     if args.eval_every and args.cuda_graphs != ["none"]:
-        raise ValueError("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
-                         "give --cuda-graphs none, or --eval-every 0")
-    for name in ("micro_batch", "global_batch", "seq", "corpus_bytes", "eval_windows", "search_start",
-                 "search_max_micro_batch"):
+        raise ValueError(
+            "validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
+            "give --cuda-graphs none, or --eval-every 0"
+        )
+    for name in (
+        "micro_batch",
+        "global_batch",
+        "seq",
+        "corpus_bytes",
+        "eval_windows",
+        "search_start",
+        "search_max_micro_batch",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
@@ -183,8 +259,10 @@ def check_args(args) -> None:
     if args.eval_every is not None and args.eval_every < 0:
         raise ValueError(f"--eval-every {args.eval_every}: must be 0 (no validation) or more")
     if args.search_max_micro_batch is not None and args.search_max_micro_batch < args.search_start:
-        raise ValueError(f"--search-max-micro-batch {args.search_max_micro_batch} is below --search-start "
-                         f"{args.search_start}: give --search-max-micro-batch {args.search_start} or more")
+        raise ValueError(
+            f"--search-max-micro-batch {args.search_max_micro_batch} is below --search-start "
+            f"{args.search_start}: give --search-max-micro-batch {args.search_start} or more"
+        )
     parse_modes(args.modes)
     preset = preset_of(args)
     check_layout(preset, args)
@@ -198,27 +276,33 @@ def check_layout(preset: Preset, args) -> None:
     if args.tp < 1 or args.dp < 1:
         raise ValueError(f"--tp {args.tp} --dp {args.dp}: both must be 1 or more")
     if preset.seq % args.tp:
-        raise ValueError(f"sequence parallel splits the sequence over --tp {args.tp} ranks; --seq {preset.seq} is not "
-                         f"a multiple: use --seq {max(args.tp, preset.seq - preset.seq % args.tp)}")
+        raise ValueError(
+            f"sequence parallel splits the sequence over --tp {args.tp} ranks; --seq {preset.seq} is not "
+            f"a multiple: use --seq {max(args.tp, preset.seq - preset.seq % args.tp)}"
+        )
     layer = preset.kind == "layer"
     if layer and args.dp > 1:
-        raise ValueError(f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: "
-                         f"--dp {args.dp} would measure the same layer {args.dp} times; use --tp, or {END_TO_END} "
-                         "for --dp")
+        raise ValueError(
+            f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: "
+            f"--dp {args.dp} would measure the same layer {args.dp} times; use --tp, or {END_TO_END} "
+            "for --dp"
+        )
     if layer and args.search:
         raise ValueError(f"--search finds the largest micro-batch of {END_TO_END}; {preset.name} is a per-layer preset")
     if args.global_batch is not None:
         if layer:
             raise ValueError(f"{preset.name} is one layer's fwd+bwd: --global-batch needs {END_TO_END}")
         if args.search:
-            raise ValueError("--search measures each micro-batch with one micro-batch per optimizer step: "
-                             "drop --global-batch")
+            raise ValueError(
+                "--search measures each micro-batch with one micro-batch per optimizer step: drop --global-batch"
+            )
         preset.micro_batches(args.dp)  # raises, listing the global batches that divide
     if layer and (args.save or args.load or args.resume_check):
         raise ValueError(f"{preset.name} is a per-layer preset: checkpoints need {END_TO_END}")
     if args.resume_check and (args.save or args.load):
-        raise ValueError("--resume-check writes and loads a checkpoint of its own (in --checkpoint-dir): "
-                         "drop --save and --load")
+        raise ValueError(
+            "--resume-check writes and loads a checkpoint of its own (in --checkpoint-dir): drop --save and --load"
+        )
 
 
 def fewest_steps(preset: Preset, first: int = 0) -> int:
@@ -234,13 +318,17 @@ def check_steps(preset: Preset, args) -> None:
     warmup = f"{preset.name} leaves its first {preset.warmup_steps} steps out of the timing (warm-up)"
     if preset.kind == "layer":
         if args.steps is not None:
-            raise ValueError(f"--steps: {preset.name} times one layer's fwd+bwd, which takes no optimizer steps: "
-                             f"drop --steps, or use {END_TO_END}")
+            raise ValueError(
+                f"--steps: {preset.name} times one layer's fwd+bwd, which takes no optimizer steps: "
+                f"drop --steps, or use {END_TO_END}"
+            )
         return
     if args.search:
         if args.search_steps < fewest_steps(preset):
-            raise ValueError(f"--search-steps {args.search_steps} leaves no step of a try to time: {warmup}; "
-                             f"use --search-steps {fewest_steps(preset)} or more")
+            raise ValueError(
+                f"--search-steps {args.search_steps} leaves no step of a try to time: {warmup}; "
+                f"use --search-steps {fewest_steps(preset)} or more"
+            )
         return
     steps = preset.steps
     if args.resume_check:
@@ -249,13 +337,17 @@ def check_steps(preset: Preset, args) -> None:
     first = saved_step(args.load) if args.load else 0
     if steps < fewest_steps(preset, first):
         after = f" after the checkpoint's step {first}" if first else ""
-        raise ValueError(f"--steps {steps} leaves no step to time{after}: {warmup}; "
-                         f"use --steps {fewest_steps(preset, first)} or more")
+        raise ValueError(
+            f"--steps {steps} leaves no step to time{after}: {warmup}; "
+            f"use --steps {fewest_steps(preset, first)} or more"
+        )
     if args.save:
         save_step = steps // 2 if args.save_step is None else args.save_step
         if not first <= save_step < steps:
-            raise ValueError(f"--save-step {save_step} is not a step of this run (steps {first} .. {steps - 1}), so "
-                             f"--save would write nothing: give --save-step {first} to {steps - 1}")
+            raise ValueError(
+                f"--save-step {save_step} is not a step of this run (steps {first} .. {steps - 1}), so "
+                f"--save would write nothing: give --save-step {first} to {steps - 1}"
+            )
 
 
 def check_resume_steps(preset: Preset, save_step: int | None) -> None:
@@ -265,16 +357,22 @@ def check_resume_steps(preset: Preset, save_step: int | None) -> None:
     if save_step is None:
         fewest = max(2, 2 * preset.warmup_steps + 1)  # the least n with 0 < n // 2 and n // 2 + warm-up < n
         if steps < fewest:
-            raise ValueError(f"--steps {steps}: --resume-check saves after half of the steps and resumes there, and "
-                             f"each run leaves its first {warmup}; use --steps {fewest} or more (or --save-step)")
+            raise ValueError(
+                f"--steps {steps}: --resume-check saves after half of the steps and resumes there, and "
+                f"each run leaves its first {warmup}; use --steps {fewest} or more (or --save-step)"
+            )
         return
     if save_step < 1:
-        raise ValueError(f"--save-step {save_step}: --resume-check resumes from a checkpoint written after step 1 or "
-                         "later: give --save-step 1 or more")
+        raise ValueError(
+            f"--save-step {save_step}: --resume-check resumes from a checkpoint written after step 1 or "
+            "later: give --save-step 1 or more"
+        )
     if steps < fewest_steps(preset, save_step):
-        raise ValueError(f"--steps {steps} leaves no step to time after --save-step {save_step}: the resumed runs "
-                         f"leave their first {warmup}; use --steps {fewest_steps(preset, save_step)} or more "
-                         "(or a smaller --save-step)")
+        raise ValueError(
+            f"--steps {steps} leaves no step to time after --save-step {save_step}: the resumed runs "
+            f"leave their first {warmup}; use --steps {fewest_steps(preset, save_step)} or more "
+            "(or a smaller --save-step)"
+        )
 
 
 def saved_step(directory: str) -> int:
@@ -290,8 +388,10 @@ def saved_step(directory: str) -> int:
             common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as e:  # noqa: BLE001 - whatever the reader says, the directory holds no checkpoint it can read
         cause = (str(e).strip().splitlines() or [""])[0][:200]
-        raise ValueError(f"--load {directory}: not a checkpoint this job can read ({type(e).__name__}: {cause}); "
-                         "give the DIR an earlier --save DIR wrote") from None
+        raise ValueError(
+            f"--load {directory}: not a checkpoint this job can read ({type(e).__name__}: {cause}); "
+            "give the DIR an earlier --save DIR wrote"
+        ) from None
     step = common.get("step") if isinstance(common, dict) else None
     if step is None:
         raise ValueError(f"the checkpoint in {directory} has no step: write it with coat-compare --save")
@@ -304,11 +404,15 @@ def check_processes(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if (args.search or args.resume_check) and not args.probe:
         if world > 1:
-            raise ValueError(f"run {'--search' if args.search else '--resume-check'} with plain python, not under "
-                             "torchrun: it starts its own --tp x --dp processes for each run")
+            raise ValueError(
+                f"run {'--search' if args.search else '--resume-check'} with plain python, not under "
+                "torchrun: it starts its own --tp x --dp processes for each run"
+            )
     elif args.tp * args.dp != world:
-        raise ValueError(f"--tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} processes, but this job has {world}: "
-                         f"launch with torchrun --nproc-per-node {args.tp * args.dp} -m coat_compare ...")
+        raise ValueError(
+            f"--tp {args.tp} x --dp {args.dp} = {args.tp * args.dp} processes, but this job has {world}: "
+            f"launch with torchrun --nproc-per-node {args.tp * args.dp} -m coat_compare ..."
+        )
 
 
 def check_directory(path: str, option: str, create: bool = True) -> None:
@@ -341,7 +445,9 @@ def parse_graphs(text: str) -> list[str]:
     for raw in text.split(","):
         name = {"full_iteration": "full", "off": "none"}.get(raw.strip(), raw.strip())
         if name not in CUDA_GRAPHS:
-            raise argparse.ArgumentTypeError(f"unknown CUDA graph configuration {raw.strip()!r}: use {', '.join(CUDA_GRAPHS)} (comma-separated)")
+            raise argparse.ArgumentTypeError(
+                f"unknown CUDA graph configuration {raw.strip()!r}: use {', '.join(CUDA_GRAPHS)} (comma-separated)"
+            )
         if name not in names:
             names.append(name)
     return names
@@ -389,8 +495,12 @@ def main(argv=None) -> int:
             report(args.out, name, preset, log.rows, plots=not args.no_plots)
     except BaseException as e:
         if log.path and log.rows:
-            print(f"coat-compare: the job stopped ({type(e).__name__}); the rows it measured ({len(log.rows)}) are in "
-                  f"{log.path}", file=sys.stderr, flush=True)
+            print(
+                f"coat-compare: the job stopped ({type(e).__name__}); the rows it measured ({len(log.rows)}) are in "
+                f"{log.path}",
+                file=sys.stderr,
+                flush=True,
+            )
         raise
     log.finish()
     return exit_status(log.rows)
@@ -421,8 +531,12 @@ def exit_status(rows: list[dict]) -> int:
         return 0
     if parallel.is_main_rank():
         first = failed[0]
-        print(f"coat-compare: {len(failed)} of {len(rows)} rows failed, the first {first.get('mode')} "
-              f"(graphs: {first.get('graphs', 'none')}): {first.get('reason', '')}", file=sys.stderr, flush=True)
+        print(
+            f"coat-compare: {len(failed)} of {len(rows)} rows failed, the first {first.get('mode')} "
+            f"(graphs: {first.get('graphs', 'none')}): {first.get('reason', '')}",
+            file=sys.stderr,
+            flush=True,
+        )
     return 1
 
 
@@ -443,8 +557,13 @@ def isolate_runs(preset: Preset, args) -> bool:
     out-of-memory mode (BF16 on Llama-2-7B) leaves the allocator fragmented for the next, and what
     one mode leaks (caches, references held by Megatron's globals) counts as the next one's memory.
     A process per configuration costs a start-up (~20 s) and leaves every row clean."""
-    return (preset.kind == "train" and torch.cuda.is_available() and not args.probe and args.tp * args.dp == 1
-            and int(os.environ.get("WORLD_SIZE", "1")) == 1)
+    return (
+        preset.kind == "train"
+        and torch.cuda.is_available()
+        and not args.probe
+        and args.tp * args.dp == 1
+        and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    )
 
 
 def run_isolated(preset: Preset, mode: Mode, args, graphs: str) -> dict:
@@ -453,8 +572,23 @@ def run_isolated(preset: Preset, mode: Mode, args, graphs: str) -> dict:
     if row.get("status") == "skipped":
         return row
     print(f"{preset.name} {mode.name} (graphs: {graphs}): a fresh process", file=sys.stderr, flush=True)
-    probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(preset.steps), "--micro-batch", str(preset.micro_batch),
-                  "--seq", str(preset.seq), "--seed", str(args.seed), "--cuda-graphs", graphs, *data_args(args)]
+    probe_args = [
+        "--preset",
+        preset.name,
+        "--modes",
+        mode.name,
+        "--steps",
+        str(preset.steps),
+        "--micro-batch",
+        str(preset.micro_batch),
+        "--seq",
+        str(preset.seq),
+        "--seed",
+        str(args.seed),
+        "--cuda-graphs",
+        graphs,
+        *data_args(args),
+    ]
     result = run_probe(probe_args, 1)
     if result.row is None:
         reason = result.error
@@ -485,14 +619,29 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             label = f"{preset.name} {mode.name}" + ("" if graphs == "none" else f" (graphs: {graphs})")
             progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
             save_step = preset.steps // 2 if args.save_step is None else args.save_step
-            result = train(preset_for(preset, graphs), mode, args.seed, data_seed=args.data_seed, tp=args.tp, dp=args.dp,
-                           progress=progress, save=args.save, save_step=save_step, load=args.load, graphs=graphs)
+            result = train(
+                preset_for(preset, graphs),
+                mode,
+                args.seed,
+                data_seed=args.data_seed,
+                tp=args.tp,
+                dp=args.dp,
+                progress=progress,
+                save=args.save,
+                save_step=save_step,
+                load=args.load,
+                graphs=graphs,
+            )
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
-        row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300])
+        row.update(
+            status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300]
+        )
     except Exception as e:  # noqa: BLE001 - one mode failing is a row of the report, not the end of the job
         if "out of memory" in str(e).lower():
-            row.update(status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {type(e).__name__}: {e}"[:300])
+            row.update(
+                status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {type(e).__name__}: {e}"[:300]
+            )
         else:
             traceback.print_exc(file=sys.stderr)
             row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:300])
@@ -509,7 +658,11 @@ def resume_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) ->
         if row.get("status") == "skipped":
             rows.append(keep(row))
             continue
-        print(f"{preset.name} {mode.name}: checkpoint at DP {args.dp}, resumed at DP 1 and DP {args.dp}", file=sys.stderr, flush=True)
+        print(
+            f"{preset.name} {mode.name}: checkpoint at DP {args.dp}, resumed at DP 1 and DP {args.dp}",
+            file=sys.stderr,
+            flush=True,
+        )
         rows.append(keep(resume_check(args, preset, mode, row)))
     return rows
 
@@ -524,31 +677,74 @@ def search_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) ->
             rows.append(keep(row))
             continue
         # a try measures fit and speed: no validation
-        probe_args = ["--preset", preset.name, "--modes", mode.name, "--steps", str(args.search_steps), "--seq", str(preset.seq),
-                      "--seed", str(args.seed), "--tp", str(args.tp), "--dp", str(args.dp), "--cuda-graphs", graphs,
-                      *data_args(args, eval_every=0)]
+        probe_args = [
+            "--preset",
+            preset.name,
+            "--modes",
+            mode.name,
+            "--steps",
+            str(args.search_steps),
+            "--seq",
+            str(preset.seq),
+            "--seed",
+            str(args.seed),
+            "--tp",
+            str(args.tp),
+            "--dp",
+            str(args.dp),
+            "--cuda-graphs",
+            graphs,
+            *data_args(args, eval_every=0),
+        ]
         fits = probe_fits(probe_args, args.tp * args.dp, args.fit_memory)
 
         def reporting(n, fits=fits, mode=mode, graphs=graphs):
             t = fits(n)
-            print(f"{preset.name} {mode.name}{'' if graphs == 'none' else ' (graphs: ' + graphs + ')'}: micro-batch {n} {'fits' if t.fits else 'does not fit: ' + t.reason} ({t.seconds:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"{preset.name} {mode.name}{'' if graphs == 'none' else ' (graphs: ' + graphs + ')'}: micro-batch {n} {'fits' if t.fits else 'does not fit: ' + t.reason} ({t.seconds:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             return t
 
-        result = largest_micro_batch(reporting, start=args.search_start, limit=args.search_max_micro_batch, time_limit_s=args.search_time_limit)
+        result = largest_micro_batch(
+            reporting, start=args.search_start, limit=args.search_max_micro_batch, time_limit_s=args.search_time_limit
+        )
         top = result.best()
-        row.update(status="ok", largest_micro_batch=result.largest, smallest_failure=result.smallest_failure, stopped=result.stopped,
-                   tries=[{"micro_batch": t.micro_batch, "fits": t.fits, "reason": t.reason, "seconds": round(t.seconds, 1)} for t in result.tries],
-                   tokens_per_s=top.result.get("tokens_per_s") if top else None, peak_MiB=top.result.get("peak_MiB") if top else None,
-                   tokens_per_s_per_gpu=top.result.get("tokens_per_s_per_gpu") if top else None,
-                   step_ms=top.result.get("step_ms") if top else None)
+        row.update(
+            status="ok",
+            largest_micro_batch=result.largest,
+            smallest_failure=result.smallest_failure,
+            stopped=result.stopped,
+            tries=[
+                {"micro_batch": t.micro_batch, "fits": t.fits, "reason": t.reason, "seconds": round(t.seconds, 1)}
+                for t in result.tries
+            ],
+            tokens_per_s=top.result.get("tokens_per_s") if top else None,
+            peak_MiB=top.result.get("peak_MiB") if top else None,
+            tokens_per_s_per_gpu=top.result.get("tokens_per_s_per_gpu") if top else None,
+            step_ms=top.result.get("step_ms") if top else None,
+        )
         rows.append(keep(row))
     return rows
 
 
 def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
     """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
-    row = {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
-           "shape": shape(preset), "device": parallel.device_name(), "software": versions(), "seed": args.seed, "tp": args.tp, "dp": args.dp, "graphs": graphs}
+    row = {
+        "kind": kind,
+        "preset": preset.name,
+        "mode": mode.name,
+        "family": mode.family,
+        "spec": mode.resolved_spec(),
+        "shape": shape(preset),
+        "device": parallel.device_name(),
+        "software": versions(),
+        "seed": args.seed,
+        "tp": args.tp,
+        "dp": args.dp,
+        "graphs": graphs,
+    }
     if preset.kind == "train":
         row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
     reason = why_not_here(preset, mode)
@@ -568,7 +764,9 @@ def why_not_here(preset: Preset, mode: Mode) -> str | None:
 def shape(preset: Preset) -> str:
     kv = f", {preset.kv_heads} KV heads" if preset.kv_heads else ""
     layers = f"{preset.layers} layers, " if preset.kind == "train" else ""
-    batch = f", global batch {preset.global_batch}" if preset.kind == "train" and preset.global_batch is not None else ""
+    batch = (
+        f", global batch {preset.global_batch}" if preset.kind == "train" and preset.global_batch is not None else ""
+    )
     return f"{layers}hidden {preset.hidden}, FFN {preset.ffn}, {preset.heads} heads{kv}, seq {preset.seq} x micro-batch {preset.micro_batch}{batch}"
 
 
@@ -594,7 +792,10 @@ def report(out: str, name: str, preset: Preset, rows: list[dict], plots: bool = 
         except Exception as e:  # noqa: BLE001 - a plot that fails must not cost the tables
             note = f"Plots failed ({type(e).__name__}: {e}); the tables hold every number."
         notes.append(note)
-    header = [f"{preset.description}. {versions()}. Command: `coat-compare {' '.join(sys.argv[1:])}`", *data_lines(rows)]
+    header = [
+        f"{preset.description}. {versions()}. Command: `coat-compare {' '.join(sys.argv[1:])}`",
+        *data_lines(rows),
+    ]
     _, md = write_report(out, name, f"coat-compare: {name}", header, rows, evaluate(rows), notes)
     with open(md) as f:
         print(f.read())
@@ -608,12 +809,16 @@ def data_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if r.get("kind") != "train" or r.get("status") != "ok" or "corpus" not in r:
             continue
-        line = (f"Data: the {r['corpus']} corpus ({r['corpus_files']} files), train split {r['corpus_train_bytes']:,} bytes "
-                f"(SHA-256 {r['corpus_train_sha256']}), validation split {r['corpus_valid_bytes']:,} bytes (SHA-256 {r['corpus_valid_sha256']}); "
-                "each training window used at most once")
+        line = (
+            f"Data: the {r['corpus']} corpus ({r['corpus_files']} files), train split {r['corpus_train_bytes']:,} bytes "
+            f"(SHA-256 {r['corpus_train_sha256']}), validation split {r['corpus_valid_bytes']:,} bytes (SHA-256 {r['corpus_valid_sha256']}); "
+            "each training window used at most once"
+        )
         if r.get("eval_every"):
-            line += (f"; validation loss on {r['eval_windows']} held-out windows of {r['seq'] + 1} bytes (SHA-256 {r['valid_windows_sha256'][:16]}) "
-                     f"every {r['eval_every']} steps and after the last")
+            line += (
+                f"; validation loss on {r['eval_windows']} held-out windows of {r['seq'] + 1} bytes (SHA-256 {r['valid_windows_sha256'][:16]}) "
+                f"every {r['eval_every']} steps and after the last"
+            )
         if line + "." not in lines:
             lines.append(line + ".")
     return lines

@@ -43,7 +43,11 @@ class LayerStep:
         device = next(self.layer.parameters()).device
         self.rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).to(device)(preset.seq)
         g = torch.Generator(device=device).manual_seed(seed)
-        self.x = torch.randn(preset.seq // tp, preset.micro_batch, preset.hidden, device=device, generator=g).to(torch.bfloat16).requires_grad_()
+        self.x = (
+            torch.randn(preset.seq // tp, preset.micro_batch, preset.hidden, device=device, generator=g)
+            .to(torch.bfloat16)
+            .requires_grad_()
+        )
         self.dy = torch.randn(self.x.shape, device=device, generator=g).to(torch.bfloat16)
         self.params = list(self.layer.parameters())
         self.fp8_context = contextlib.nullcontext

@@ -50,18 +50,18 @@ from coat_megatron.optional import transformer_engine_available
 @dataclass(frozen=True)
 class Mode:
     """Attributes:
-        name: what ``--modes`` takes.
-        spec: "te" (TE's layer spec), "local" (Megatron's), "coat", or "best-bf16" (te if TE
-            imports, else local).
-        fp8_recipe: Megatron's ``TransformerConfig.fp8_recipe`` for TE FP8 ("delayed",
-            "tensorwise", "blockwise"), None for no TE FP8.
-        fp8_input_store: Megatron's ``activation_func_fp8_input_store``.
-        precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
-        coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
-        recompute_norm_output: ``CoatConfig.recompute_norm_output``.
-        cache_weight_transpose, master_weights, grad_buffers: the ``CoatConfig`` fields; None:
-            CoatConfig's default.
-        family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
+    name: what ``--modes`` takes.
+    spec: "te" (TE's layer spec), "local" (Megatron's), "coat", or "best-bf16" (te if TE
+        imports, else local).
+    fp8_recipe: Megatron's ``TransformerConfig.fp8_recipe`` for TE FP8 ("delayed",
+        "tensorwise", "blockwise"), None for no TE FP8.
+    fp8_input_store: Megatron's ``activation_func_fp8_input_store``.
+    precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
+    coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
+    recompute_norm_output: ``CoatConfig.recompute_norm_output``.
+    cache_weight_transpose, master_weights, grad_buffers: the ``CoatConfig`` fields; None:
+        CoatConfig's default.
+    family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     """
 
     name: str
@@ -78,8 +78,12 @@ class Mode:
 
     def coat_config(self) -> CoatConfig:
         """The CoatConfig of this mode's COAT parts (for modes without any: optimizer off)."""
-        fields = dict(optimizer=self.coat_optimizer, recompute_norm_output=self.recompute_norm_output,
-                      master_weights=self.master_weights, grad_buffers=self.grad_buffers)
+        fields = dict(
+            optimizer=self.coat_optimizer,
+            recompute_norm_output=self.recompute_norm_output,
+            master_weights=self.master_weights,
+            grad_buffers=self.grad_buffers,
+        )
         if self.cache_weight_transpose is not None:
             fields["cache_weight_transpose"] = self.cache_weight_transpose
         return CoatConfig(**fields)
@@ -116,7 +120,15 @@ MODES: dict[str, Mode] = {
         Mode("coat", "coat", "coat", coat_optimizer=True),
         Mode("coat-cached", "coat", "coat", coat_optimizer=True, cache_weight_transpose=True),
         Mode("coat-fp32-grads", "coat", "coat", coat_optimizer=True, grad_buffers="fp32"),
-        Mode("coat-fp32", "coat", "coat", coat_optimizer=True, master_weights="fp32", grad_buffers="fp32", cache_weight_transpose=True),
+        Mode(
+            "coat-fp32",
+            "coat",
+            "coat",
+            coat_optimizer=True,
+            master_weights="fp32",
+            grad_buffers="fp32",
+            cache_weight_transpose=True,
+        ),
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
@@ -126,12 +138,21 @@ ALIASES = {"te-fp8": "te-fp8-current", "coat-mem": "coat"}
 # former mode names whose recipe changed meaning: refused, naming what to use now
 RETIRED = {
     "coat-lean": "coat-lean (the weight's transposed FP8 copy made per backward) is part of the default now: use coat "
-                 "(BF16 gradient buffers) or coat-fp32-grads (the former coat-lean: FP32 gradient buffers)",
+    "(BF16 gradient buffers) or coat-fp32-grads (the former coat-lean: FP32 gradient buffers)",
 }
 # What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
 # Not in "all": for one layer coat-act is coat and coat-opt is bf16.
 ABLATIONS = ("coat-act", "coat-opt")
-DEFAULT_MODES = ["bf16", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat", "coat-cached"]
+DEFAULT_MODES = [
+    "bf16",
+    "te-fp8-delayed",
+    "te-fp8-current",
+    "te-fp8-block",
+    "te-fp8-store",
+    "te-fp8-pa",
+    "coat",
+    "coat-cached",
+]
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -145,7 +166,9 @@ def parse_modes(text: str) -> list[Mode]:
         if name in RETIRED:
             raise ValueError(RETIRED[name])
         if name not in MODES:
-            raise ValueError(f"unknown mode {raw.strip()!r}; choose from {', '.join([*MODES, *ALIASES])} (comma-separated) or 'all'")
+            raise ValueError(
+                f"unknown mode {raw.strip()!r}; choose from {', '.join([*MODES, *ALIASES])} (comma-separated) or 'all'"
+            )
         if name not in names:
             names.append(name)
     return [MODES[n] for n in names]
@@ -156,7 +179,9 @@ def unavailable_reason(mode: Mode, kind: str) -> str | None:
     if kind == "layer" and mode.precision_aware:
         return "the precision-aware optimizer changes optimizer states only: measured by the end-to-end presets"
     if kind == "layer" and mode.name in ABLATIONS:
-        return f"{mode.name} separates the layers from the optimizer: an end-to-end ablation (one layer has no optimizer)"
+        return (
+            f"{mode.name} separates the layers from the optimizer: an end-to-end ablation (one layer has no optimizer)"
+        )
     if mode.needs_transformer_engine and not transformer_engine_available():
         return f"{mode.name} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
     fp8 = mode.fp8_recipe is not None or mode.spec == "coat" or mode.coat_optimizer

@@ -104,8 +104,9 @@ def seed_everything(seed: int) -> None:
 
     torch.manual_seed(seed)
     cuda = torch.cuda.is_available()
-    model_parallel_cuda_manual_seed(seed, te_rng_tracker=cuda and transformer_engine_available(), use_cudagraphable_rng=cuda,
-                                    force_reset_rng=True)
+    model_parallel_cuda_manual_seed(
+        seed, te_rng_tracker=cuda and transformer_engine_available(), use_cudagraphable_rng=cuda, force_reset_rng=True
+    )
 
 
 def synchronize() -> None:

@@ -67,7 +67,11 @@ def draw(out: str, name: str, rows: list[dict]) -> tuple[list[str], str]:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in train:
-            ax.plot(range(1, len(r["step_ms_per_step"]) + 1), r["step_ms_per_step"], label=f"{r['mode']} (median {r['step_ms']:.1f})")
+            ax.plot(
+                range(1, len(r["step_ms_per_step"]) + 1),
+                r["step_ms_per_step"],
+                label=f"{r['mode']} (median {r['step_ms']:.1f})",
+            )
         ax.set(xlabel="measured step", ylabel="ms", title=f"{name}: step time")
         ax.legend()
         save(fig, "step-time")

@@ -19,27 +19,27 @@ from .corpus import DEFAULT_MAX_BYTES
 @dataclass(frozen=True)
 class Preset:
     """Attributes:
-        name: what ``--preset`` takes.
-        kind: "layer" (one transformer layer) or "train" (a GPT trained end to end).
-        layers, hidden, ffn, heads: the Llama-style shape (RMSNorm, SwiGLU, RoPE, no biases).
-        kv_heads: query groups for grouped-query attention; None = one per head.
-        seq, micro_batch: tokens of one micro-batch per data-parallel rank.
-        global_batch: sequences per optimizer step over all data-parallel ranks; each rank sums
-            the gradients of global_batch / (micro_batch x DP) micro-batches (Megatron's
-            schedule) before the step. None: one micro-batch per rank (micro_batch x DP).
-        vocab: vocabulary size (train presets; the built-in corpora use byte tokens below 256).
-        corpus: what a train preset trains on (``coat_compare.corpus``): "docstrings" (the standard
-            library's docstrings, 1.4 MB) or "packages" (Python sources of the installed packages).
-        corpus_bytes: the corpus's size; None: its default (``corpus_max_bytes``).
-        eval_every: validation loss on held-out windows after every this many steps and after the
-            last; 0: none.
-        eval_windows: how many validation windows of seq + 1 bytes (rounded up to a multiple of the
-            global batch).
-        steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
-            left out of the timing and memory statistics (allocation, FP8 scale start-up).
-        lr: peak learning rate (linear warm-up over 10% of the steps, at least 10 or half of a
-            shorter run: ``build.lr_warmup_steps``).
-        needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
+    name: what ``--preset`` takes.
+    kind: "layer" (one transformer layer) or "train" (a GPT trained end to end).
+    layers, hidden, ffn, heads: the Llama-style shape (RMSNorm, SwiGLU, RoPE, no biases).
+    kv_heads: query groups for grouped-query attention; None = one per head.
+    seq, micro_batch: tokens of one micro-batch per data-parallel rank.
+    global_batch: sequences per optimizer step over all data-parallel ranks; each rank sums
+        the gradients of global_batch / (micro_batch x DP) micro-batches (Megatron's
+        schedule) before the step. None: one micro-batch per rank (micro_batch x DP).
+    vocab: vocabulary size (train presets; the built-in corpora use byte tokens below 256).
+    corpus: what a train preset trains on (``coat_compare.corpus``): "docstrings" (the standard
+        library's docstrings, 1.4 MB) or "packages" (Python sources of the installed packages).
+    corpus_bytes: the corpus's size; None: its default (``corpus_max_bytes``).
+    eval_every: validation loss on held-out windows after every this many steps and after the
+        last; 0: none.
+    eval_windows: how many validation windows of seq + 1 bytes (rounded up to a multiple of the
+        global batch).
+    steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
+        left out of the timing and memory statistics (allocation, FP8 scale start-up).
+    lr: peak learning rate (linear warm-up over 10% of the steps, at least 10 or half of a
+        shorter run: ``build.lr_warmup_steps``).
+    needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """
 
     name: str
@@ -78,8 +78,10 @@ class Preset:
         global_batch = self.global_batch_for(dp)
         if global_batch < per_step or global_batch % per_step:
             valid = ", ".join(str(per_step * k) for k in range(1, 5))
-            raise ValueError(f"global batch {global_batch} is not a multiple of micro-batch {self.micro_batch} x DP {dp} = {per_step}: "
-                             f"use --global-batch {valid}, ... (or another --micro-batch)")
+            raise ValueError(
+                f"global batch {global_batch} is not a multiple of micro-batch {self.micro_batch} x DP {dp} = {per_step}: "
+                f"use --global-batch {valid}, ... (or another --micro-batch)"
+            )
         return global_batch // per_step
 
     @property
@@ -98,25 +100,113 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in [
-        Preset("tiny", "train", layers=2, hidden=64, ffn=128, heads=4, seq=64, micro_batch=8, vocab=256, steps=40,
-               warmup_steps=2, lr=3e-3, corpus="docstrings", eval_every=20, eval_windows=64, needs_gpu=False,
-               description="2-layer Llama-shaped GPT on the standard library's docstrings (byte tokens); runs on a CPU"),
-        Preset("tiny-layer", "layer", layers=1, hidden=64, ffn=128, heads=4, seq=64, micro_batch=8, vocab=256, needs_gpu=False,
-               description="one tiny layer: exercises the per-layer measurement on a CPU"),
-        Preset("llama2-7b-layer", "layer", layers=1, hidden=4096, ffn=11008, heads=32, seq=2048, micro_batch=4,
-               description="one Llama-2-7B layer, seq 2048 x micro-batch 4"),
-        Preset("llama3-8b-layer", "layer", layers=1, hidden=4096, ffn=14336, heads=32, kv_heads=8, seq=8192, micro_batch=1,
-               description="one Llama-3-8B layer (GQA, 8 KV heads), seq 8192 x micro-batch 1"),
-        Preset("gpt-125m", "train", layers=12, hidden=768, ffn=3072, heads=12, seq=1024, micro_batch=16, vocab=256,
-               steps=2000, lr=6e-4, eval_every=100, eval_windows=256,
-               description="GPT-2-small-sized Llama-style GPT (12 x 768, SwiGLU 3072: 113M parameters) on 100 MiB of Python sources "
-                           "(byte tokens; each byte trained on at most once), validation loss every 100 steps: the accuracy runs"),
-        Preset("gpt-1b", "train", layers=16, hidden=2048, ffn=5632, heads=16, seq=2048, micro_batch=4,
-               description="Llama-style 1.1B GPT, seq 2048, vocab 32000"),
-        Preset("llama2-7b", "train", layers=32, hidden=4096, ffn=11008, heads=32, seq=2048, micro_batch=1, lr=1.5e-4,
-               description="Llama-2-7B, seq 2048, vocab 32000"),
-        Preset("llama2-13b", "train", layers=40, hidden=5120, ffn=13824, heads=40, seq=2048, micro_batch=1, lr=1.5e-4,
-               description="Llama-2-13B, seq 2048, vocab 32000"),
+        Preset(
+            "tiny",
+            "train",
+            layers=2,
+            hidden=64,
+            ffn=128,
+            heads=4,
+            seq=64,
+            micro_batch=8,
+            vocab=256,
+            steps=40,
+            warmup_steps=2,
+            lr=3e-3,
+            corpus="docstrings",
+            eval_every=20,
+            eval_windows=64,
+            needs_gpu=False,
+            description="2-layer Llama-shaped GPT on the standard library's docstrings (byte tokens); runs on a CPU",
+        ),
+        Preset(
+            "tiny-layer",
+            "layer",
+            layers=1,
+            hidden=64,
+            ffn=128,
+            heads=4,
+            seq=64,
+            micro_batch=8,
+            vocab=256,
+            needs_gpu=False,
+            description="one tiny layer: exercises the per-layer measurement on a CPU",
+        ),
+        Preset(
+            "llama2-7b-layer",
+            "layer",
+            layers=1,
+            hidden=4096,
+            ffn=11008,
+            heads=32,
+            seq=2048,
+            micro_batch=4,
+            description="one Llama-2-7B layer, seq 2048 x micro-batch 4",
+        ),
+        Preset(
+            "llama3-8b-layer",
+            "layer",
+            layers=1,
+            hidden=4096,
+            ffn=14336,
+            heads=32,
+            kv_heads=8,
+            seq=8192,
+            micro_batch=1,
+            description="one Llama-3-8B layer (GQA, 8 KV heads), seq 8192 x micro-batch 1",
+        ),
+        Preset(
+            "gpt-125m",
+            "train",
+            layers=12,
+            hidden=768,
+            ffn=3072,
+            heads=12,
+            seq=1024,
+            micro_batch=16,
+            vocab=256,
+            steps=2000,
+            lr=6e-4,
+            eval_every=100,
+            eval_windows=256,
+            description="GPT-2-small-sized Llama-style GPT (12 x 768, SwiGLU 3072: 113M parameters) on 100 MiB of Python sources "
+            "(byte tokens; each byte trained on at most once), validation loss every 100 steps: the accuracy runs",
+        ),
+        Preset(
+            "gpt-1b",
+            "train",
+            layers=16,
+            hidden=2048,
+            ffn=5632,
+            heads=16,
+            seq=2048,
+            micro_batch=4,
+            description="Llama-style 1.1B GPT, seq 2048, vocab 32000",
+        ),
+        Preset(
+            "llama2-7b",
+            "train",
+            layers=32,
+            hidden=4096,
+            ffn=11008,
+            heads=32,
+            seq=2048,
+            micro_batch=1,
+            lr=1.5e-4,
+            description="Llama-2-7B, seq 2048, vocab 32000",
+        ),
+        Preset(
+            "llama2-13b",
+            "train",
+            layers=40,
+            hidden=5120,
+            ffn=13824,
+            heads=40,
+            seq=2048,
+            micro_batch=1,
+            lr=1.5e-4,
+            description="Llama-2-13B, seq 2048, vocab 32000",
+        ),
     ]
 }
 

@@ -10,8 +10,8 @@ written by 2 resumes in 1). The probe prints its one row as a line starting with
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,7 +29,11 @@ class ProbeResult:
 
 
 # lines that say why a run died, best first: a Python exception, a C++ abort, a CUDA error
-_CAUSES = (re.compile(r"^[\w.]*(Error|Exception): "), re.compile(r"what\(\):|terminate called"), re.compile(r"CUDA error|illegal memory|Assertion"))
+_CAUSES = (
+    re.compile(r"^[\w.]*(Error|Exception): "),
+    re.compile(r"what\(\):|terminate called"),
+    re.compile(r"CUDA error|illegal memory|Assertion"),
+)
 
 
 def why_it_died(text: str) -> str:
@@ -56,14 +60,18 @@ def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> Probe
     start = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     try:
-        proc = subprocess.run(probe_command(args, world_size), capture_output=True, text=True, timeout=timeout_s, env=env)
+        proc = subprocess.run(
+            probe_command(args, world_size), capture_output=True, text=True, timeout=timeout_s, env=env
+        )
     except subprocess.TimeoutExpired:
         return ProbeResult(None, f"the run went past {timeout_s:.0f} s", time.monotonic() - start)
     seconds = time.monotonic() - start
-    lines = [line[len(PROBE_MARK):] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
+    lines = [line[len(PROBE_MARK) :] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
     if not lines:
         text = proc.stderr or proc.stdout or ""
-        return ProbeResult(None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text)
+        return ProbeResult(
+            None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text
+        )
     return ProbeResult(json.loads(lines[-1]), "", seconds)
 
 

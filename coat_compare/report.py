@@ -113,8 +113,10 @@ def _mib(value) -> str:
 
 def _gathers(r: dict, bf16: dict | None) -> str:
     """SP all-gather MiB (FP8 part) | vs BF16."""
-    return (f"{_mib(r.get('sp_all_gather_bytes'))} ({_mib(r.get('sp_all_gather_fp8_bytes'))}) | "
-            f"{_ratio(r, bf16, 'sp_all_gather_bytes')}")
+    return (
+        f"{_mib(r.get('sp_all_gather_bytes'))} ({_mib(r.get('sp_all_gather_fp8_bytes'))}) | "
+        f"{_ratio(r, bf16, 'sp_all_gather_bytes')}"
+    )
 
 
 def layer_table(rows: list[dict]) -> list[str]:
@@ -124,7 +126,17 @@ def layer_table(rows: list[dict]) -> list[str]:
     bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     current = next((r for r in ok if r["mode"] == "te-fp8-current"), None)
     several = _several_gpus(rows)
-    head = ["mode", "spec", "fwd+bwd ms", "vs BF16", "vs TE FP8 current", "vs best TE", "activation MiB", "vs BF16", "vs best TE"]
+    head = [
+        "mode",
+        "spec",
+        "fwd+bwd ms",
+        "vs BF16",
+        "vs TE FP8 current",
+        "vs best TE",
+        "activation MiB",
+        "vs BF16",
+        "vs best TE",
+    ]
     if several:
         head += ["SP all-gather MiB (FP8)", "vs BF16"]
 
@@ -150,11 +162,37 @@ def train_table(rows: list[dict]) -> list[str]:
     bf16_m, te_m = best(ok, "bf16", "peak_MiB"), best(ok, "te-fp8", "peak_MiB")
     bf16_g = best(ok, "bf16", "sp_all_gather_bytes")
     several = _several_gpus(rows)
-    head = ["mode", "CUDA graphs", "micro-batch", "global batch", "step ms", "tokens/s", "vs BF16", "vs best TE", "model TFLOP/s per GPU",
-            "MFU BF16 / FP8", "peak MiB", "vs BF16", "vs best TE", "weights MiB", "grads MiB", "optimizer MiB", "activations MiB",
-            "optimizer B/param", "loss first -> last", "valid loss"]
+    head = [
+        "mode",
+        "CUDA graphs",
+        "micro-batch",
+        "global batch",
+        "step ms",
+        "tokens/s",
+        "vs BF16",
+        "vs best TE",
+        "model TFLOP/s per GPU",
+        "MFU BF16 / FP8",
+        "peak MiB",
+        "vs BF16",
+        "vs best TE",
+        "weights MiB",
+        "grads MiB",
+        "optimizer MiB",
+        "activations MiB",
+        "optimizer B/param",
+        "loss first -> last",
+        "valid loss",
+    ]
     if several:
-        head += ["tokens/s per GPU", "peak MiB per GPU", "optimizer MiB per GPU", "SP all-gather MiB/step (FP8)", "vs BF16", "DP all-gather MiB/step"]
+        head += [
+            "tokens/s per GPU",
+            "peak MiB per GPU",
+            "optimizer MiB per GPU",
+            "SP all-gather MiB/step (FP8)",
+            "vs BF16",
+            "DP all-gather MiB/step",
+        ]
 
     def lines_of(r):
         line = (
@@ -174,8 +212,13 @@ def train_table(rows: list[dict]) -> list[str]:
     return _table(head, rows, lines_of, _mode_and_graphs)
 
 
-BUDGET_PARTS = [("weights", "weights"), ("fp8_copies", "FP8 copies"), ("grads", "grads"), ("master_weights", "master weights"),
-                ("states", "optimizer states")]
+BUDGET_PARTS = [
+    ("weights", "weights"),
+    ("fp8_copies", "FP8 copies"),
+    ("grads", "grads"),
+    ("master_weights", "master weights"),
+    ("states", "optimizer states"),
+]
 
 
 def budget_table(rows: list[dict]) -> list[str]:
@@ -184,14 +227,27 @@ def budget_table(rows: list[dict]) -> list[str]:
     if not ok:
         return []
     bf16_m = best(ok, "bf16", "peak_MiB")
-    head = ["mode", "CUDA graphs", *[name for _, name in BUDGET_PARTS], "counted", "other", "activations MiB", "peak MiB", "reserved MiB", "vs BF16"]
+    head = [
+        "mode",
+        "CUDA graphs",
+        *[name for _, name in BUDGET_PARTS],
+        "counted",
+        "other",
+        "activations MiB",
+        "peak MiB",
+        "reserved MiB",
+        "vs BF16",
+    ]
 
     def lines_of(r):
         b = r["bytes_per_param"]
         counted = sum(b.get(k, 0.0) for k, _ in BUDGET_PARTS)
-        return [f"| {r['mode']} | {r.get('graphs', 'none')} | " + " | ".join(_fmt(b.get(k)) for k, _ in BUDGET_PARTS)
-                + f" | {_fmt(counted)} | {_fmt(b.get('other'))} | {_fmt(r['activations_MiB'], 1)} | {_fmt(r['peak_MiB'], 1)} | "
-                f"{_fmt(r.get('peak_reserved_MiB'), 1)} | {_ratio(r, bf16_m, 'peak_MiB')} |"]
+        return [
+            f"| {r['mode']} | {r.get('graphs', 'none')} | "
+            + " | ".join(_fmt(b.get(k)) for k, _ in BUDGET_PARTS)
+            + f" | {_fmt(counted)} | {_fmt(b.get('other'))} | {_fmt(r['activations_MiB'], 1)} | {_fmt(r['peak_MiB'], 1)} | "
+            f"{_fmt(r.get('peak_reserved_MiB'), 1)} | {_ratio(r, bf16_m, 'peak_MiB')} |"
+        ]
 
     return _table(head, ok, lines_of, _mode_and_graphs)
 
@@ -200,7 +256,17 @@ def search_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s") is not None]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
     several = _several_gpus(rows)
-    head = ["mode", "CUDA graphs", "largest micro-batch", "tokens/s there", "vs BF16", "vs best TE", "peak MiB there", "tries", "note"]
+    head = [
+        "mode",
+        "CUDA graphs",
+        "largest micro-batch",
+        "tokens/s there",
+        "vs BF16",
+        "vs best TE",
+        "peak MiB there",
+        "tries",
+        "note",
+    ]
     if several:
         head.insert(4, "tokens/s per GPU")
 
@@ -220,11 +286,19 @@ def resume_table(rows: list[dict]) -> list[str]:
     """One line per step after the checkpoint: the uninterrupted loss and the resumed ones."""
     dp = rows[0].get("dp", 2)
     names = ["resumed_dp1", f"resumed_dp{dp}"]
-    head = ["mode", "step", f"uninterrupted (DP {dp})", "resumed at DP 1", "difference", f"resumed at DP {dp}", "difference"]
+    head = [
+        "mode",
+        "step",
+        f"uninterrupted (DP {dp})",
+        "resumed at DP 1",
+        "difference",
+        f"resumed at DP {dp}",
+        "difference",
+    ]
 
     def lines_of(r):
         lines = []
-        after = r["losses_uninterrupted"][r["save_step"]:]
+        after = r["losses_uninterrupted"][r["save_step"] :]
         for i, loss in enumerate(after):
             cells = [f"{r['losses_' + n][i]:.5f} | {r['losses_' + n][i] - loss:+.1e}" for n in names]
             lines.append(f"| {r['mode']} | {r['save_step'] + i + 1} | {loss:.5f} | {' | '.join(cells)} |")
@@ -237,8 +311,17 @@ def resume_table(rows: list[dict]) -> list[str]:
 def same_batch_table(rows: list[dict]) -> list[str]:
     """End-to-end runs of one preset and mode at DP > 1 and at DP 1 with the same global batch
     (micro-batch x DP), seq, steps and TP: how far apart their losses are. Empty when there are none."""
+
     def key(r):
-        return (r["preset"], r["mode"], r.get("tp", 1), r["seq"], r["steps"], r.get("first_step", 0), r["micro_batch"] * r.get("dp", 1))
+        return (
+            r["preset"],
+            r["mode"],
+            r.get("tp", 1),
+            r["seq"],
+            r["steps"],
+            r.get("first_step", 0),
+            r["micro_batch"] * r.get("dp", 1),
+        )
 
     train = [r for r in rows if r.get("kind") == "train" and r.get("status") == "ok"]
     single = {key(r): r for r in train if r.get("dp", 1) == 1}
@@ -249,12 +332,23 @@ def same_batch_table(rows: list[dict]) -> list[str]:
             continue
         diffs = [abs(a - b) for a, b in zip(r["losses"], one["losses"])]
         worst = max(range(len(diffs)), key=diffs.__getitem__)
-        lines.append(f"| {r['preset']} | {r['mode']} | {r.get('tp', 1)} | {key(r)[-1]} x {r['seq']} | {r['dp']} x {r['micro_batch']} | "
-                     f"{diffs[worst]:.1e} (step {r.get('first_step', 0) + worst + 1}) | {one['losses'][0]:.4f} / {r['losses'][0]:.4f} | "
-                     f"{one['losses'][-1]:.4f} / {r['losses'][-1]:.4f} |")
+        lines.append(
+            f"| {r['preset']} | {r['mode']} | {r.get('tp', 1)} | {key(r)[-1]} x {r['seq']} | {r['dp']} x {r['micro_batch']} | "
+            f"{diffs[worst]:.1e} (step {r.get('first_step', 0) + worst + 1}) | {one['losses'][0]:.4f} / {r['losses'][0]:.4f} | "
+            f"{one['losses'][-1]:.4f} / {r['losses'][-1]:.4f} |"
+        )
     if not lines:
         return []
-    head = ["preset", "mode", "TP", "global batch (sequences x seq)", "DP x micro-batch", "max loss difference to DP 1", "first loss DP 1 / DP n", "last loss DP 1 / DP n"]
+    head = [
+        "preset",
+        "mode",
+        "TP",
+        "global batch (sequences x seq)",
+        "DP x micro-batch",
+        "max loss difference to DP 1",
+        "first loss DP 1 / DP n",
+        "last loss DP 1 / DP n",
+    ]
     return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), *lines]
 
 
@@ -287,18 +381,22 @@ COLUMNS = {
     "DP 1 (micro-batch x DP: the same global batch) and at the saving DP size, and train the same steps on the same batches. "
     "difference: resumed minus uninterrupted loss.",
 }
-BUDGET_NOTE = ("Bytes each GPU holds between steps per parameter (of its model shard), counted from the tensors: weights (BF16 "
-               "parameters), FP8 copies (COAT's per-linear weight caches), grads (DDP's buffers, FP32 or BF16), master weights "
-               "(FP32 main params, TE's master params, COAT's split-master low words), optimizer states (moments as stored, with "
-               "their scales); counted: their sum; other (GPU): allocated between steps beyond them (TE's FP8 weight copies, "
-               "workspaces, RNG states). Activations and peak as in the table above; reserved MiB: the most memory the "
-               "allocator took from the GPU (GPU only). With CUDA graphs the allocated peak misses the graphs' private pools (a "
-               "captured tensor counts as freed though its memory stays taken for the replays): reserved is the footprint "
-               "there, and the memory goals are judged on eager rows when the run has them.")
-SEVERAL_GPUS = ("On several GPUs: memory columns are rank 0's, except the per-GPU lists (rank 0 / rank 1 / ...) and peak MiB "
-                "(the fullest GPU's); tokens/s is global. SP all-gather: bytes each rank sends per step (per fwd+bwd for a layer) "
-                "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "
-                "DP all-gather: the distributed optimizer's parameter gather.")
+BUDGET_NOTE = (
+    "Bytes each GPU holds between steps per parameter (of its model shard), counted from the tensors: weights (BF16 "
+    "parameters), FP8 copies (COAT's per-linear weight caches), grads (DDP's buffers, FP32 or BF16), master weights "
+    "(FP32 main params, TE's master params, COAT's split-master low words), optimizer states (moments as stored, with "
+    "their scales); counted: their sum; other (GPU): allocated between steps beyond them (TE's FP8 weight copies, "
+    "workspaces, RNG states). Activations and peak as in the table above; reserved MiB: the most memory the "
+    "allocator took from the GPU (GPU only). With CUDA graphs the allocated peak misses the graphs' private pools (a "
+    "captured tensor counts as freed though its memory stays taken for the replays): reserved is the footprint "
+    "there, and the memory goals are judged on eager rows when the run has them."
+)
+SEVERAL_GPUS = (
+    "On several GPUs: memory columns are rank 0's, except the per-GPU lists (rank 0 / rank 1 / ...) and peak MiB "
+    "(the fullest GPU's); tokens/s is global. SP all-gather: bytes each rank sends per step (per fwd+bwd for a layer) "
+    "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "
+    "DP all-gather: the distributed optimizer's parameter gather."
+)
 TABLES = {"layer": layer_table, "train": train_table, "search": search_table, "resume": resume_table}
 TITLES = {"layer": "Per-layer", "train": "End to end", "search": "Largest micro-batch", "resume": "Checkpoint resume"}
 
@@ -314,22 +412,43 @@ def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal],
                 shape = first.get("shape", "")
                 gpus = f"{tp * dp} x " if tp * dp > 1 and kind != "resume" else ""
                 notes_for = [COLUMNS[kind]] + ([SEVERAL_GPUS] if tp * dp > 1 and kind in ("layer", "train") else [])
-                lines += [f"## {TITLES[kind]}: {group_name(preset, tp, dp)} ({shape}) on {gpus}{first.get('device', '?')}", "",
-                          *table(chosen), "", *notes_for, ""]
+                lines += [
+                    f"## {TITLES[kind]}: {group_name(preset, tp, dp)} ({shape}) on {gpus}{first.get('device', '?')}",
+                    "",
+                    *table(chosen),
+                    "",
+                    *notes_for,
+                    "",
+                ]
                 budget = budget_table(chosen) if kind == "train" else []
                 if budget:
-                    lines += [f"### Bytes per parameter between steps: {group_name(preset, tp, dp)}", "", *budget, "", BUDGET_NOTE, ""]
+                    lines += [
+                        f"### Bytes per parameter between steps: {group_name(preset, tp, dp)}",
+                        "",
+                        *budget,
+                        "",
+                        BUDGET_NOTE,
+                        "",
+                    ]
     same = same_batch_table(rows)
     if same:
-        lines += ["## The same global batch at DP n and at DP 1", "", *same, "",
-                  "Each rank of DP n trains on its micro-batch of the global batch; DP 1 trains on all of it. The math is the same; "
-                  "the order of reductions differs, and for FP8 modes which micro-batch sets each per-tensor scale.", ""]
+        lines += [
+            "## The same global batch at DP n and at DP 1",
+            "",
+            *same,
+            "",
+            "Each rank of DP n trains on its micro-batch of the global batch; DP 1 trains on all of it. The math is the same; "
+            "the order of reductions differs, and for FP8 modes which micro-batch sets each per-tensor scale.",
+            "",
+        ]
     lines += ["## Goals", "", *goals_table(goals), ""]
     lines += list(notes)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_report(out: str, name: str, title: str, header: list[str], rows: list[dict], goals: list[Goal], notes: list[str]) -> tuple[str, str]:
+def write_report(
+    out: str, name: str, title: str, header: list[str], rows: list[dict], goals: list[Goal], notes: list[str]
+) -> tuple[str, str]:
     """``{out}/{name}.jsonl`` (rows, then goals) and ``{out}/{name}.md``; returns both paths."""
     os.makedirs(out, exist_ok=True)
     jsonl, md = os.path.join(out, f"{name}.jsonl"), os.path.join(out, f"{name}.md")

@@ -31,10 +31,25 @@ def resume_check(args, preset, mode, row: dict) -> dict:
     if save_step is None:
         save_step = preset.steps // 2
     if not 0 < save_step < preset.steps - preset.warmup_steps:
-        raise SystemExit(f"--save-step {save_step} must lie between 0 and --steps {preset.steps} minus {preset.warmup_steps} warm-up steps "
-                         f"(the resumed runs measure their own warm-up); use --steps {save_step + preset.warmup_steps + 3} or more")
-    common = ["--preset", preset.name, "--modes", mode.name, "--steps", str(preset.steps), "--seq", str(preset.seq),
-              "--seed", str(args.seed), "--tp", str(args.tp), *data_args(args)]
+        raise SystemExit(
+            f"--save-step {save_step} must lie between 0 and --steps {preset.steps} minus {preset.warmup_steps} warm-up steps "
+            f"(the resumed runs measure their own warm-up); use --steps {save_step + preset.warmup_steps + 1} or more"
+        )
+    common = [
+        "--preset",
+        preset.name,
+        "--modes",
+        mode.name,
+        "--steps",
+        str(preset.steps),
+        "--seq",
+        str(preset.seq),
+        "--seed",
+        str(args.seed),
+        "--tp",
+        str(args.tp),
+        *data_args(args),
+    ]
     runs = {}
     parent = args.checkpoint_dir
     if parent:
@@ -47,15 +62,25 @@ def resume_check(args, preset, mode, row: dict) -> dict:
         ]
         for name, run_dp, extra in plan:
             micro_batch = preset.micro_batch * dp // run_dp  # the same global batch
-            probe = run_probe([*common, "--dp", str(run_dp), "--micro-batch", str(micro_batch), *extra], args.tp * run_dp)
+            probe = run_probe(
+                [*common, "--dp", str(run_dp), "--micro-batch", str(micro_batch), *extra], args.tp * run_dp
+            )
             if probe.row is None or probe.row.get("status") != "ok":
                 reason = probe.error or probe.row.get("reason", probe.row.get("status"))
                 return {**row, "status": "failed", "reason": f"{name} (DP {run_dp}): {reason}"[:400]}
             runs[name] = probe.row
     full = runs["uninterrupted"]["losses"]
     after = full[save_step:]
-    out = {**row, "status": "ok", "tp": args.tp, "dp": dp, "save_step": save_step, "steps": preset.steps,
-           "micro_batch": preset.micro_batch, "losses_uninterrupted": full}
+    out = {
+        **row,
+        "status": "ok",
+        "tp": args.tp,
+        "dp": dp,
+        "save_step": save_step,
+        "steps": preset.steps,
+        "micro_batch": preset.micro_batch,
+        "losses_uninterrupted": full,
+    }
     for name in ("resumed_dp1", f"resumed_dp{dp}"):
         losses = runs[name]["losses"]
         out[f"losses_{name}"] = losses

@@ -47,7 +47,12 @@ class SearchResult:
 
 
 def largest_micro_batch(
-    fits: Callable[[int], Try], *, start: int = 1, limit: int | None = None, time_limit_s: float | None = None, clock=time.monotonic
+    fits: Callable[[int], Try],
+    *,
+    start: int = 1,
+    limit: int | None = None,
+    time_limit_s: float | None = None,
+    clock=time.monotonic,
 ) -> SearchResult:
     """Doubling from ``start``, then bisection: the largest n <= ``limit`` with ``fits(n).fits``.
 
@@ -72,7 +77,9 @@ def largest_micro_batch(
         if attempt(n):
             lo = n
             if limit is not None and n >= limit:
-                return SearchResult(lo, hi, tries, stopped=f"reached the limit of micro-batch {limit}" if n == limit else "")
+                return SearchResult(
+                    lo, hi, tries, stopped=f"reached the limit of micro-batch {limit}" if n == limit else ""
+                )
             n = min(2 * n, limit) if limit is not None else 2 * n
         else:
             hi = n
@@ -88,7 +95,9 @@ def largest_micro_batch(
     return SearchResult(lo, hi, tries)
 
 
-def probe_fits(args: list[str], world_size: int, fit_memory_gib: float | None, timeout_s: float = 600) -> Callable[[int], Try]:
+def probe_fits(
+    args: list[str], world_size: int, fit_memory_gib: float | None, timeout_s: float = 600
+) -> Callable[[int], Try]:
     """``fits`` for ``largest_micro_batch``: one fresh process per try (see the module docstring)."""
 
     def fits(micro_batch: int) -> Try:
@@ -99,7 +108,13 @@ def probe_fits(args: list[str], world_size: int, fit_memory_gib: float | None, t
         if row.get("status") != "ok":
             return Try(micro_batch, False, row.get("reason", row.get("status", "")), seconds=seconds)
         if fit_memory_gib is not None and row["peak_MiB"] > fit_memory_gib * 1024:
-            return Try(micro_batch, False, f"peak {row['peak_MiB']:.1f} MiB > --fit-memory {fit_memory_gib} GiB ({fit_memory_gib * 1024:.1f} MiB)", row, seconds)
+            return Try(
+                micro_batch,
+                False,
+                f"peak {row['peak_MiB']:.1f} MiB > --fit-memory {fit_memory_gib} GiB ({fit_memory_gib * 1024:.1f} MiB)",
+                row,
+                seconds,
+            )
         return Try(micro_batch, True, "", row, seconds)
 
     return fits

@@ -29,11 +29,11 @@ from collections import Counter
 import torch
 
 from . import parallel
-from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
-from .flops import utilisation
 from .build import build_gpt, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
+from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
+from .flops import utilisation
 from .memory import MIB, SavedTensors, static_parts
 from .modes import Mode
 from .presets import Preset
@@ -45,7 +45,9 @@ def training_windows(preset: Preset, data_seed: int, dp: int = 1, corpus: Corpus
     without repeating a byte."""
     if corpus is None:
         corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
-    data = TrainingWindows(corpus.train, preset.seq, preset.global_batch_for(dp), seed=data_seed, vocab_size=preset.vocab)
+    data = TrainingWindows(
+        corpus.train, preset.seq, preset.global_batch_for(dp), seed=data_seed, vocab_size=preset.vocab
+    )
     data.check_steps(preset.steps)
     return data
 
@@ -60,8 +62,20 @@ def validation_set(preset: Preset, corpus: Corpus, dp: int = 1) -> tuple[list[di
     return validation_batches(windows, global_batch, preset.vocab), digest
 
 
-def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None, tp: int = 1, dp: int = 1, progress=None,
-          save: str | None = None, save_step: int | None = None, load: str | None = None, graphs: str = "none") -> dict:
+def train(
+    preset: Preset,
+    mode: Mode,
+    seed: int,
+    *,
+    data_seed: int | None = None,
+    tp: int = 1,
+    dp: int = 1,
+    progress=None,
+    save: str | None = None,
+    save_step: int | None = None,
+    load: str | None = None,
+    graphs: str = "none",
+) -> dict:
     """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
 
     ``seed``: the initial weights; ``data_seed``: the order of the training windows (default: ``seed``).
@@ -79,8 +93,10 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
     from megatron.core import parallel_state
 
     if graphs != "none" and preset.eval_every:
-        raise ValueError("validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
-                         "use --cuda-graphs none, or --eval-every 0")
+        raise ValueError(
+            "validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
+            "use --cuda-graphs none, or --eval-every 0"
+        )
     data_seed = seed if data_seed is None else data_seed
     micro_batches = preset.micro_batches(dp)
     corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
@@ -96,8 +112,10 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
         if first is None:
             raise ValueError(f"the checkpoint in {load} has no step: write it with coat-compare --save")
     if preset.steps - first <= preset.warmup_steps:
-        raise ValueError(f"--steps {preset.steps} leaves nothing to measure after step {first} and {preset.warmup_steps} warm-up steps; "
-                         f"use --steps {first + preset.warmup_steps + 5} or more")
+        raise ValueError(
+            f"--steps {preset.steps} leaves nothing to measure after step {first} and {preset.warmup_steps} warm-up steps; "
+            f"use --steps {first + preset.warmup_steps + 1} or more"
+        )
     device = parallel.device()
     rank = parallel_state.get_data_parallel_rank()
 
@@ -108,8 +126,10 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
 
     def micro(batch: dict) -> list[dict]:  # this DP rank's slice of a global batch, as its micro-batches, on its device
         mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
-        return [{k: v[i * preset.micro_batch : (i + 1) * preset.micro_batch].to(device) for k, v in mine.items()}
-                for i in range(micro_batches)]
+        return [
+            {k: v[i * preset.micro_batch : (i + 1) * preset.micro_batch].to(device) for k, v in mine.items()}
+            for i in range(micro_batches)
+        ]
 
     cuda = device.type == "cuda"
     losses, step_ms, skipped, valid_losses = [], [], 0, []
@@ -178,7 +198,9 @@ def train(preset: Preset, mode: Mode, seed: int, *, data_seed: int | None = None
         "tp": tp,
         "dp": dp,
         "params": params,  # of this rank's tensor-parallel shard
-        "linear_params": sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache")),  # those with FP8 copies
+        "linear_params": sum(
+            m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache")
+        ),  # those with FP8 copies
         "step_ms": median_ms,
         "step_ms_per_step": step_ms,
         "tokens_per_s": tokens_per_s,
@@ -221,8 +243,9 @@ def forward_backward_function(graphs: str = "none"):
     return FullCudaGraphWrapper(schedule, cuda_graph_warmup_steps=1, use_single_mempool=True)
 
 
-def train_step(model, optimizer, batches: list[dict], preset: Preset, saved: SavedTensors | None,
-               forward_backward=None) -> tuple[float, bool]:
+def train_step(
+    model, optimizer, batches: list[dict], preset: Preset, saved: SavedTensors | None, forward_backward=None
+) -> tuple[float, bool]:
     """One optimizer step on this DP rank's micro-batches (their gradients summed in DDP's
     buffers): (the loss per token over the global batch, whether the optimizer took the step)."""
     from megatron.core import parallel_state

@@ -12,7 +12,16 @@ from dataclasses import dataclass, fields
 from coat_kernels.expanded import K_RESOLUTION
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
 
-SWITCH_VALUES = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
+SWITCH_VALUES = {
+    "true": True,
+    "on": True,
+    "yes": True,
+    "1": True,
+    "false": False,
+    "off": False,
+    "no": False,
+    "0": False,
+}
 K_LIMITS = (1 / K_RESOLUTION, 64.0)
 OPTIMIZER_GROUP_SIZES = (32, 64, 128, 256)
 MASTER_WEIGHTS = ("fp32", "split")
@@ -107,8 +116,15 @@ class CoatConfig:
     grad_buffers: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("activations", "optimizer", "m_expansion", "v_expansion", "fprop_fast_accumulation", "recompute_norm_output",
-                     "cache_weight_transpose"):
+        for name in (
+            "activations",
+            "optimizer",
+            "m_expansion",
+            "v_expansion",
+            "fprop_fast_accumulation",
+            "recompute_norm_output",
+            "cache_weight_transpose",
+        ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
             value = getattr(self, name)
@@ -123,7 +139,9 @@ class CoatConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r} must be a number")
             if value * K_RESOLUTION != round(value * K_RESOLUTION):
-                raise ValueError(f"{name}={value} is not a multiple of 1/{K_RESOLUTION}; round it, e.g. to {round(value * K_RESOLUTION) / K_RESOLUTION}")
+                raise ValueError(
+                    f"{name}={value} is not a multiple of 1/{K_RESOLUTION}; round it, e.g. to {round(value * K_RESOLUTION) / K_RESOLUTION}"
+                )
             object.__setattr__(self, name, float(value))
         lo, hi = K_LIMITS
         if not lo <= self.k_min <= 1.0 <= self.k_max <= hi:
@@ -141,13 +159,17 @@ class CoatConfig:
         if self.grad_buffers is None:
             object.__setattr__(self, "grad_buffers", "bf16" if self.optimizer else "fp32")
             return
-        _check_choice("grad_buffers", self.grad_buffers, GRAD_BUFFERS, "'bf16' keeps 2 bytes per parameter instead of 4")
+        _check_choice(
+            "grad_buffers", self.grad_buffers, GRAD_BUFFERS, "'bf16' keeps 2 bytes per parameter instead of 4"
+        )
 
     def _resolve_master_weights(self) -> None:
         if self.master_weights is None:  # the default: split where COAT's optimizer keeps the masters
             object.__setattr__(self, "master_weights", "split" if self.optimizer else "fp32")
             return
-        _check_choice("master_weights", self.master_weights, MASTER_WEIGHTS, "'split' keeps 2 bytes per parameter instead of 4")
+        _check_choice(
+            "master_weights", self.master_weights, MASTER_WEIGHTS, "'split' keeps 2 bytes per parameter instead of 4"
+        )
         if self.master_weights == "split" and not self.optimizer:
             raise ValueError(
                 "master_weights='split' keeps the masters' low words in COAT's optimizer, and optimizer=False uses "

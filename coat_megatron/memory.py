@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+
 def _plain(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
 
@@ -28,7 +29,15 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 # where tensor subclasses without __tensor_flatten__ keep their data (TE's FP8 tensors)
-_WRAPPED = ("_data", "_transpose", "_scale_inv", "_rowwise_data", "_columnwise_data", "_rowwise_scale_inv", "_columnwise_scale_inv")
+_WRAPPED = (
+    "_data",
+    "_transpose",
+    "_scale_inv",
+    "_rowwise_data",
+    "_columnwise_data",
+    "_rowwise_scale_inv",
+    "_columnwise_scale_inv",
+)
 
 
 def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:

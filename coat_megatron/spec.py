@@ -50,8 +50,12 @@ def _saves_its_output(core_attention) -> bool:
 
 
 def get_gpt_layer_coat_spec(
-    coat_config: CoatConfig | None = None, *, core_attention=None, proj_input_saved_by_attention: bool | None = None,
-    num_experts: int | None = None, qk_layernorm: bool = False,
+    coat_config: CoatConfig | None = None,
+    *,
+    core_attention=None,
+    proj_input_saved_by_attention: bool | None = None,
+    num_experts: int | None = None,
+    qk_layernorm: bool = False,
 ) -> ModuleSpec:
     """A ``TransformerLayer`` spec with COAT's FP8 modules (RMSNorm or LayerNorm, by the config).
 
@@ -85,7 +89,9 @@ def get_gpt_layer_coat_spec(
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=column,
                     core_attention=attention,
-                    linear_proj=partial(CoatRowParallelLinear, coat_config=cfg, input_saved_by_producer=proj_input_saved_by_attention),
+                    linear_proj=partial(
+                        CoatRowParallelLinear, coat_config=cfg, input_saved_by_producer=proj_input_saved_by_attention
+                    ),
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
                 ),

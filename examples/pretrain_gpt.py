@@ -34,9 +34,15 @@ BYTE_CORPORA = ("stdlib_docstrings",)
 
 def add_data_arguments(parser):
     group = parser.add_argument_group(title="examples/pretrain_gpt.py data")
-    group.add_argument("--byte-corpus", choices=BYTE_CORPORA, default=None,
-                       help="train on a built-in byte-level corpus (coat_compare.corpus) instead of --data-path / --mock-data")
-    group.add_argument("--byte-corpus-bytes", type=int, default=4 << 20, help="bytes of the corpus to use (default 4 MiB: all of it)")
+    group.add_argument(
+        "--byte-corpus",
+        choices=BYTE_CORPORA,
+        default=None,
+        help="train on a built-in byte-level corpus (coat_compare.corpus) instead of --data-path / --mock-data",
+    )
+    group.add_argument(
+        "--byte-corpus-bytes", type=int, default=4 << 20, help="bytes of the corpus to use (default 4 MiB: all of it)"
+    )
     return parser
 
 
@@ -45,7 +51,9 @@ def byte_corpus_datasets(num_samples, args):
     from coat_compare.corpus import ByteWindows, stdlib_docstrings
 
     if get_tokenizer().vocab_size < 256:
-        raise ValueError(f"--byte-corpus needs a vocabulary of 256 bytes: pass --vocab-size 256 (the tokenizer has {get_tokenizer().vocab_size})")
+        raise ValueError(
+            f"--byte-corpus needs a vocabulary of 256 bytes: pass --vocab-size 256 (the tokenizer has {get_tokenizer().vocab_size})"
+        )
     data = stdlib_docstrings(args.byte_corpus_bytes)
     cuts = [0, int(0.9 * len(data)), int(0.95 * len(data)), len(data)]
     return [
@@ -99,12 +107,16 @@ def forward_step(data_iterator, model):
     """One micro-batch: the model returns per-token losses when given labels."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()}
-    output_tensor = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"])
+    output_tensor = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], loss_mask=batch["loss_mask"]
+    )
     return output_tensor, partial(loss_func, batch["loss_mask"])
 
 
 if __name__ == "__main__":
-    args = parse_and_validate_args(extra_args_provider=add_data_arguments, args_defaults={"tokenizer_type": "NullTokenizer"})
+    args = parse_and_validate_args(
+        extra_args_provider=add_data_arguments, args_defaults={"tokenizer_type": "NullTokenizer"}
+    )
     pretrain(
         pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),
         train_valid_test_datasets_provider,

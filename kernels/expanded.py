@@ -51,8 +51,8 @@ from .formats import FP32_MIN_NORMAL, fp8_format
 from .scaling import (
     NonFiniteInputError,
     abs_or_inf,
-    fp8_bits,
     abs_or_inf_reference,
+    fp8_bits,
     quantize_with_inverse,
     quantize_with_inverse_reference,
     scale_from_amax,
@@ -181,7 +181,9 @@ def log2_fast_ftz(x, PTX: tl.constexpr):
     subnormal handling of the plain form costs three more). A subnormal x (below 2^-126) counts as
     0 (log2 = -inf), so it encodes to, or decodes from, code 0: below any Adam state that matters."""
     if PTX:
-        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(
+            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return tl.log2(tl.where(x < MIN_NORMAL, 0.0, x))
 
@@ -195,7 +197,13 @@ def copy_sign(mag, x):
 
 @triton.jit
 def quantize_expanded_tile(
-    x, FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, FAST: tl.constexpr,
+    x,
+    FMAX: tl.constexpr,
+    EXPAND: tl.constexpr,
+    K_TARGET: tl.constexpr,
+    K_MIN16: tl.constexpr,
+    K_MAX16: tl.constexpr,
+    FAST: tl.constexpr,
     PTX: tl.constexpr,
 ):
     """Quantize a (groups, G) FP32 tile (padding lanes hold 0) group by group.
@@ -405,7 +413,16 @@ class ExpandedFp8:
         return self.codes.numel() * self.codes.element_size() + sum(t.numel() * 4 for t in meta)
 
     @classmethod
-    def zeros(cls, shape, *, group_size: int = 128, fmt: str = "e4m3", signed: bool = True, expansion: bool = True, device=None) -> "ExpandedFp8":
+    def zeros(
+        cls,
+        shape,
+        *,
+        group_size: int = 128,
+        fmt: str = "e4m3",
+        signed: bool = True,
+        expansion: bool = True,
+        device=None,
+    ) -> "ExpandedFp8":
         """The state of an all-zero tensor (what quantizing zeros gives: scale 1, k 1, centre 1)."""
         f = fp8_format(fmt)
         numel = math.prod(shape)
@@ -424,9 +441,21 @@ class ExpandedFp8:
 
 @triton.jit
 def _quantize_expanded_kernel(
-    x_ptr, q_ptr, s_ptr, k_ptr, c_ptr, n,
-    FMAX: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
-    FAST: tl.constexpr, PTX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    k_ptr,
+    c_ptr,
+    n,
+    FMAX: tl.constexpr,
+    EXPAND: tl.constexpr,
+    K_TARGET: tl.constexpr,
+    K_MIN16: tl.constexpr,
+    K_MAX16: tl.constexpr,
+    FAST: tl.constexpr,
+    PTX: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     offs = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -444,7 +473,16 @@ def _quantize_expanded_kernel(
 
 @triton.jit
 def _dequantize_expanded_kernel(
-    q_ptr, s_ptr, k_ptr, c_ptr, out_ptr, n, EXPAND: tl.constexpr, FAST: tl.constexpr, PTX: tl.constexpr, GROUP: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    k_ptr,
+    c_ptr,
+    out_ptr,
+    n,
+    EXPAND: tl.constexpr,
+    FAST: tl.constexpr,
+    PTX: tl.constexpr,
+    GROUP: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
     groups = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
@@ -480,9 +518,13 @@ def _groups_per_program(group_size: int) -> int:
 def _check_limits(k_min: float, k_max: float) -> None:
     for name, value in (("k_min", k_min), ("k_max", k_max)):
         if value * K_RESOLUTION != round(value * K_RESOLUTION):
-            raise ValueError(f"{name}={value} is not a multiple of 1/{K_RESOLUTION}; round it, e.g. to {round(value * K_RESOLUTION) / K_RESOLUTION}")
+            raise ValueError(
+                f"{name}={value} is not a multiple of 1/{K_RESOLUTION}; round it, e.g. to {round(value * K_RESOLUTION) / K_RESOLUTION}"
+            )
     if not DEFAULT_K_MIN <= k_min <= 1.0 <= k_max <= 64.0:
-        raise ValueError(f"expansion limits k_min={k_min}, k_max={k_max} must satisfy 1/16 <= k_min <= 1 <= k_max <= 64")
+        raise ValueError(
+            f"expansion limits k_min={k_min}, k_max={k_max} must satisfy 1/16 <= k_min <= 1 <= k_max <= 64"
+        )
 
 
 def _check_input(x: torch.Tensor, group_size: int) -> None:
@@ -495,15 +537,23 @@ def _check_input(x: torch.Tensor, group_size: int) -> None:
 
 
 def quantize_expanded_reference(
-    x: torch.Tensor, group_size: int = 128, fmt: str = "e4m3", *, signed: bool = True, expansion: bool = True,
-    k_min: float = DEFAULT_K_MIN, k_max: float = DEFAULT_K_MAX,
+    x: torch.Tensor,
+    group_size: int = 128,
+    fmt: str = "e4m3",
+    *,
+    signed: bool = True,
+    expansion: bool = True,
+    k_min: float = DEFAULT_K_MIN,
+    k_max: float = DEFAULT_K_MAX,
 ) -> ExpandedFp8:
     f = fp8_format(fmt)
     _check_input(x, group_size)
     n = x.numel()
     n_groups = -(-n // group_size)
     flat = torch.nn.functional.pad(x.reshape(-1).float(), (0, n_groups * group_size - n))
-    y, scale, k, center = quantize_expanded_groups_reference(flat.view(n_groups, group_size), f.max, expansion, k_min, k_max)
+    y, scale, k, center = quantize_expanded_groups_reference(
+        flat.view(n_groups, group_size), f.max, expansion, k_min, k_max
+    )
     codes = y.reshape(-1)[:n].to(f.dtype).view(x.shape)
     return ExpandedFp8(codes, scale, k if expansion else None, center if expansion else None, group_size, fmt, signed)
 
@@ -552,7 +602,9 @@ def quantize_expanded(
     if check_finite and not signed and x.numel() and bool((x < 0).any()):
         raise ValueError("quantize_expanded(signed=False) got negative values; pass signed=True for signed data")
     if not use_triton(x, backend):
-        state = quantize_expanded_reference(x, group_size, fmt, signed=signed, expansion=expansion, k_min=k_min, k_max=k_max)
+        state = quantize_expanded_reference(
+            x, group_size, fmt, signed=signed, expansion=expansion, k_min=k_min, k_max=k_max
+        )
     else:
         n = x.numel()
         n_groups = -(-n // group_size)
@@ -569,9 +621,23 @@ def quantize_expanded(
             groups = _groups_per_program(group_size)
             fast = not use_exact_math(x, exact_math)
             _quantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
-                x, state.codes, state.scale, state.k if expansion else state.scale, state.center if expansion else state.scale, n,
-                FMAX=f.max, EXPAND=expansion, K_TARGET=k_target(f.max), K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION,
-                FAST=fast, PTX=compiled_for_nvidia(), GROUP=group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
+                x,
+                state.codes,
+                state.scale,
+                state.k if expansion else state.scale,
+                state.center if expansion else state.scale,
+                n,
+                FMAX=f.max,
+                EXPAND=expansion,
+                K_TARGET=k_target(f.max),
+                K_MIN16=k_min * K_RESOLUTION,
+                K_MAX16=k_max * K_RESOLUTION,
+                FAST=fast,
+                PTX=compiled_for_nvidia(),
+                GROUP=group_size,
+                GROUPS=groups,
+                num_warps=4,
+                enable_fp_fusion=fast,
             )
     if check_finite and state.n_groups and not bool(torch.isfinite(state.scale).all()):
         bad = int((~torch.isfinite(state.scale)).sum())
@@ -594,7 +660,9 @@ def dequantize_expanded(
     for name in ("scale", "k", "center"):
         t = getattr(state, name)
         if t is not None and (t.dtype != torch.float32 or t.shape != (n_groups,) or not t.is_contiguous()):
-            raise ValueError(f"state.{name} must be contiguous float32 of shape ({n_groups},), got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"state.{name} must be contiguous float32 of shape ({n_groups},), got {t.dtype} {tuple(t.shape)}"
+            )
     if not use_triton(state.codes, backend):
         return dequantize_expanded_reference(state, dtype)
     out = torch.empty(state.codes.shape, dtype=dtype, device=state.codes.device)
@@ -603,7 +671,18 @@ def dequantize_expanded(
         fast = not use_exact_math(state.codes, exact_math)
         meta = state.scale
         _dequantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
-            state.codes.contiguous(), state.scale, state.k if state.expansion else meta, state.center if state.expansion else meta, out, n,
-            EXPAND=state.expansion, FAST=fast, PTX=compiled_for_nvidia(), GROUP=state.group_size, GROUPS=groups, num_warps=4, enable_fp_fusion=fast,
+            state.codes.contiguous(),
+            state.scale,
+            state.k if state.expansion else meta,
+            state.center if state.expansion else meta,
+            out,
+            n,
+            EXPAND=state.expansion,
+            FAST=fast,
+            PTX=compiled_for_nvidia(),
+            GROUP=state.group_size,
+            GROUPS=groups,
+            num_warps=4,
+            enable_fp_fusion=fast,
         )
     return out

@@ -47,9 +47,7 @@ def fp8_format(name: str) -> Fp8Format:
 
 def check_group_size(group_size: int) -> None:
     if group_size not in GROUP_SIZES:
-        raise ValueError(
-            f"unsupported FP8 group size {group_size!r}: use one of {', '.join(map(str, GROUP_SIZES))}"
-        )
+        raise ValueError(f"unsupported FP8 group size {group_size!r}: use one of {', '.join(map(str, GROUP_SIZES))}")
 
 
 def as_rows(x: torch.Tensor, what: str = "x") -> torch.Tensor:

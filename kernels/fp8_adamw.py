@@ -41,6 +41,7 @@ from .expanded import (
     K_RESOLUTION,
     ExpandedFp8,
     _check_limits,
+    compiled_for_nvidia,
     dequantize_expanded_groups_reference,
     dequantize_expanded_tile,
     div_rn_reference,
@@ -49,7 +50,6 @@ from .expanded import (
     quantize_expanded_groups_reference,
     quantize_expanded_tile,
     sqrt_rn_reference,
-    compiled_for_nvidia,
     use_exact_math,
 )
 from .formats import fp8_format
@@ -66,8 +66,23 @@ def _load(ptr, mask, other, RAGGED: tl.constexpr):
 
 @triton.jit
 def _load_state(
-    q_base, q_at, s_base, s_at, k_base, k_at, c_base, c_at, idx, groups, mask, gmask, E5M2: tl.constexpr, EXPAND: tl.constexpr, FAST: tl.constexpr,
-    PTX: tl.constexpr, RAGGED: tl.constexpr,
+    q_base,
+    q_at,
+    s_base,
+    s_at,
+    k_base,
+    k_at,
+    c_base,
+    c_at,
+    idx,
+    groups,
+    mask,
+    gmask,
+    E5M2: tl.constexpr,
+    EXPAND: tl.constexpr,
+    FAST: tl.constexpr,
+    PTX: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
     raw = _load(q_base + q_at + idx, mask, 0, RAGGED)
     if E5M2:
@@ -86,9 +101,27 @@ def _load_state(
 
 @triton.jit
 def _store_state(
-    x, q_base, q_at, s_base, s_at, k_base, k_at, c_base, c_at, idx, groups, mask, gmask,
-    FMAX: tl.constexpr, E5M2: tl.constexpr, EXPAND: tl.constexpr, K_TARGET: tl.constexpr, K_MIN16: tl.constexpr, K_MAX16: tl.constexpr,
-    FAST: tl.constexpr, PTX: tl.constexpr,
+    x,
+    q_base,
+    q_at,
+    s_base,
+    s_at,
+    k_base,
+    k_at,
+    c_base,
+    c_at,
+    idx,
+    groups,
+    mask,
+    gmask,
+    FMAX: tl.constexpr,
+    E5M2: tl.constexpr,
+    EXPAND: tl.constexpr,
+    K_TARGET: tl.constexpr,
+    K_MIN16: tl.constexpr,
+    K_MAX16: tl.constexpr,
+    FAST: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """Requantize x, store codes and metadata; return the number of non-zero values that became code 0."""
     y, scale, k, center = quantize_expanded_tile(x, FMAX, EXPAND, K_TARGET, K_MIN16, K_MAX16, FAST, PTX)
@@ -109,13 +142,46 @@ def _store_state(
 
 @triton.jit
 def _fp8_adamw_kernel(
-    work_ptr, meta_ptr, under_ptr,
-    p_base, g_base, w_base, mq_base, ms_base, mk_base, mc_base, vq_base, vs_base, vk_base, vc_base,
-    beta1, one_minus_beta1, beta2, one_minus_beta2, decay, step_size, bias2_sqrt, eps,
-    M_FMAX: tl.constexpr, V_FMAX: tl.constexpr, M_E5M2: tl.constexpr, V_E5M2: tl.constexpr,
-    M_EXPAND: tl.constexpr, V_EXPAND: tl.constexpr, M_TARGET: tl.constexpr, V_TARGET: tl.constexpr,
-    K_MIN16: tl.constexpr, K_MAX16: tl.constexpr, WRITE_MODEL: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-    FAST: tl.constexpr, PTX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, RAGGED: tl.constexpr,
+    work_ptr,
+    meta_ptr,
+    under_ptr,
+    p_base,
+    g_base,
+    w_base,
+    mq_base,
+    ms_base,
+    mk_base,
+    mc_base,
+    vq_base,
+    vs_base,
+    vk_base,
+    vc_base,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    decay,
+    step_size,
+    bias2_sqrt,
+    eps,
+    M_FMAX: tl.constexpr,
+    V_FMAX: tl.constexpr,
+    M_E5M2: tl.constexpr,
+    V_E5M2: tl.constexpr,
+    M_EXPAND: tl.constexpr,
+    V_EXPAND: tl.constexpr,
+    M_TARGET: tl.constexpr,
+    V_TARGET: tl.constexpr,
+    K_MIN16: tl.constexpr,
+    K_MAX16: tl.constexpr,
+    WRITE_MODEL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ALIGN: tl.constexpr,
+    FAST: tl.constexpr,
+    PTX: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS: tl.constexpr,
+    RAGGED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(work_ptr + 2 * pid).to(tl.int64)
@@ -153,8 +219,44 @@ def _fp8_adamw_kernel(
     else:
         p = _load(p_base + p_at + idx, mask, 0.0, RAGGED)
     g = _load(g_base + g_at + idx, mask, 0.0, RAGGED).to(tl.float32)
-    m = _load_state(mq_base, mq_at, ms_base, ms_at, mk_base, mk_at, mc_base, mc_at, idx, groups, mask, gmask, M_E5M2, M_EXPAND, FAST, PTX, RAGGED)
-    v = _load_state(vq_base, vq_at, vs_base, vs_at, vk_base, vk_at, vc_base, vc_at, idx, groups, mask, gmask, V_E5M2, V_EXPAND, FAST, PTX, RAGGED)
+    m = _load_state(
+        mq_base,
+        mq_at,
+        ms_base,
+        ms_at,
+        mk_base,
+        mk_at,
+        mc_base,
+        mc_at,
+        idx,
+        groups,
+        mask,
+        gmask,
+        M_E5M2,
+        M_EXPAND,
+        FAST,
+        PTX,
+        RAGGED,
+    )
+    v = _load_state(
+        vq_base,
+        vq_at,
+        vs_base,
+        vs_at,
+        vk_base,
+        vk_at,
+        vc_base,
+        vc_at,
+        idx,
+        groups,
+        mask,
+        gmask,
+        V_E5M2,
+        V_EXPAND,
+        FAST,
+        PTX,
+        RAGGED,
+    )
 
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * (g * g)
@@ -174,18 +276,58 @@ def _fp8_adamw_kernel(
         if WRITE_MODEL:
             tl.store(w_base + w_at + idx, p.to(w_base.dtype.element_ty), mask=mask)
     m_under = _store_state(
-        m, mq_base, mq_at, ms_base, ms_at, mk_base, mk_at, mc_base, mc_at, idx, groups, mask, gmask,
-        M_FMAX, M_E5M2, M_EXPAND, M_TARGET, K_MIN16, K_MAX16, FAST, PTX,
+        m,
+        mq_base,
+        mq_at,
+        ms_base,
+        ms_at,
+        mk_base,
+        mk_at,
+        mc_base,
+        mc_at,
+        idx,
+        groups,
+        mask,
+        gmask,
+        M_FMAX,
+        M_E5M2,
+        M_EXPAND,
+        M_TARGET,
+        K_MIN16,
+        K_MAX16,
+        FAST,
+        PTX,
     )
     v_under = _store_state(
-        v, vq_base, vq_at, vs_base, vs_at, vk_base, vk_at, vc_base, vc_at, idx, groups, mask, gmask,
-        V_FMAX, V_E5M2, V_EXPAND, V_TARGET, K_MIN16, K_MAX16, FAST, PTX,
+        v,
+        vq_base,
+        vq_at,
+        vs_base,
+        vs_at,
+        vk_base,
+        vk_at,
+        vc_base,
+        vc_at,
+        idx,
+        groups,
+        mask,
+        gmask,
+        V_FMAX,
+        V_E5M2,
+        V_EXPAND,
+        V_TARGET,
+        K_MIN16,
+        K_MAX16,
+        FAST,
+        PTX,
     )
     tl.store(under_ptr + 2 * pid, m_under)
     tl.store(under_ptr + 2 * pid + 1, v_under)
 
 
-def adamw_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> dict[str, float]:
+def adamw_scalars(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
+) -> dict[str, float]:
     """The step's scalars, computed in float64 and rounded once to FP32 (what the kernel receives)."""
     if step < 1:
         raise ValueError(f"step={step}: the AdamW step counter starts at 1 (increment it before the update)")
@@ -221,12 +363,16 @@ def _reference_batches(numels: list[int], group_size: int):
         yield batch
 
 
-def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, lows, s, k_min, k_max) -> tuple[int, int]:
+def _adamw_reference_batch(
+    pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, lows, s, k_min, k_max
+) -> tuple[int, int]:
     gs = exp_avgs[0].group_size
     spans = [(i, lo, hi, -(-(hi - lo) // gs)) for i, lo, hi in pieces]
 
     def tile(tensors, piece=lambda t, lo, hi: t.reshape(-1)[lo:hi].float()):
-        parts = [torch.nn.functional.pad(piece(tensors[i], lo, hi), (0, ng * gs - (hi - lo))) for i, lo, hi, ng in spans]
+        parts = [
+            torch.nn.functional.pad(piece(tensors[i], lo, hi), (0, ng * gs - (hi - lo))) for i, lo, hi, ng in spans
+        ]
         return torch.cat(parts).view(-1, gs)
 
     def meta(states, name):
@@ -248,7 +394,13 @@ def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_p
             row += ng
 
     def load(states):
-        return dequantize_expanded_groups_reference(tile([st.codes for st in states]), meta(states, "scale"), meta(states, "k"), meta(states, "center"), states[0].expansion)
+        return dequantize_expanded_groups_reference(
+            tile([st.codes for st in states]),
+            meta(states, "scale"),
+            meta(states, "k"),
+            meta(states, "center"),
+            states[0].expansion,
+        )
 
     def store(states, x):
         fmt = fp8_format(states[0].fmt)
@@ -262,7 +414,9 @@ def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_p
         return int(((x != 0) & ((codes.view(torch.uint8) & 0x7F) == 0)).sum())
 
     if lows is not None:
-        p = tile(list(zip(params, lows)), lambda t, lo, hi: join_master(t[0].reshape(-1)[lo:hi], t[1].reshape(-1)[lo:hi]))
+        p = tile(
+            list(zip(params, lows)), lambda t, lo, hi: join_master(t[0].reshape(-1)[lo:hi], t[1].reshape(-1)[lo:hi])
+        )
     else:
         p = tile(params)
     g = tile(grads)
@@ -283,11 +437,15 @@ def _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_p
     return store(exp_avgs, m), store(exp_avg_sqs, v)
 
 
-def _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, lows, scalars, k_min, k_max) -> torch.Tensor:
+def _fp8_adamw_reference(
+    params, grads, exp_avgs, exp_avg_sqs, model_params, lows, scalars, k_min, k_max
+) -> torch.Tensor:
     under = [0, 0]
     if params:
         for pieces in _reference_batches([p.numel() for p in params], exp_avgs[0].group_size):
-            um, uv = _adamw_reference_batch(pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, lows, scalars, k_min, k_max)
+            um, uv = _adamw_reference_batch(
+                pieces, params, grads, exp_avgs, exp_avg_sqs, model_params, lows, scalars, k_min, k_max
+            )
             under[0] += um
             under[1] += uv
     device = params[0].device if params else "cpu"
@@ -302,7 +460,9 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     for t in tensors:
         delta = t.data_ptr() - base.data_ptr()
         if delta % size:
-            raise ValueError(f"a {t.dtype} tensor is not aligned to its element size; pass contiguous, element-aligned tensors")
+            raise ValueError(
+                f"a {t.dtype} tensor is not aligned to its element size; pass contiguous, element-aligned tensors"
+            )
         offsets.append(delta // size)
     return base, offsets
 
@@ -370,10 +530,16 @@ def _plan(key, columns, numels, group_size, device) -> _LaunchPlan:
 
 def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params, lows):
     n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or any(x is not None and len(x) != n for x in (model_params, lows)):
-        raise ValueError("params, grads, exp_avgs, exp_avg_sqs (and model_params / master_lows) must be lists of the same length")
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n) or any(
+        x is not None and len(x) != n for x in (model_params, lows)
+    ):
+        raise ValueError(
+            "params, grads, exp_avgs, exp_avg_sqs (and model_params / master_lows) must be lists of the same length"
+        )
     if lows is not None and model_params is not None:
-        raise ValueError("with master_lows the params are the BF16 model weights themselves (the masters' high halves): pass no model_params")
+        raise ValueError(
+            "with master_lows the params are the BF16 model weights themselves (the masters' high halves): pass no model_params"
+        )
     for name, states in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         kinds = {(s.fmt, s.expansion, s.group_size) for s in states}
         if len(kinds) > 1:
@@ -383,7 +549,12 @@ def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params, lows):
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         if lows is not None:
             lo = lows[i]
-            if p.dtype != torch.bfloat16 or lo.dtype != torch.int16 or lo.numel() != p.numel() or not lo.is_contiguous():
+            if (
+                p.dtype != torch.bfloat16
+                or lo.dtype != torch.int16
+                or lo.numel() != p.numel()
+                or not lo.is_contiguous()
+            ):
                 raise TypeError(
                     f"param {i}: a split master weight is a BF16 param (the high half) and a contiguous int16 low word of its "
                     f"{p.numel()} elements, got {p.dtype} and {lo.dtype} with {lo.numel()}"
@@ -396,14 +567,20 @@ def _validate(params, grads, exp_avgs, exp_avg_sqs, model_params, lows):
         if not (p.is_contiguous() and g.is_contiguous()):
             raise ValueError(f"param {i} or its grad is not contiguous; the step reads them as flat buffers")
         if g.numel() != p.numel() or g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"grad {i} must be FP32/BF16/FP16 with the param's {p.numel()} elements, got {g.dtype} with {g.numel()}")
+            raise ValueError(
+                f"grad {i} must be FP32/BF16/FP16 with the param's {p.numel()} elements, got {g.dtype} with {g.numel()}"
+            )
         for name, s in (("exp_avg", m), ("exp_avg_sq", v)):
             if s.codes.numel() != p.numel() or s.codes.dtype != fp8_format(s.fmt).dtype or not s.codes.is_contiguous():
-                raise ValueError(f"{name} {i} must hold {p.numel()} contiguous {s.fmt} codes, got {s.codes.dtype} with {s.codes.numel()}")
+                raise ValueError(
+                    f"{name} {i} must hold {p.numel()} contiguous {s.fmt} codes, got {s.codes.dtype} with {s.codes.numel()}"
+                )
         if model_params is not None:
             w = model_params[i]
             if w.numel() != p.numel() or w.dtype not in (torch.bfloat16, torch.float16) or not w.is_contiguous():
-                raise ValueError(f"model param {i} must be a contiguous BF16/FP16 tensor of {p.numel()} elements, got {w.dtype} {tuple(w.shape)}")
+                raise ValueError(
+                    f"model param {i} must be a contiguous BF16/FP16 tensor of {p.numel()} elements, got {w.dtype} {tuple(w.shape)}"
+                )
     if model_params is not None and len({w.dtype for w in model_params}) > 1:
         raise ValueError("model_params mix dtypes; launch BF16 and FP16 model params separately")
     if len({g.dtype for g in grads}) > 1:
@@ -454,7 +631,9 @@ def fp8_adamw_step(
     scalars = adamw_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step)
     live = [i for i, p in enumerate(params) if p.numel()]
     if not live or not use_triton(params[live[0]], backend):
-        return _fp8_adamw_reference(params, grads, exp_avgs, exp_avg_sqs, model_params, master_lows, scalars, k_min, k_max)
+        return _fp8_adamw_reference(
+            params, grads, exp_avgs, exp_avg_sqs, model_params, master_lows, scalars, k_min, k_max
+        )
 
     pick = lambda seq: [seq[i] for i in live]  # noqa: E731
     ps, gs, ms, vs = pick(params), pick(grads), pick(exp_avgs), pick(exp_avg_sqs)
@@ -472,7 +651,13 @@ def fp8_adamw_step(
     v_c = [v.center for v in vs] if v0.expansion else v_scale
     columns = [ps, gs, ws, m_codes, m_scale, m_k, m_c, v_codes, v_scale, v_k, v_c]
     numels = [p.numel() for p in ps]
-    key = (tuple(t.data_ptr() for col in columns for t in col), tuple(numels), m0.group_size, step_blocks(m0.group_size), ps[0].device)
+    key = (
+        tuple(t.data_ptr() for col in columns for t in col),
+        tuple(numels),
+        m0.group_size,
+        step_blocks(m0.group_size),
+        ps[0].device,
+    )
     plan = _plan(key, columns, numels, m0.group_size, ps[0].device)
     under = torch.empty(plan.n_programs, 2, dtype=torch.int32, device=ps[0].device)
     mf, vf = fp8_format(m0.fmt), fp8_format(v0.fmt)
@@ -483,11 +668,30 @@ def fp8_adamw_step(
         if work.shape[0] == 0:
             continue
         _fp8_adamw_kernel[(work.shape[0],)](
-            work, plan.meta, out, *plan.bases, **scalars,
-            M_FMAX=mf.max, V_FMAX=vf.max, M_E5M2=m0.fmt == "e5m2", V_E5M2=v0.fmt == "e5m2",
-            M_EXPAND=m0.expansion, V_EXPAND=v0.expansion, M_TARGET=k_target(mf.max), V_TARGET=k_target(vf.max),
-            K_MIN16=k_min * K_RESOLUTION, K_MAX16=k_max * K_RESOLUTION, WRITE_MODEL=model_params is not None,
-            SPLIT=master_lows is not None, ALIGN=plan.align, FAST=fast, PTX=compiled_for_nvidia(), GROUP=m0.group_size, GROUPS=groups, RAGGED=ragged,
-            num_warps=warps, enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
+            work,
+            plan.meta,
+            out,
+            *plan.bases,
+            **scalars,
+            M_FMAX=mf.max,
+            V_FMAX=vf.max,
+            M_E5M2=m0.fmt == "e5m2",
+            V_E5M2=v0.fmt == "e5m2",
+            M_EXPAND=m0.expansion,
+            V_EXPAND=v0.expansion,
+            M_TARGET=k_target(mf.max),
+            V_TARGET=k_target(vf.max),
+            K_MIN16=k_min * K_RESOLUTION,
+            K_MAX16=k_max * K_RESOLUTION,
+            WRITE_MODEL=model_params is not None,
+            SPLIT=master_lows is not None,
+            ALIGN=plan.align,
+            FAST=fast,
+            PTX=compiled_for_nvidia(),
+            GROUP=m0.group_size,
+            GROUPS=groups,
+            RAGGED=ragged,
+            num_warps=warps,
+            enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
         )
     return under.sum(dim=0, dtype=torch.int64)

@@ -35,9 +35,16 @@ def _pad_k(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def fp8_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, *,
-    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None, use_fast_accum: bool = False,
-    out: torch.Tensor | None = None, backend: str = "auto",
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """(a * a_scale) @ (b * b_scale) + bias with FP32 accumulation.
 
@@ -57,7 +64,9 @@ def fp8_gemm(
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"fp8_gemm shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}")
     if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != out_dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {(a.shape[0], b.shape[1])}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be a contiguous {out_dtype} tensor of shape {(a.shape[0], b.shape[1])}, got {out.dtype} {tuple(out.shape)}"
+        )
     if not a.is_cuda or not use_triton(a, backend):
         result = fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
         return result if out is None else out.copy_(result)
@@ -70,6 +79,12 @@ def fp8_gemm(
         bias = bias.to(out_dtype)
     kwargs = {} if out is None else {"out": out}
     return torch._scaled_mm(
-        a, b, scale_a=a_scale if a_scale.dim() == 0 else a_scale.reshape(()), scale_b=b_scale if b_scale.dim() == 0 else b_scale.reshape(()),
-        bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum, **kwargs,
+        a,
+        b,
+        scale_a=a_scale if a_scale.dim() == 0 else a_scale.reshape(()),
+        scale_b=b_scale if b_scale.dim() == 0 else b_scale.reshape(()),
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+        **kwargs,
     )

@@ -42,7 +42,9 @@ def split_master(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def join_master(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """The FP32 master weight of a BF16 high half and its int16 low word (a new tensor)."""
     if hi.dtype != torch.bfloat16 or lo.dtype != torch.int16 or hi.shape != lo.shape:
-        raise TypeError(f"join_master takes a BF16 high half and an int16 low word of one shape, got {hi.dtype} {tuple(hi.shape)} and {lo.dtype} {tuple(lo.shape)}")
+        raise TypeError(
+            f"join_master takes a BF16 high half and an int16 low word of one shape, got {hi.dtype} {tuple(hi.shape)} and {lo.dtype} {tuple(lo.shape)}"
+        )
     b = ((hi.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo.to(torch.int64)
     b = b & 0xFFFFFFFF
     return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32).view(hi.shape)

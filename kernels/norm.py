@@ -78,8 +78,21 @@ def _normalize(x, mean, rstd, w, b, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.con
 
 @triton.jit
 def _norm_stats_kernel(
-    x_ptr, w_ptr, b_ptr, xq_ptr, xs_ptr, mean_ptr, rstd_ptr, amax_ptr, n_cols, stride_x, eps,
-    FMAX_SAVED: tl.constexpr, GROUP: tl.constexpr, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    xq_ptr,
+    xs_ptr,
+    mean_ptr,
+    rstd_ptr,
+    amax_ptr,
+    n_cols,
+    stride_x,
+    eps,
+    FMAX_SAVED: tl.constexpr,
+    GROUP: tl.constexpr,
+    IS_LAYERNORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -108,9 +121,24 @@ def _norm_stats_kernel(
 
 @triton.jit
 def _norm_quantize_kernel(
-    x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
-    FMAX: tl.constexpr, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr, TRANSPOSE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    amax_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    FMAX: tl.constexpr,
+    IS_LAYERNORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,8 +161,22 @@ def _norm_quantize_kernel(
 
 @triton.jit
 def _norm_backward_kernel(
-    dy_ptr, xq_ptr, xs_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, n_cols, rows_per_program,
-    GROUP: tl.constexpr, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+    dy_ptr,
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_ptr,
+    db_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    GROUP: tl.constexpr,
+    IS_LAYERNORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -185,8 +227,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kin
             f"with a divisor of {n} (16, 32, 64 or 128) or pad the model"
         )
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and (t.shape != (n,) or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not t.is_contiguous()):
-            raise ValueError(f"{name} must be a contiguous float32/bfloat16/float16 vector of {n} elements, got {t.dtype} {tuple(t.shape)}")
+        if t is not None and (
+            t.shape != (n,) or t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous float32/bfloat16/float16 vector of {n} elements, got {t.dtype} {tuple(t.shape)}"
+            )
 
 
 def _stats_reference(rows: torch.Tensor, kind: str, eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -206,9 +252,18 @@ def _normalize_reference(rows, mean, rstd, weight, bias):
 
 
 def norm_to_fp8_reference(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float, kind: str = "rmsnorm",
-    group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
-    stats: tuple[torch.Tensor | None, torch.Tensor] | None = None, reduce_amax=None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float,
+    kind: str = "rmsnorm",
+    group_size: int = 16,
+    out_fmt: str = "e4m3",
+    saved_fmt: str = "e4m3",
+    transpose: bool = True,
+    stats: tuple[torch.Tensor | None, torch.Tensor] | None = None,
+    reduce_amax=None,
 ) -> NormFp8:
     """Torch reference of ``norm_to_fp8``. ``stats`` (mean, rstd) replaces the computed ones, so a
     test can check a kernel's codes bit for bit given the kernel's own statistics."""
@@ -221,13 +276,24 @@ def norm_to_fp8_reference(
         reduce_amax(amax)
     out = quantize_per_tensor_reference(y, out_fmt, transpose=transpose, amax=amax)
     x_q, x_scales = quantize_per_group_reference(x, group_size, saved_fmt)
-    return NormFp8(out[0].view(x.shape), out[1], out[2] if transpose else None, x_q, x_scales, mean, rstd, amax.reshape(()))
+    return NormFp8(
+        out[0].view(x.shape), out[1], out[2] if transpose else None, x_q, x_scales, mean, rstd, amax.reshape(())
+    )
 
 
 def norm_to_fp8(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, eps: float, kind: str = "rmsnorm",
-    group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: bool = True,
-    reduce_amax=None, backend: str = "auto",
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    eps: float,
+    kind: str = "rmsnorm",
+    group_size: int = 16,
+    out_fmt: str = "e4m3",
+    saved_fmt: str = "e4m3",
+    transpose: bool = True,
+    reduce_amax=None,
+    backend: str = "auto",
 ) -> NormFp8:
     """Normalise x (RMSNorm or LayerNorm) into per-tensor FP8, keeping a 1xG FP8 copy of x.
 
@@ -246,8 +312,16 @@ def norm_to_fp8(
     _check(x, weight, bias, kind, group_size)
     if not use_triton(x, backend):
         return norm_to_fp8_reference(
-            x, weight, bias, eps=eps, kind=kind, group_size=group_size, out_fmt=out_fmt, saved_fmt=saved_fmt,
-            transpose=transpose, reduce_amax=reduce_amax,
+            x,
+            weight,
+            bias,
+            eps=eps,
+            kind=kind,
+            group_size=group_size,
+            out_fmt=out_fmt,
+            saved_fmt=saved_fmt,
+            transpose=transpose,
+            reduce_amax=reduce_amax,
         )
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
@@ -263,9 +337,24 @@ def norm_to_fp8(
     if n_rows:
         block_n = max(group_size, triton.next_power_of_2(n_cols))
         _norm_stats_kernel[(n_rows,)](
-            rows, weight, bias if bias is not None else weight, x_q, x_scales, mean if is_ln else rstd, rstd, row_amax,
-            n_cols, rows.stride(0), eps, FMAX_SAVED=f_saved.max, GROUP=group_size, IS_LAYERNORM=is_ln,
-            HAS_BIAS=bias is not None, BLOCK_N=block_n, num_warps=min(16, max(4, block_n // 512)), enable_fp_fusion=False,
+            rows,
+            weight,
+            bias if bias is not None else weight,
+            x_q,
+            x_scales,
+            mean if is_ln else rstd,
+            rstd,
+            row_amax,
+            n_cols,
+            rows.stride(0),
+            eps,
+            FMAX_SAVED=f_saved.max,
+            GROUP=group_size,
+            IS_LAYERNORM=is_ln,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            num_warps=min(16, max(4, block_n // 512)),
+            enable_fp_fusion=False,
         )
         amax = row_amax.amax()
         if reduce_amax is not None:
@@ -273,9 +362,26 @@ def norm_to_fp8(
         block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
         in_pass = transpose_in_pass(transpose, x.dtype)
         _norm_quantize_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
-            rows, weight, bias if bias is not None else weight, mean if is_ln else rstd, rstd, amax, q, q_t, scale,
-            n_rows, n_cols, rows.stride(0), FMAX=f_out.max, IS_LAYERNORM=is_ln, HAS_BIAS=bias is not None,
-            TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+            rows,
+            weight,
+            bias if bias is not None else weight,
+            mean if is_ln else rstd,
+            rstd,
+            amax,
+            q,
+            q_t,
+            scale,
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            FMAX=f_out.max,
+            IS_LAYERNORM=is_ln,
+            HAS_BIAS=bias is not None,
+            TRANSPOSE=in_pass,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+            enable_fp_fusion=False,
         )
         finish_transpose(q, q_t, transpose, in_pass)
     else:
@@ -284,8 +390,16 @@ def norm_to_fp8(
 
 
 def norm_quantize(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor | None, rstd: torch.Tensor,
-    amax: torch.Tensor, *, out_fmt: str = "e4m3", transpose: bool = True, backend: str = "auto",
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    out_fmt: str = "e4m3",
+    transpose: bool = True,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, ...]:
     """The quantizing pass of ``norm_to_fp8`` alone, with given statistics and amax: (q, scale[, q_t]).
 
@@ -303,9 +417,26 @@ def norm_quantize(
         block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
         in_pass = transpose_in_pass(transpose, x.dtype)
         _norm_quantize_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
-            rows, weight, bias if bias is not None else weight, mean if mean is not None else rstd, rstd, amax, q, q_t, scale,
-            n_rows, n_cols, rows.stride(0), FMAX=f.max, IS_LAYERNORM=mean is not None, HAS_BIAS=bias is not None,
-            TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, enable_fp_fusion=False,
+            rows,
+            weight,
+            bias if bias is not None else weight,
+            mean if mean is not None else rstd,
+            rstd,
+            amax,
+            q,
+            q_t,
+            scale,
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            FMAX=f.max,
+            IS_LAYERNORM=mean is not None,
+            HAS_BIAS=bias is not None,
+            TRANSPOSE=in_pass,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+            enable_fp_fusion=False,
         )
         finish_transpose(q, q_t, transpose, in_pass)
     return (q, scale, q_t) if transpose else (q, scale)
@@ -317,8 +448,16 @@ def _multiprocessors(device_index: int) -> int:
 
 
 def norm_backward_reference(
-    dy: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None,
-    rstd: torch.Tensor, *, group_size: int, has_bias: bool, dx_dtype: torch.dtype,
+    dy: torch.Tensor,
+    x_q: torch.Tensor,
+    x_scales: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    *,
+    group_size: int,
+    has_bias: bool,
+    dx_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     n = dy.shape[-1]
     x = dequantize_per_group_reference(x_q, x_scales, group_size, torch.float32).view(-1, n)
@@ -337,8 +476,16 @@ def norm_backward_reference(
 
 
 def norm_backward(
-    dy: torch.Tensor, x_q: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor | None,
-    rstd: torch.Tensor, *, group_size: int, has_bias: bool = False, dx_dtype: torch.dtype = torch.bfloat16,
+    dy: torch.Tensor,
+    x_q: torch.Tensor,
+    x_scales: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    *,
+    group_size: int,
+    has_bias: bool = False,
+    dx_dtype: torch.dtype = torch.bfloat16,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of ``norm_to_fp8`` from the saved 1xG FP8 copy of x.
@@ -353,7 +500,9 @@ def norm_backward(
     if not dy.is_contiguous():
         raise ValueError("dy must be contiguous; pass dy.contiguous()")
     if not use_triton(dy, backend):
-        return norm_backward_reference(dy, x_q, x_scales, weight, mean, rstd, group_size=group_size, has_bias=has_bias, dx_dtype=dx_dtype)
+        return norm_backward_reference(
+            dy, x_q, x_scales, weight, mean, rstd, group_size=group_size, has_bias=has_bias, dx_dtype=dx_dtype
+        )
     n_cols = dy.shape[-1]
     n_rows = dy.numel() // max(n_cols, 1)
     dx = torch.empty(dy.shape, dtype=dx_dtype, device=dy.device)
@@ -367,8 +516,22 @@ def norm_backward(
     db = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device) if has_bias else dw
     block_n = max(group_size, triton.next_power_of_2(n_cols))
     _norm_backward_kernel[(programs,)](
-        dy, x_q, x_scales, weight, mean if mean is not None else rstd, rstd, dx, dw, db, n_rows, n_cols, rows_per_program,
-        GROUP=group_size, IS_LAYERNORM=mean is not None, HAS_BIAS=has_bias, BLOCK_N=block_n,
+        dy,
+        x_q,
+        x_scales,
+        weight,
+        mean if mean is not None else rstd,
+        rstd,
+        dx,
+        dw,
+        db,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        GROUP=group_size,
+        IS_LAYERNORM=mean is not None,
+        HAS_BIAS=has_bias,
+        BLOCK_N=block_n,
         num_warps=min(16, max(4, block_n // 512)),
     )
     return dx, dw.sum(dim=0), db.sum(dim=0) if has_bias else None

@@ -47,14 +47,29 @@ def store_groups(q_ptr, s_ptr, y, scale, rows, col_start, n_rows, n_cols, BLOCK_
     cols = col_start + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
     row_ok = rows[:, None] < n_rows
-    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=row_ok & (cols[None, :] < n_cols))
+    tl.store(
+        q_ptr + rows64[:, None] * n_cols + cols[None, :],
+        y.to(q_ptr.dtype.element_ty),
+        mask=row_ok & (cols[None, :] < n_cols),
+    )
     groups = col_start // GROUP + tl.arange(0, GROUPS)
     n_groups = n_cols // GROUP
     tl.store(s_ptr + rows64[:, None] * n_groups + groups[None, :], scale, mask=row_ok & (groups[None, :] < n_groups))
 
 
 @triton.jit
-def load_groups(q_ptr, s_ptr, rows, col_start, n_rows, col_limit, row_len, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+def load_groups(
+    q_ptr,
+    s_ptr,
+    rows,
+    col_start,
+    n_rows,
+    col_limit,
+    row_len,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """Dequantize to FP32 the tile ``rows`` x [col_start, col_start + BLOCK_N) of a 1xG FP8 tensor
     whose rows hold ``row_len`` codes (``row_len // GROUP`` scales); columns from ``col_limit`` on
     read as 0. col_start is a multiple of GROUP."""
@@ -64,7 +79,11 @@ def load_groups(q_ptr, s_ptr, rows, col_start, n_rows, col_limit, row_len, BLOCK
     rows64 = rows.to(tl.int64)
     row_ok = rows[:, None] < n_rows
     q = tl.load(q_ptr + rows64[:, None] * row_len + cols[None, :], mask=row_ok & (cols[None, :] < col_limit), other=0.0)
-    s = tl.load(s_ptr + rows64[:, None] * (row_len // GROUP) + groups[None, :], mask=row_ok & (groups[None, :] < col_limit // GROUP), other=1.0)
+    s = tl.load(
+        s_ptr + rows64[:, None] * (row_len // GROUP) + groups[None, :],
+        mask=row_ok & (groups[None, :] < col_limit // GROUP),
+        other=1.0,
+    )
     # (a per-element load of the scales, cols // GROUP, measured 5-25x slower on an H200)
     x = tl.reshape(q.to(tl.float32), (BLOCK_M, GROUPS, GROUP)) * s[:, :, None]
     return tl.reshape(x, (BLOCK_M, BLOCK_N))
@@ -72,8 +91,16 @@ def load_groups(q_ptr, s_ptr, rows, col_start, n_rows, col_limit, row_len, BLOCK
 
 @triton.jit
 def _quantize_per_group_kernel(
-    x_ptr, q_ptr, s_ptr, n_rows, n_cols, stride_x,
-    FMAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    FMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,8 +112,14 @@ def _quantize_per_group_kernel(
 
 @triton.jit
 def _dequantize_per_group_kernel(
-    q_ptr, s_ptr, out_ptr, n_rows, n_cols,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    n_rows,
+    n_cols,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_start = tl.program_id(1) * BLOCK_N
@@ -127,7 +160,9 @@ def quantize_per_group_reference(x: torch.Tensor, group_size: int, fmt: str) -> 
     return q, scale.view(*x.shape[:-1], x.shape[-1] // group_size)
 
 
-def dequantize_per_group_reference(q: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_per_group_reference(
+    q: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     groups = q.float().view(-1, q.shape[-1] // group_size, group_size)
     x = groups * scales.reshape(groups.shape[0], -1, 1)
     return x.to(dtype).view(q.shape)
@@ -157,8 +192,17 @@ def quantize_per_group(
             block_m, block_n, warps = _blocks(rows.shape[1], group_size)
             grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(rows.shape[1], block_n))
             _quantize_per_group_kernel[grid](
-                rows, q, scales, rows.shape[0], rows.shape[1], rows.stride(0),
-                FMAX=f.max, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                rows,
+                q,
+                scales,
+                rows.shape[0],
+                rows.shape[1],
+                rows.stride(0),
+                FMAX=f.max,
+                GROUP=group_size,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                num_warps=warps,
             )
     else:
         q, scales = quantize_per_group_reference(x, group_size, fmt)
@@ -168,7 +212,12 @@ def quantize_per_group(
 
 
 def dequantize_per_group(
-    q: torch.Tensor, scales: torch.Tensor, group_size: int = 16, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto"
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Inverse of ``quantize_per_group``: ``q * scales`` per group, returned in ``dtype``.
 
@@ -193,6 +242,14 @@ def dequantize_per_group(
         block_m, block_n, warps = _blocks(n_cols, group_size)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
         _dequantize_per_group_kernel[grid](
-            q, scales, out, n_rows, n_cols, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            q,
+            scales,
+            out,
+            n_rows,
+            n_cols,
+            GROUP=group_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
         )
     return out

@@ -54,8 +54,17 @@ def _tile_amax_kernel(x_ptr, amax_ptr, n_rows, n_cols, stride_x, BLOCK_M: tl.con
 
 @triton.jit
 def store_per_tensor_tile(
-    y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols,
-    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr,
+    y,
+    amax_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    rows,
+    cols,
+    n_rows,
+    n_cols,
+    FMAX: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
 ):
     """Quantize the FP32 tile y (rows x cols of an n_rows x n_cols tensor) with the scale of the
     reduced amax at amax_ptr; store its codes, its transposed codes (TRANSPOSE) and, from the
@@ -74,14 +83,26 @@ def store_per_tensor_tile(
 
 @triton.jit
 def _quantize_per_tensor_kernel(
-    x_ptr, amax_ptr, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
-    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    amax_ptr,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    FMAX: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    store_per_tensor_tile(x.to(tl.float32), amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE)
+    store_per_tensor_tile(
+        x.to(tl.float32), amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE
+    )
 
 
 @triton.jit
@@ -110,7 +131,11 @@ def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, devi
     tensor, which launches none, it is 1 (no fill launch otherwise)."""
     q = torch.empty(shape, dtype=f.dtype, device=device)
     q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
-    scale = torch.empty((), dtype=torch.float32, device=device) if n_rows * n_cols else torch.ones((), dtype=torch.float32, device=device)
+    scale = (
+        torch.empty((), dtype=torch.float32, device=device)
+        if n_rows * n_cols
+        else torch.ones((), dtype=torch.float32, device=device)
+    )
     return q, q_t, scale
 
 
@@ -131,7 +156,9 @@ def _transpose_codes_kernel(q_ptr, qt_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
-    q = tl.load(q_ptr + rows64[:, None] * n_cols + cols[None, :], mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+    q = tl.load(
+        q_ptr + rows64[:, None] * n_cols + cols[None, :], mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    )
     mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
     tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
 
@@ -244,8 +271,19 @@ def quantize_per_tensor(
             grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
             in_pass = transpose_in_pass(transpose, x.dtype)
             _quantize_per_tensor_kernel[grid](
-                rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0),
-                FMAX=f.max, TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+                rows,
+                amax,
+                q,
+                q_t,
+                scale,
+                n_rows,
+                n_cols,
+                rows.stride(0),
+                FMAX=f.max,
+                TRANSPOSE=in_pass,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                num_warps=warps,
             )
             finish_transpose(q, q_t, transpose, in_pass)
         out = (q, scale, q_t) if transpose else (q, scale)
@@ -266,7 +304,9 @@ def dequantize_per_tensor(
     if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
     if scale.numel() != 1 or scale.dtype != torch.float32:
-        raise ValueError(f"scale must be a float32 tensor of one element, got {scale.dtype} of shape {tuple(scale.shape)}")
+        raise ValueError(
+            f"scale must be a float32 tensor of one element, got {scale.dtype} of shape {tuple(scale.shape)}"
+        )
     if not q.is_contiguous():
         raise ValueError("q must be contiguous; pass q.contiguous()")
     if not use_triton(q, backend):
@@ -274,5 +314,7 @@ def dequantize_per_tensor(
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if q.numel():
         block = 4096
-        _dequantize_per_tensor_kernel[(triton.cdiv(q.numel(), block),)](q, scale, out, q.numel(), BLOCK=block, num_warps=8)
+        _dequantize_per_tensor_kernel[(triton.cdiv(q.numel(), block),)](
+            q, scale, out, q.numel(), BLOCK=block, num_warps=8
+        )
     return out

@@ -32,7 +32,13 @@ import triton.language as tl
 
 from .backend import use_triton
 from .formats import as_rows, fp8_format
-from .per_tensor import _AMAX_BLOCKS, _quantize_blocks, finish_transpose, quantize_per_tensor_reference, transpose_in_pass
+from .per_tensor import (
+    _AMAX_BLOCKS,
+    _quantize_blocks,
+    finish_transpose,
+    quantize_per_tensor_reference,
+    transpose_in_pass,
+)
 from .scaling import abs_or_inf, quantize_with_inverse, scale_from_amax
 
 
@@ -46,7 +52,16 @@ def _is_stale(gen_ptr, cur_ptr, force):
 # module) during a capture
 @triton.jit(do_not_specialize=["force"])
 def _refresh_amax_kernel(
-    x_ptr, amax_ptr, gen_ptr, cur_ptr, force, n_rows, n_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    amax_ptr,
+    gen_ptr,
+    cur_ptr,
+    force,
+    n_rows,
+    n_cols,
+    stride_x,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     stale = _is_stale(gen_ptr, cur_ptr, force)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -58,8 +73,21 @@ def _refresh_amax_kernel(
 
 @triton.jit(do_not_specialize=["force"])
 def _refresh_quantize_kernel(
-    x_ptr, amax_ptr, gen_ptr, cur_ptr, force, q_ptr, qt_ptr, scale_ptr, n_rows, n_cols, stride_x,
-    FMAX: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    amax_ptr,
+    gen_ptr,
+    cur_ptr,
+    force,
+    q_ptr,
+    qt_ptr,
+    scale_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    FMAX: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     stale = _is_stale(gen_ptr, cur_ptr, force)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,10 +118,16 @@ def _format_name(q: torch.Tensor) -> str:
 
 def _check(x, q, scale, amax, q_t, generation, current) -> None:
     if q.shape != x.shape or q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2) or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous FP8 codes of x's shape {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}")
+        raise ValueError(
+            f"q must be contiguous FP8 codes of x's shape {tuple(x.shape)}, got {q.dtype} {tuple(q.shape)}"
+        )
     n_cols = x.shape[-1] if x.dim() else 1
-    if q_t is not None and (q_t.shape != (n_cols, x.numel() // max(n_cols, 1)) or q_t.dtype != q.dtype or not q_t.is_contiguous()):
-        raise ValueError(f"q_t must be contiguous {q.dtype} of shape {(n_cols, x.numel() // max(n_cols, 1))}, got {q_t.dtype} {tuple(q_t.shape)}")
+    if q_t is not None and (
+        q_t.shape != (n_cols, x.numel() // max(n_cols, 1)) or q_t.dtype != q.dtype or not q_t.is_contiguous()
+    ):
+        raise ValueError(
+            f"q_t must be contiguous {q.dtype} of shape {(n_cols, x.numel() // max(n_cols, 1))}, got {q_t.dtype} {tuple(q_t.shape)}"
+        )
     for name, t in (("scale", scale), ("amax", amax)):
         if t.numel() != 1 or t.dtype != torch.float32 or t.device != x.device:
             raise ValueError(f"{name} must be a float32 tensor of one element on {x.device}")
@@ -105,8 +139,15 @@ def _check(x, q, scale, amax, q_t, generation, current) -> None:
 
 
 def refresh_per_tensor_copy_reference(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, q_t: torch.Tensor | None = None,
-    generation: torch.Tensor | None = None, current: torch.Tensor | None = None, force: bool = False,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    q_t: torch.Tensor | None = None,
+    generation: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
+    force: bool = False,
 ) -> None:
     """Torch reference of ``refresh_per_tensor_copy``: the same decision, taken with ``torch.where``
     on the device (no host synchronisation, so it too could be captured)."""
@@ -125,8 +166,15 @@ def refresh_per_tensor_copy_reference(
 
 
 def refresh_per_tensor_copy(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, *, q_t: torch.Tensor | None = None,
-    generation: torch.Tensor | None = None, current: torch.Tensor | None = None, force: bool = False,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    *,
+    q_t: torch.Tensor | None = None,
+    generation: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
+    force: bool = False,
     backend: str = "auto",
 ) -> None:
     """Remake the per-tensor FP8 copy of ``x`` in its buffers, in place, if it is stale.
@@ -143,7 +191,9 @@ def refresh_per_tensor_copy(
     """
     _check(x, q, scale, amax, q_t, generation, current)
     if not use_triton(x, backend):
-        refresh_per_tensor_copy_reference(x, q, scale, amax, q_t=q_t, generation=generation, current=current, force=force)
+        refresh_per_tensor_copy_reference(
+            x, q, scale, amax, q_t=q_t, generation=generation, current=current, force=force
+        )
         return
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
@@ -154,15 +204,39 @@ def refresh_per_tensor_copy(
     if rows.numel():
         block_m, block_n, warps = _AMAX_BLOCKS
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-        _refresh_amax_kernel[grid](rows, amax, gen, cur, forced, n_rows, n_cols, rows.stride(0), BLOCK_M=block_m,
-                                   BLOCK_N=block_n, num_warps=warps)
+        _refresh_amax_kernel[grid](
+            rows,
+            amax,
+            gen,
+            cur,
+            forced,
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+        )
         in_pass = transpose_in_pass(q_t is not None, x.dtype)
         block_m, block_n, warps = _quantize_blocks(n_cols, q_t is not None)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
         _refresh_quantize_kernel[grid](
-            rows, amax, gen, cur, forced, q, q_t if q_t is not None else q, scale, n_rows, n_cols, rows.stride(0),
-            FMAX=fp8_format(_format_name(q)).max, TRANSPOSE=in_pass,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            rows,
+            amax,
+            gen,
+            cur,
+            forced,
+            q,
+            q_t if q_t is not None else q,
+            scale,
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            FMAX=fp8_format(_format_name(q)).max,
+            TRANSPOSE=in_pass,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
         )
         if q_t is not None:
             # FP32 input: the transposed codes from the codes (a byte pass; a stale-but-current

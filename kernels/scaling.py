@@ -91,7 +91,9 @@ def encode_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
     rb = r.to(tl.int32, bitcast=True)
     er = ((rb >> 23) & 0xFF) - 127
     normal = ((er + BIAS) << MBITS) | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
-    subnormal_unit = tl.full((), (BIAS - 1 + MBITS + 127) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2^(BIAS-1+MBITS)
+    subnormal_unit = tl.full((), (BIAS - 1 + MBITS + 127) << 23, tl.int32).to(
+        tl.float32, bitcast=True
+    )  # 2^(BIAS-1+MBITS)
     subnormal = (r * subnormal_unit).to(tl.int32)
     code = tl.where(er >= 1 - BIAS, normal, subnormal) | ((bits >> 24) & 0x80)
     return code.to(tl.uint8)
@@ -111,11 +113,19 @@ def fp8_bits(y, E5M2: tl.constexpr, PTX: tl.constexpr):
         if E5M2:
             return tl.inline_asm_elementwise(
                 "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-                "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4,
+                "=r,r,r,r,r",
+                [y],
+                dtype=tl.uint8,
+                is_pure=True,
+                pack=4,
             )
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-            "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True, pack=4,
+            "=r,r,r,r,r",
+            [y],
+            dtype=tl.uint8,
+            is_pure=True,
+            pack=4,
         )
     elif E5M2:
         return encode_fp8(y, 2, 15)

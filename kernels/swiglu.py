@@ -29,9 +29,8 @@ import triton
 import triton.language as tl
 
 from .backend import use_triton
-from .formats import check_group_size, fp8_format
+from .formats import as_rows, check_group_size, fp8_format
 from .per_group import dequantize_per_group_reference, quantize_per_group_reference
-from .formats import as_rows
 from .per_tensor import finish_transpose, per_tensor_outputs, quantize_per_tensor_reference
 from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, scale_from_amax
 
@@ -82,8 +81,17 @@ def _tile_max(x):
 
 @triton.jit
 def _quantize_swiglu_input_kernel(
-    h_ptr, hq_ptr, hs_ptr, amax_ptr, n_rows, n_ffn, stride_h,
-    FMAX: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+    h_ptr,
+    hq_ptr,
+    hs_ptr,
+    amax_ptr,
+    n_rows,
+    n_ffn,
+    stride_h,
+    FMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups, cols, mask2 = _tile(rows, tl.program_id(1) * GROUPS, n_rows, n_ffn // GROUP, GROUPS, GROUP)
@@ -92,15 +100,27 @@ def _quantize_swiglu_input_kernel(
     gate = tl.load(src, mask=mask2[:, :, None], other=0.0).to(tl.float32)
     up = tl.load(src + n_ffn, mask=mask2[:, :, None], other=0.0).to(tl.float32)
     gate = _quantize_half(gate, hq_ptr, hs_ptr, rows64, groups, cols, mask2, 2 * n_ffn, FMAX, GROUP)
-    up = _quantize_half(up, hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, FMAX, GROUP)
+    up = _quantize_half(
+        up, hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, FMAX, GROUP
+    )
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     tl.store(amax_ptr + tile, _tile_max(gate * tl.sigmoid(gate) * up))
 
 
 @triton.jit
 def _swiglu_forward_kernel(
-    hq_ptr, hs_ptr, amax_ptr, q_ptr, scale_ptr, n_rows, n_ffn,
-    FMAX: tl.constexpr, GROUP: tl.constexpr, AMAX_PASS: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+    hq_ptr,
+    hs_ptr,
+    amax_ptr,
+    q_ptr,
+    scale_ptr,
+    n_rows,
+    n_ffn,
+    FMAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    AMAX_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups, cols, mask2 = _tile(rows, tl.program_id(1) * GROUPS, n_rows, n_ffn // GROUP, GROUPS, GROUP)
@@ -120,8 +140,16 @@ def _swiglu_forward_kernel(
 
 @triton.jit
 def _swiglu_backward_kernel(
-    da_ptr, hq_ptr, hs_ptr, dh_ptr, amax_ptr, n_rows, n_ffn,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, GROUPS: tl.constexpr,
+    da_ptr,
+    hq_ptr,
+    hs_ptr,
+    dh_ptr,
+    amax_ptr,
+    n_rows,
+    n_ffn,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     groups, cols, mask2 = _tile(rows, tl.program_id(1) * GROUPS, n_rows, n_ffn // GROUP, GROUPS, GROUP)
@@ -160,7 +188,9 @@ def _check(h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int) -> int:
         )
     expected = (*h_q.shape[:-1], two_f // group_size)
     if tuple(h_scales.shape) != expected or h_scales.dtype != torch.float32 or not h_scales.is_contiguous():
-        raise ValueError(f"h_scales must be contiguous float32 of shape {expected}, got {h_scales.dtype} {tuple(h_scales.shape)}")
+        raise ValueError(
+            f"h_scales must be contiguous float32 of shape {expected}, got {h_scales.dtype} {tuple(h_scales.shape)}"
+        )
     return two_f // 2
 
 
@@ -171,8 +201,14 @@ def _gate_up_reference(h_q, h_scales, group_size):
 
 
 def swiglu_to_fp8_reference(
-    h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int, fmt: str = "e4m3", *, transpose: bool = False,
-    amax: torch.Tensor | None = None, store_q: bool = True,
+    h_q: torch.Tensor,
+    h_scales: torch.Tensor,
+    group_size: int,
+    fmt: str = "e4m3",
+    *,
+    transpose: bool = False,
+    amax: torch.Tensor | None = None,
+    store_q: bool = True,
 ) -> SwigluFp8:
     n_ffn = _check(h_q, h_scales, group_size)
     gate, up = _gate_up_reference(h_q, h_scales, group_size)
@@ -185,8 +221,15 @@ def swiglu_to_fp8_reference(
 
 
 def swiglu_to_fp8(
-    h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int = 16, fmt: str = "e4m3", *, transpose: bool = False,
-    amax: torch.Tensor | None = None, store_q: bool = True, backend: str = "auto",
+    h_q: torch.Tensor,
+    h_scales: torch.Tensor,
+    group_size: int = 16,
+    fmt: str = "e4m3",
+    *,
+    transpose: bool = False,
+    amax: torch.Tensor | None = None,
+    store_q: bool = True,
+    backend: str = "auto",
 ) -> SwigluFp8:
     """SwiGLU of a 1xG FP8 [gate | up] input, quantized per tensor for the next GEMM.
 
@@ -209,12 +252,16 @@ def swiglu_to_fp8(
     if amax is None:
         tiles = torch.empty(grid, dtype=torch.float32, device=h_q.device)  # every program writes its tile
         if n_rows:
-            _swiglu_forward_kernel[grid](h_q, h_scales, tiles, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=True, **launch)
+            _swiglu_forward_kernel[grid](
+                h_q, h_scales, tiles, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=True, **launch
+            )
         amax = tiles.amax() if tiles.numel() else torch.zeros((), dtype=torch.float32, device=h_q.device)
     elif amax.numel() > 1:
         amax = amax.amax()
     if n_rows:
-        _swiglu_forward_kernel[grid](h_q, h_scales, amax, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=False, **launch)
+        _swiglu_forward_kernel[grid](
+            h_q, h_scales, amax, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=False, **launch
+        )
         finish_transpose(q, q_t, transpose, in_pass=False)
     return SwigluFp8(q if store_q else None, scale, q_t if transpose else None, amax.reshape(()))
 
@@ -250,7 +297,9 @@ def quantize_swiglu_input(
     grid, launch = _launch(n_rows, n_ffn, group_size)
     tiles = torch.empty(grid, dtype=torch.float32, device=h.device)  # every program writes its tile
     if n_rows:
-        _quantize_swiglu_input_kernel[grid](rows, h_q, h_scales, tiles, n_rows, n_ffn, rows.stride(0), FMAX=f.max, **launch)
+        _quantize_swiglu_input_kernel[grid](
+            rows, h_q, h_scales, tiles, n_rows, n_ffn, rows.stride(0), FMAX=f.max, **launch
+        )
     return h_q, h_scales, tiles
 
 
@@ -267,8 +316,13 @@ def swiglu_backward_reference(
 
 
 def swiglu_backward(
-    da: torch.Tensor, h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int = 16, *,
-    dh_dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
+    da: torch.Tensor,
+    h_q: torch.Tensor,
+    h_scales: torch.Tensor,
+    group_size: int = 16,
+    *,
+    dh_dtype: torch.dtype = torch.bfloat16,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Backward of ``swiglu_to_fp8`` from its saved 1xG FP8 input.
 

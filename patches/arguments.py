@@ -39,8 +39,14 @@ def _switch(value: str) -> bool:
 # CoatConfig field -> (argparse keywords, help). The flag is --coat-<field with dashes>.
 KNOBS: dict[str, tuple[dict, str]] = {
     "activations": (dict(type=_switch, metavar="on|off"), "FP8 activations: the COAT layer spec (default on)"),
-    "optimizer": (dict(type=_switch, metavar="on|off"), "FP8 AdamW states on the distributed optimizer's shards (default on)"),
-    "group_size": (dict(type=int, choices=GROUP_SIZES), "G of the 1xG FP8 groups of what non-linear ops read or save (default 16)"),
+    "optimizer": (
+        dict(type=_switch, metavar="on|off"),
+        "FP8 AdamW states on the distributed optimizer's shards (default on)",
+    ),
+    "group_size": (
+        dict(type=int, choices=GROUP_SIZES),
+        "G of the 1xG FP8 groups of what non-linear ops read or save (default 16)",
+    ),
     "forward_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of forward activations (default e4m3)"),
     "backward_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of activation gradients (default e5m2)"),
     "weight_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of the per-tensor weight copies (default e4m3)"),
@@ -50,12 +56,30 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "v_expansion": (dict(type=_switch, metavar="on|off"), "dynamic range expansion of v (default on)"),
     "k_min": (dict(type=float), "smallest expansion exponent k, a multiple of 1/16 (default 1/16)"),
     "k_max": (dict(type=float), "largest expansion exponent k (default 16)"),
-    "optimizer_group_size": (dict(type=int, choices=OPTIMIZER_GROUP_SIZES), "consecutive elements of a parameter sharing one optimizer-state scale (default 128)"),
-    "fprop_fast_accumulation": (dict(type=_switch, metavar="on|off"), "Hopper's fast FP8 accumulation in forward GEMMs (default on)"),
-    "recompute_norm_output": (dict(type=_switch, metavar="on|off"), "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)"),
-    "cache_weight_transpose": (dict(type=_switch, metavar="on|off"), "keep each weight's transposed FP8 copy between micro-batches (default off: the codes are transposed in every backward; on: faster, 1 byte per parameter more)"),
-    "master_weights": (dict(choices=MASTER_WEIGHTS), "how COAT's optimizer keeps the FP32 master weights: as the BF16 weight plus an int16 low word (split, default: 2 bytes per parameter less than fp32, bit-exact; with --grad-reduce-in-bf16 the gradient buffers halve too) or as an FP32 copy (fp32: what dp_zero_gather_scatter checkpoints load into). Does not apply with --coat-optimizer off (Megatron's optimizer keeps FP32 masters)"),
-    "grad_buffers": (dict(choices=GRAD_BUFFERS), "dtype of DDP's gradient buffers, where micro-batch gradients are summed and reduced: bf16 (default with COAT's optimizer: 2 bytes per parameter) or fp32 (4; Megatron's default, and the default with --coat-optimizer off). Sets Megatron's --accumulate-allreduce-grads-in-fp32 / --grad-reduce-in-bf16"),
+    "optimizer_group_size": (
+        dict(type=int, choices=OPTIMIZER_GROUP_SIZES),
+        "consecutive elements of a parameter sharing one optimizer-state scale (default 128)",
+    ),
+    "fprop_fast_accumulation": (
+        dict(type=_switch, metavar="on|off"),
+        "Hopper's fast FP8 accumulation in forward GEMMs (default on)",
+    ),
+    "recompute_norm_output": (
+        dict(type=_switch, metavar="on|off"),
+        "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)",
+    ),
+    "cache_weight_transpose": (
+        dict(type=_switch, metavar="on|off"),
+        "keep each weight's transposed FP8 copy between micro-batches (default off: the codes are transposed in every backward; on: faster, 1 byte per parameter more)",
+    ),
+    "master_weights": (
+        dict(choices=MASTER_WEIGHTS),
+        "how COAT's optimizer keeps the FP32 master weights: as the BF16 weight plus an int16 low word (split, default: 2 bytes per parameter less than fp32, bit-exact) or as an FP32 copy (fp32: what dp_zero_gather_scatter checkpoints load into). Does not apply with --coat-optimizer off (Megatron's optimizer keeps FP32 masters)",
+    ),
+    "grad_buffers": (
+        dict(choices=GRAD_BUFFERS),
+        "dtype of DDP's gradient buffers, where micro-batch gradients are summed and reduced: bf16 (default with COAT's optimizer: 2 bytes per parameter) or fp32 (4; Megatron's default, and the default with --coat-optimizer off). Sets Megatron's --accumulate-allreduce-grads-in-fp32 / --grad-reduce-in-bf16",
+    ),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
@@ -71,15 +95,21 @@ def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     ``_add_*_args`` functions do)."""
     group = parser.add_argument_group(title="COAT FP8 training (coat-megatron)")
     group.add_argument(
-        "--coat-fp8", action="store_true",
+        "--coat-fp8",
+        action="store_true",
         help="train with COAT: the FP8 layer spec (FP8 activations, 1xG groups for non-linear ops) and the "
         "FP8 AdamW optimizer with range-expanded states. Needs --bf16, --swiglu and --use-distributed-optimizer",
     )
     for name, (kwargs, help_text) in KNOBS.items():
         group.add_argument(flag(name), dest=f"coat_{name}", default=None, help=help_text, **kwargs)
-    group.add_argument("--coat-expansion", dest="coat_expansion", type=_switch, metavar="on|off", default=None, help=EXPANSION_HELP)
     group.add_argument(
-        "--coat-report", dest="coat_report", default=None, metavar="PATH",
+        "--coat-expansion", dest="coat_expansion", type=_switch, metavar="on|off", default=None, help=EXPANSION_HELP
+    )
+    group.add_argument(
+        "--coat-report",
+        dest="coat_report",
+        default=None,
+        metavar="PATH",
         help="write a JSON report of the run (loss and time per iteration, bytes saved for backward, optimizer-state "
         "bytes) to PATH; works with and without --coat-fp8 (coat_patches.report)",
     )
@@ -100,7 +130,9 @@ def check_coat_args(args: argparse.Namespace) -> None:
     if not getattr(args, "coat_fp8", False):
         if knobs:
             set_flags = ", ".join(flag(n) for n in knobs)
-            raise CoatArgumentError(f"{set_flags} {'has' if len(knobs) == 1 else 'have'} no effect without --coat-fp8: add --coat-fp8, or drop {set_flags}")
+            raise CoatArgumentError(
+                f"{set_flags} {'has' if len(knobs) == 1 else 'have'} no effect without --coat-fp8: add --coat-fp8, or drop {set_flags}"
+            )
         return
     try:
         coat = CoatConfig.from_args(args)
@@ -112,7 +144,9 @@ def check_coat_args(args: argparse.Namespace) -> None:
     if coat.optimizer:
         problems += _optimizer_problems(args)
     if not coat.any_enabled:
-        problems.append("--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8")
+        problems.append(
+            "--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8"
+        )
     problems += _memory_problems(args, coat)
     if problems:
         raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
@@ -131,7 +165,9 @@ def apply_coat_args(args: argparse.Namespace) -> None:
 def _memory_problems(args, coat: CoatConfig) -> list[str]:
     """Memory flags that contradict the recipe's gradient buffers."""
     if coat.grad_buffers == "fp32" and getattr(args, "grad_reduce_in_bf16", False):
-        return ["--grad-reduce-in-bf16 asks for BF16 gradient buffers and --coat-grad-buffers fp32 for FP32 ones: drop one of them"]
+        return [
+            "--grad-reduce-in-bf16 asks for BF16 gradient buffers and --coat-grad-buffers fp32 for FP32 ones: drop one of them"
+        ]
     return []
 
 
@@ -150,11 +186,16 @@ def _in_flag_words(message: str) -> str:
 def _precision_problems(args) -> list[str]:
     problems = []
     if getattr(args, "fp8", None) is not None:
-        problems.append(f"--fp8-format {args.fp8} selects TransformerEngine's FP8 recipe, which COAT replaces: drop --fp8-format (and the other --fp8-* flags)")
+        problems.append(
+            f"--fp8-format {args.fp8} selects TransformerEngine's FP8 recipe, which COAT replaces: drop --fp8-format (and the other --fp8-* flags)"
+        )
     if getattr(args, "fp4", None) is not None:
         problems.append("--fp4-format selects TransformerEngine's FP4 recipe: drop it with --coat-fp8")
     if not getattr(args, "bf16", False):
-        problems.append("COAT keeps weights, the residual stream and attention in BF16 (FP32 master weights in the optimizer): add --bf16" + (" and drop --fp16" if getattr(args, "fp16", False) else ""))
+        problems.append(
+            "COAT keeps weights, the residual stream and attention in BF16 (FP32 master weights in the optimizer): add --bf16"
+            + (" and drop --fp16" if getattr(args, "fp16", False) else "")
+        )
     return problems
 
 
@@ -168,7 +209,11 @@ def _layer_problems(args, coat: CoatConfig) -> list[str]:
         problems.append(f"COAT's FP8 norms are RMSNorm and LayerNorm, not --normalization {args.normalization}{off}")
     if args.hidden_size % g:
         divisors = [d for d in GROUP_SIZES if args.hidden_size % d == 0]
-        fix = f"use --coat-group-size {max(divisors)} or pad the model" if divisors else "pad the model to a multiple of 16"
+        fix = (
+            f"use --coat-group-size {max(divisors)} or pad the model"
+            if divisors
+            else "pad the model to a multiple of 16"
+        )
         problems.append(f"hidden size {args.hidden_size} is not a multiple of the FP8 group size {g}; {fix}")
     tp = args.tensor_model_parallel_size
     if args.ffn_hidden_size is not None and (args.ffn_hidden_size % tp or (args.ffn_hidden_size // tp) % g):
@@ -190,9 +235,13 @@ def _layer_problems(args, coat: CoatConfig) -> list[str]:
         if getattr(args, attr, None):
             problems.append(f"{what} is not supported by the COAT layer spec: drop it{off}")
     if getattr(args, "spec", None):
-        problems.append(f"--spec {' '.join(args.spec)} names a layer spec, and --coat-fp8 selects COAT's: drop --spec{off}")
+        problems.append(
+            f"--spec {' '.join(args.spec)} names a layer spec, and --coat-fp8 selects COAT's: drop --spec{off}"
+        )
     if getattr(args, "transformer_impl", None) == "inference_optimized":
-        problems.append("--transformer-impl inference_optimized is for inference: use local or transformer_engine with --coat-fp8")
+        problems.append(
+            "--transformer-impl inference_optimized is for inference: use local or transformer_engine with --coat-fp8"
+        )
     return problems
 
 
@@ -200,15 +249,21 @@ def _optimizer_problems(args) -> list[str]:
     off = "; or add --coat-optimizer off to keep Megatron's optimizer"
     problems = []
     if not args.use_distributed_optimizer:
-        problems.append(f"COAT's FP8 optimizer states live on the distributed optimizer's shards: add --use-distributed-optimizer{off}")
+        problems.append(
+            f"COAT's FP8 optimizer states live on the distributed optimizer's shards: add --use-distributed-optimizer{off}"
+        )
     if args.optimizer != "adam":
         problems.append(f"COAT's FP8 states are AdamW's: use --optimizer adam, not {args.optimizer}{off}")
     if getattr(args, "use_precision_aware_optimizer", False):
-        problems.append("--use-precision-aware-optimizer selects TransformerEngine's FP8/BF16 optimizer states, which COAT replaces: drop it")
+        problems.append(
+            "--use-precision-aware-optimizer selects TransformerEngine's FP8/BF16 optimizer states, which COAT replaces: drop it"
+        )
     if getattr(args, "optimizer_cpu_offload", False):
         problems.append(f"--optimizer-cpu-offload is not supported with COAT's optimizer: drop it{off}")
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
-        problems.append(f"COAT's optimizer runs on Megatron's DDP with the distributed optimizer: drop --use-megatron-fsdp / --use-torch-fsdp2{off}")
+        problems.append(
+            f"COAT's optimizer runs on Megatron's DDP with the distributed optimizer: drop --use-megatron-fsdp / --use-torch-fsdp2{off}"
+        )
     if getattr(args, "fp8_param_gather", False):
         problems.append("--fp8-param-gather is TransformerEngine's FP8 weights: drop it")
     return problems

@@ -31,17 +31,63 @@ from .report import comparison_table, summarize
 
 # A Llama-shaped byte-level model: 4 layers, hidden 128, SwiGLU FFN 352, RMSNorm, RoPE, untied.
 MODEL = [
-    "--num-layers", "4", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
-    "--seq-length", "128", "--max-position-embeddings", "128", "--swiglu", "--normalization", "RMSNorm",
-    "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--bf16",
-    "--vocab-size", "256", "--byte-corpus", "stdlib_docstrings", "--byte-corpus-bytes", str(1 << 20),
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "352",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "128",
+    "--max-position-embeddings",
+    "128",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--bf16",
+    "--vocab-size",
+    "256",
+    "--byte-corpus",
+    "stdlib_docstrings",
+    "--byte-corpus-bytes",
+    str(1 << 20),
 ]
 TRAINING = [
-    "--micro-batch-size", "8", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
-    "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0",
-    "--use-distributed-optimizer", "--eval-iters", "0", "--eval-interval", "1000000", "--num-workers", "0",
-    "--seed", "1234",
+    "--micro-batch-size",
+    "8",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--weight-decay",
+    "0.1",
+    "--adam-beta2",
+    "0.95",
+    "--clip-grad",
+    "1.0",
+    "--use-distributed-optimizer",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000000",
+    "--num-workers",
+    "0",
+    "--seed",
+    "1234",
 ]
 MODES = {"BF16": [], "COAT": ["--coat-fp8"]}
 # Megatron's learning-rate schedule needs fewer warm-up iterations than iterations, and warm-up
@@ -72,10 +118,22 @@ def run(mode: str, flags: list[str], iters: int, out: Path, cpu: bool = False) -
     report.unlink(missing_ok=True)
     log_interval = max(1, iters // 10)
     command = [
-        sys.executable, "-m", "coat_patches.launch", *(["--cpu"] if cpu else []), str(example_script()),
-        *MODEL, *TRAINING,
-        "--train-iters", str(iters), "--lr-warmup-iters", str(warmup_iters(iters)), "--log-interval", str(log_interval),
-        "--coat-report", str(report), *flags,
+        sys.executable,
+        "-m",
+        "coat_patches.launch",
+        *(["--cpu"] if cpu else []),
+        str(example_script()),
+        *MODEL,
+        *TRAINING,
+        "--train-iters",
+        str(iters),
+        "--lr-warmup-iters",
+        str(warmup_iters(iters)),
+        "--log-interval",
+        str(log_interval),
+        "--coat-report",
+        str(report),
+        *flags,
     ]
     log = out / f"{mode.lower()}.log"
     tail: deque[str] = deque(maxlen=60)
@@ -144,11 +202,15 @@ def prepare_out(out: Path) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineErrorParser(prog="coat-megatron-demo", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--iters", type=iterations, default=200,
+        "--iters",
+        type=iterations,
+        default=200,
         help=f"training iterations per run, at least {MIN_ITERS} (default 200: about 2 minutes on 2 CPU cores)",
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("coat-demo"),
+        "--out",
+        type=Path,
+        default=Path("coat-demo"),
         help="where the logs and reports go, created if missing (default ./coat-demo)",
     )
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even where a GPU is available")

@@ -42,7 +42,10 @@ def coat_core_attention(config):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnBackend
 
-    wants_te = getattr(config, "transformer_impl", "local") == "transformer_engine" and config.attention_backend != AttnBackend.local
+    wants_te = (
+        getattr(config, "transformer_impl", "local") == "transformer_engine"
+        and config.attention_backend != AttnBackend.local
+    )
     if wants_te and transformer_engine_available():
         from megatron.core.extensions.transformer_engine import TEDotProductAttention
 

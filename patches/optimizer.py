@@ -38,14 +38,26 @@ def install(replacements: Replacements) -> None:
             return get_megatron_optimizer(config, model_chunks, *args, **kwargs)
         return get_coat_optimizer(config, model_chunks, coat, *args, **kwargs)
 
-    def megatron_or_coat_param_layout(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None):
+    def megatron_or_coat_param_layout(
+        params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None
+    ):
         layout = compute_full_param_layout(
-            params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=expert_data_parallel_world_size
+            params,
+            bucket_size,
+            data_parallel_world_size,
+            ddp_config,
+            expert_data_parallel_world_size=expert_data_parallel_world_size,
         )
         coat = run_coat_config()
         if coat is None or not coat.optimizer:
             return layout
-        return align_full_param_layout(layout, data_parallel_world_size, ddp_config, expert_data_parallel_world_size, group_size=coat.optimizer_group_size)
+        return align_full_param_layout(
+            layout,
+            data_parallel_world_size,
+            ddp_config,
+            expert_data_parallel_world_size,
+            group_size=coat.optimizer_group_size,
+        )
 
     replacements.replace(training, "get_megatron_optimizer", get_megatron_or_coat_optimizer)
     replacements.replace(DistributedOptimizer, "compute_full_param_layout", staticmethod(megatron_or_coat_param_layout))

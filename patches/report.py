@@ -125,7 +125,9 @@ def bytes_per_parameter(model_chunks, optimizer) -> dict[str, float]:
 def _sum_over_ranks(value: int) -> int:
     if not torch.distributed.is_initialized():
         return value
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")  # NCCL reduces CUDA tensors only
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )  # NCCL reduces CUDA tensors only
     t = torch.tensor([value], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(t)
     return int(t.item())
@@ -163,7 +165,10 @@ class RunReport:
             "bytes_per_parameter": None,
             "iterations": [],
         }
-        self.writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        self.writer = (
+            not torch.distributed.is_initialized()
+            or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        )
 
     def write(self) -> None:
         if not self.writer:
@@ -218,10 +223,14 @@ def install(replacements: Replacements) -> None:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         loss = result[0].get("lm loss") if result[0] else None
-        report.doc["iterations"].append({"loss": None if loss is None else float(loss), "seconds": seconds, "skipped": bool(result[1])})
+        report.doc["iterations"].append(
+            {"loss": None if loss is None else float(loss), "seconds": seconds, "skipped": bool(result[1])}
+        )
         if first:
             counted = [c.nbytes for c in counters]
-            report.doc["saved_for_backward_bytes_per_micro_batch"] = None if None in counted else max(counted, default=0)
+            report.doc["saved_for_backward_bytes_per_micro_batch"] = (
+                None if None in counted else max(counted, default=0)
+            )
             if torch.cuda.is_available():
                 report.doc["activation_memory_bytes_per_micro_batch"] = max((c.cuda_bytes for c in counters), default=0)
             report.doc["optimizer_state_bytes"] = _sum_over_ranks(optimizer_state_bytes(optimizer))
@@ -253,7 +262,7 @@ def summarize(doc: dict) -> dict[str, float | None]:
     losses = [i["loss"] for i in its if i["loss"] is not None]
     seconds = statistics.median(i["seconds"] for i in its[1:]) if len(its) > 1 else its[0]["seconds"]
     return {
-        "final loss": statistics.fmean(losses[-max(1, len(losses) // 10):]),
+        "final loss": statistics.fmean(losses[-max(1, len(losses) // 10) :]),
         "tokens/s": doc["tokens_per_iteration"] / seconds,
         "saved for backward / micro-batch": doc["saved_for_backward_bytes_per_micro_batch"],
         "activation memory / micro-batch": doc.get("activation_memory_bytes_per_micro_batch"),
@@ -267,9 +276,15 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
-ROW_FORMATS = {"final loss": "{:.3f}".format, "tokens/s": "{:,.0f}".format, "saved for backward / micro-batch": _mib,
-               "activation memory / micro-batch": _mib, "optimizer states": _mib, "peak memory": _mib,
-               "bytes / parameter between steps": "{:.2f}".format}
+ROW_FORMATS = {
+    "final loss": "{:.3f}".format,
+    "tokens/s": "{:,.0f}".format,
+    "saved for backward / micro-batch": _mib,
+    "activation memory / micro-batch": _mib,
+    "optimizer states": _mib,
+    "peak memory": _mib,
+    "bytes / parameter between steps": "{:.2f}".format,
+}
 
 
 def comparison_table(base: dict, coat: dict) -> str:

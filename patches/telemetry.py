@@ -31,14 +31,18 @@ from .version import require_megatron_core
 def coat_optimizer_in(optimizer) -> bool:
     from coat_megatron.optimizer.distributed import CoatDistributedOptimizer
 
-    return any(isinstance(opt, CoatDistributedOptimizer) for opt in getattr(optimizer, "chained_optimizers", [optimizer]))
+    return any(
+        isinstance(opt, CoatDistributedOptimizer) for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+    )
 
 
 def format_telemetry(iteration: int, stats: dict[str, float]) -> str:
     k = "{:.2f}/{:.2f}/{:.2f}"
     return (
-        f"[coat] iteration {iteration} | m k mean/min/max " + k.format(stats["m_k_mean"], stats["m_k_min"], stats["m_k_max"])
-        + " | v k " + k.format(stats["v_k_mean"], stats["v_k_min"], stats["v_k_max"])
+        f"[coat] iteration {iteration} | m k mean/min/max "
+        + k.format(stats["m_k_mean"], stats["m_k_min"], stats["m_k_max"])
+        + " | v k "
+        + k.format(stats["v_k_mean"], stats["v_k_min"], stats["v_k_max"])
         + f" | underflow m {stats['m_underflow_fraction']:.1e} v {stats['v_underflow_fraction']:.1e}"
     )
 
@@ -50,7 +54,9 @@ def log_telemetry(iteration: int, optimizer) -> dict[str, float]:
     from coat_megatron.optimizer import coat_telemetry
 
     stats = coat_telemetry(optimizer)
-    last = not torch.distributed.is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    last = (
+        not torch.distributed.is_initialized() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    )
     if last:
         print(format_telemetry(iteration, stats), flush=True)
         writer = get_tensorboard_writer()
@@ -78,7 +84,12 @@ def install(replacements: Replacements) -> None:
         run_args = get_args()
         iteration = getattr(run_args, "curr_iteration", 0) + 1  # train() increments after the step
         interval = run_args.log_interval or 0
-        if interval > 0 and iteration % interval == 0 and run_coat_config() is not None and coat_optimizer_in(optimizer):
+        if (
+            interval > 0
+            and iteration % interval == 0
+            and run_coat_config() is not None
+            and coat_optimizer_in(optimizer)
+        ):
             log_telemetry(iteration, optimizer)
         return result
 

@@ -50,7 +50,6 @@ from .cpu import _CpuStream, megatron_on_cpu
 from .replacements import Replacements
 from .version import require_megatron_core
 
-
 # What a CPU run needs whatever the command line says (Megatron's fused kernels and TE are CUDA-only).
 CPU_ARGUMENTS = {
     "use_cpu_initialization": True,
@@ -74,7 +73,10 @@ def set_cpu_arguments(args) -> None:
     for k, v in changed.items():
         setattr(args, k, v)
     if changed and args.rank == 0:
-        print("coat-megatron-run: no GPU: running on the CPU with " + ", ".join(f"{k}={v}" for k, v in changed.items()), flush=True)
+        print(
+            "coat-megatron-run: no GPU: running on the CPU with " + ", ".join(f"{k}={v}" for k, v in changed.items()),
+            flush=True,
+        )
 
 
 def _cpu_tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
@@ -101,7 +103,9 @@ def _init_gloo_process_group(args) -> None:
     if torch.distributed.is_initialized():
         return
     torch.distributed.init_process_group(
-        backend="gloo", world_size=args.world_size, rank=args.rank,
+        backend="gloo",
+        world_size=args.world_size,
+        rank=args.rank,
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
     )
 

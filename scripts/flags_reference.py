@@ -67,7 +67,7 @@ def meaning(help_text: str, default: str) -> tuple[str, str | None]:
     if stated != default.split()[0]:
         return help_text, f"its help text says default {stated}, CoatConfig's default is {default}"
     replacement = {")": "", "; ": " (", ": ": f" ({stated}: "}[end]
-    return help_text[: match.start()] + replacement + help_text[match.end():], None
+    return help_text[: match.start()] + replacement + help_text[match.end() :], None
 
 
 def values(action: argparse.Action) -> str:
@@ -130,7 +130,10 @@ def build() -> tuple[str, list[str]]:
         "",
     ]
     if python_only:
-        lines += ["CoatConfig fields without a flag (Python API only): " + ", ".join(f"`{n}`" for n in python_only) + ".", ""]
+        lines += [
+            "CoatConfig fields without a flag (Python API only): " + ", ".join(f"`{n}`" for n in python_only) + ".",
+            "",
+        ]
     lines += [
         "With `--coat-fp8`, Megatron needs `--bf16`; the COAT layers (`--coat-activations on`) need `--swiglu` and "
         "RMSNorm or LayerNorm; COAT's optimizer (`--coat-optimizer on`) needs `--use-distributed-optimizer` and "
@@ -147,8 +150,10 @@ def stale_message() -> str | None:
     if not TARGET.exists():
         return f"{TARGET.relative_to(ROOT)} is missing: run `{REGENERATE}` and commit it"
     if TARGET.read_text() != text:
-        return (f"{TARGET.relative_to(ROOT)} is stale (the --coat-* flags or CoatConfig's defaults changed): "
-                f"run `{REGENERATE}` and commit docs/flags.md")
+        return (
+            f"{TARGET.relative_to(ROOT)} is stale (the --coat-* flags or CoatConfig's defaults changed): "
+            f"run `{REGENERATE}` and commit docs/flags.md"
+        )
     return None
 
 

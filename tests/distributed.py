@@ -205,7 +205,9 @@ def _stop(procs, wait: bool) -> None:
 
 
 def _report(rank: int, status: str, *, value=None, exception=None, summary="", tb="") -> dict:
-    return dict(rank=rank, status=status, value=value, exception=exception, summary=summary, traceback=tb, time=time.time())
+    return dict(
+        rank=rank, status=status, value=value, exception=exception, summary=summary, traceback=tb, time=time.time()
+    )
 
 
 def _pickled(report: dict) -> bytes:
@@ -217,7 +219,9 @@ def _pickled(report: dict) -> bytes:
         return raw
     except Exception as e:
         if report["status"] == "ok":
-            report.update(status="error", value=None, summary=f"its return value does not pickle: {type(e).__name__}: {e}")
+            report.update(
+                status="error", value=None, summary=f"its return value does not pickle: {type(e).__name__}: {e}"
+            )
         report.update(exception=None)
         return pickle.dumps(report)
 

@@ -12,7 +12,13 @@ def test_defaults_are_coats_recipe():
     c = CoatConfig()
     assert (c.group_size, c.forward_format, c.backward_format, c.weight_format) == (16, "e4m3", "e5m2", "e4m3")
     assert (c.m_format, c.v_format, c.m_expansion, c.v_expansion) == ("e4m3", "e4m3", True, True)
-    assert (c.k_min, c.k_max, c.optimizer_group_size, c.fprop_fast_accumulation, c.recompute_norm_output) == (1 / 16, 16.0, 128, True, False)
+    assert (c.k_min, c.k_max, c.optimizer_group_size, c.fprop_fast_accumulation, c.recompute_norm_output) == (
+        1 / 16,
+        16.0,
+        128,
+        True,
+        False,
+    )
     assert c.activations and c.optimizer and c.any_enabled and c.master_weights == "split"
     # COAT's memory mode: W^T made per backward, BF16 gradient buffers
     assert not c.cache_weight_transpose and c.grad_buffers == "bf16" and not c.ddp_grad_reduce_in_fp32
@@ -30,8 +36,12 @@ def test_master_weights_default_to_split_only_where_coats_optimizer_keeps_them()
     assert CoatConfig() == CoatConfig(master_weights="split") != CoatConfig(master_weights="fp32")
     assert CoatConfig(master_weights="fp32").master_weights == "fp32"
     # Megatron's own optimizer keeps FP32 masters: the default resolves to what runs
-    assert CoatConfig(optimizer="off").master_weights == "fp32" and CoatConfig(optimizer=False) == CoatConfig(optimizer=False, master_weights="fp32")
-    with pytest.raises(ValueError, match=r"drop master_weights='split' \(or set master_weights='fp32'\), or set optimizer=True"):
+    assert CoatConfig(optimizer="off").master_weights == "fp32" and CoatConfig(optimizer=False) == CoatConfig(
+        optimizer=False, master_weights="fp32"
+    )
+    with pytest.raises(
+        ValueError, match=r"drop master_weights='split' \(or set master_weights='fp32'\), or set optimizer=True"
+    ):
         CoatConfig(optimizer=False, master_weights="split")
     with pytest.raises(ValueError, match="drop master_weights='split'"):  # replace passes the resolved "split" on
         dataclasses.replace(CoatConfig(), optimizer=False)

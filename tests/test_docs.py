@@ -60,7 +60,9 @@ def test_readme_is_a_front_door():
 def test_readme_keeps_the_ci_blocks(marker):
     # CI reads the command in the fenced block right after each marker
     text = README.read_text()
-    assert f"{marker}\n```\n{CI_BLOCKS[marker]}\n```\n" in text, f"README.md must keep {marker} followed by a fenced `{CI_BLOCKS[marker]}`"
+    assert f"{marker}\n```\n{CI_BLOCKS[marker]}\n```\n" in text, (
+        f"README.md must keep {marker} followed by a fenced `{CI_BLOCKS[marker]}`"
+    )
 
 
 @pytest.mark.parametrize("document", _documents(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -21,7 +21,12 @@ _TORCH_DTYPES = {
     tl.float8e5: torch.float8_e5m2,
     tl.float64: torch.float64,
 }
-_BITS = {8: (np.uint8, torch.uint8), 16: (np.uint16, torch.uint16), 32: (np.uint32, torch.uint32), 64: (np.uint64, torch.uint64)}
+_BITS = {
+    8: (np.uint8, torch.uint8),
+    16: (np.uint16, torch.uint16),
+    32: (np.uint32, torch.uint32),
+    64: (np.uint64, torch.uint64),
+}
 
 
 def _convert_float_with_torch(input, input_dtype, output_dtype, rounding_mode):

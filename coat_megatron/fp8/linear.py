@@ -53,7 +53,12 @@ class _Fp8Linear(torch.autograd.Function):
                 x_q, x_scale, x_t = quantize_per_tensor(x, fmt, transpose=True, check_finite=False)
         w_q, w_t, w_scale = cache.get(weight)
         y = fp8_gemm(
-            _rows(x_q), x_scale, w_q.t(), w_scale, out_dtype=x.dtype, bias=bias,
+            _rows(x_q),
+            x_scale,
+            w_q.t(),
+            w_scale,
+            out_dtype=x.dtype,
+            bias=bias,
             use_fast_accum=config.fprop_fast_accumulation,
         ).view(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
@@ -76,7 +81,9 @@ class _Fp8Linear(torch.autograd.Function):
         if isinstance(dy, Fp8Tensor) and dy.group_size is None:
             # already FP8 (a sequence-parallel gather of dY in FP8): its codes and their transpose
             if dy.data_fp8.dtype != fp8_format(config.backward_format).dtype:
-                raise ValueError(f"dY arrived as {dy.data_fp8.dtype}, but the backward format is {config.backward_format}")
+                raise ValueError(
+                    f"dY arrived as {dy.data_fp8.dtype}, but the backward format is {config.backward_format}"
+                )
             dy_q, dy_scale, dy_t = _rows(dy.data_fp8), dy.scale, dy.transposed_codes()
             dy2 = dy.dequantize().reshape(dy_q.shape) if has_bias and ctx.needs_input_grad[2] else None
         else:
@@ -91,7 +98,9 @@ class _Fp8Linear(torch.autograd.Function):
             dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)
         if ctx.needs_input_grad[1]:
             if x_t is None and x_orig is not None:
-                x_t = quantize_per_tensor(x_orig, config.forward_format, transpose=True, amax=x_amax, check_finite=False)[2]
+                x_t = quantize_per_tensor(
+                    x_orig, config.forward_format, transpose=True, amax=x_amax, check_finite=False
+                )[2]
             elif x_t is None:
                 x_t = ctx.x_t_fn()
             if main_grad and hasattr(weight, "main_grad"):
@@ -131,8 +140,14 @@ def _wgrad_into_main_grad(weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale)
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: CoatConfig | None = None,
-    weight_cache: Fp8WeightCache | None = None, fp8_output: str | None = None, save_original_input: bool = False,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: CoatConfig | None = None,
+    weight_cache: Fp8WeightCache | None = None,
+    fp8_output: str | None = None,
+    save_original_input: bool = False,
     accumulate_into_main_grad: bool = False,
 ) -> torch.Tensor:
     """y = x @ weight^T + bias with FP8 GEMMs (fprop, dgrad, wgrad).

@@ -26,14 +26,24 @@ def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor
 
 class _NormToFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax):
+    def forward(
+        ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
+    ):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved 1xG input copy)
         w = _multiplier(weight, zero_centered_gamma)
         b = bias.detach().contiguous() if bias is not None else None
         r = norm_to_fp8(
-            x, w, b, eps=eps, kind=kind, group_size=group_size, out_fmt=out_fmt, saved_fmt=saved_fmt,
-            transpose=transpose == "store", reduce_amax=reduce_amax,
+            x,
+            w,
+            b,
+            eps=eps,
+            kind=kind,
+            group_size=group_size,
+            out_fmt=out_fmt,
+            saved_fmt=saved_fmt,
+            transpose=transpose == "store",
+            reduce_amax=reduce_amax,
         )
         ctx.save_for_backward(r.x_q, r.x_scales, r.mean, r.rstd, weight)
         ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype)
@@ -52,15 +62,29 @@ class _NormToFp8(torch.autograd.Function):
         x_q, x_scales, mean, rstd, weight = ctx.saved_tensors
         group_size, zero_centered_gamma, has_bias, dtype = ctx.meta
         dx, dw, db = norm_backward(
-            grad.contiguous(), x_q, x_scales, _multiplier(weight, zero_centered_gamma), mean, rstd,
-            group_size=group_size, has_bias=has_bias, dx_dtype=dtype,
+            grad.contiguous(),
+            x_q,
+            x_scales,
+            _multiplier(weight, zero_centered_gamma),
+            mean,
+            rstd,
+            group_size=group_size,
+            has_bias=has_bias,
+            dx_dtype=dtype,
         )
         return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 9)
 
 
 def rmsnorm_to_fp8(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, *, group_size: int = 16,
-    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: str | None = "store",
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    *,
+    group_size: int = 16,
+    zero_centered_gamma: bool = False,
+    out_fmt: str = "e4m3",
+    saved_fmt: str = "e4m3",
+    transpose: str | None = "store",
     reduce_amax=None,
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
@@ -78,8 +102,16 @@ def rmsnorm_to_fp8(
 
 
 def layernorm_to_fp8(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float = 1e-5, *, group_size: int = 16,
-    zero_centered_gamma: bool = False, out_fmt: str = "e4m3", saved_fmt: str = "e4m3", transpose: str | None = "store",
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    group_size: int = 16,
+    zero_centered_gamma: bool = False,
+    out_fmt: str = "e4m3",
+    saved_fmt: str = "e4m3",
+    transpose: str | None = "store",
     reduce_amax=None,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""

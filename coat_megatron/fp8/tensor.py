@@ -46,11 +46,21 @@ class Fp8Tensor(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, data, scale, *, group_size=None, transposed=None, transposed_fn=None, consumer_amax=None, dtype=torch.bfloat16
+        cls,
+        data,
+        scale,
+        *,
+        group_size=None,
+        transposed=None,
+        transposed_fn=None,
+        consumer_amax=None,
+        dtype=torch.bfloat16,
     ):
         if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise TypeError(f"Fp8Tensor data must be FP8 codes, got {data.dtype}")
-        self = torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype, device=data.device, requires_grad=False)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=False
+        )
         self.data_fp8 = data
         self.scale = scale
         self.group_size = group_size
@@ -79,8 +89,13 @@ class Fp8Tensor(torch.Tensor):
 
     def _rewrap(self, data, scale=None):
         return Fp8Tensor(
-            data, self.scale if scale is None else scale, group_size=self.group_size, transposed=self.transposed,
-            transposed_fn=self.transposed_fn, consumer_amax=self.consumer_amax, dtype=self.dtype,
+            data,
+            self.scale if scale is None else scale,
+            group_size=self.group_size,
+            transposed=self.transposed,
+            transposed_fn=self.transposed_fn,
+            consumer_amax=self.consumer_amax,
+            dtype=self.dtype,
         )
 
     def __repr__(self):
@@ -95,7 +110,13 @@ class Fp8Tensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Fp8Tensor(inner["data_fp8"], inner["scale"], group_size=meta["group_size"], transposed=inner.get("transposed"), dtype=meta["dtype"])
+        return Fp8Tensor(
+            inner["data_fp8"],
+            inner["scale"],
+            group_size=meta["group_size"],
+            transposed=inner.get("transposed"),
+            dtype=meta["dtype"],
+        )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

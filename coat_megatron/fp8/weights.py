@@ -91,7 +91,9 @@ class Fp8WeightCache:
         n_cols = weight.shape[-1] if weight.dim() else 1
         return _Buffers(
             q=torch.empty(weight.shape, dtype=dtype, device=dev),
-            q_t=torch.empty((n_cols, weight.numel() // max(n_cols, 1)), dtype=dtype, device=dev) if self.keep_transpose else None,
+            q_t=torch.empty((n_cols, weight.numel() // max(n_cols, 1)), dtype=dtype, device=dev)
+            if self.keep_transpose
+            else None,
             scale=torch.ones((), dtype=torch.float32, device=dev),
             amax=torch.zeros((), dtype=torch.float32, device=dev),
             generation=torch.full((), -1, dtype=torch.int64, device=dev),
@@ -111,8 +113,9 @@ class Fp8WeightCache:
         else:
             key = (_generation, w.data_ptr(), weight._version)
             if key != self._key:
-                refresh_per_tensor_copy(w, b.q, b.scale, b.amax, q_t=b.q_t, generation=b.generation, current=current,
-                                        force=True)
+                refresh_per_tensor_copy(
+                    w, b.q, b.scale, b.amax, q_t=b.q_t, generation=b.generation, current=current, force=True
+                )
                 self._key = key
         return b.q, b.q_t, b.scale
 

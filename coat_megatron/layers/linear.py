@@ -54,13 +54,20 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
         else:
             x = input_
         out = fp8_linear(
-            x, weight, None if self.skip_bias_add else self.bias, config=self.coat, weight_cache=self.weight_cache,
-            fp8_output=self.fp8_output, accumulate_into_main_grad=self.gradient_accumulation_fusion,
+            x,
+            weight,
+            None if self.skip_bias_add else self.bias,
+            config=self.coat,
+            weight_cache=self.weight_cache,
+            fp8_output=self.fp8_output,
+            accumulate_into_main_grad=self.gradient_accumulation_fusion,
         )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             if isinstance(out, Fp8Tensor):
-                raise ValueError("an FP8 output cannot be gathered across tensor-parallel ranks; use gather_output=False")
+                raise ValueError(
+                    "an FP8 output cannot be gathered across tensor-parallel ranks; use gather_output=False"
+                )
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out, self.bias if self.skip_bias_add else None
 
@@ -80,7 +87,11 @@ class CoatRowParallelLinear(RowParallelLinear):
     def forward(self, input_):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
         out = fp8_linear(
-            x, self.weight, None, config=self.coat, weight_cache=self.weight_cache,
+            x,
+            self.weight,
+            None,
+            config=self.coat,
+            weight_cache=self.weight_cache,
             save_original_input=self.input_saved_by_producer and not isinstance(x, Fp8Tensor),
             accumulate_into_main_grad=self.gradient_accumulation_fusion,
         )

@@ -26,8 +26,12 @@ class CoatMLP(MLP):
         if config.activation_func_clamp_value is not None or config.glu_linear_offset != 0.0:
             raise ValueError("COAT's FP8 SwiGLU does not implement activation_func_clamp_value or glu_linear_offset")
         super().__init__(config, submodules, *args, **kwargs)
-        if not (isinstance(self.linear_fc1, CoatColumnParallelLinear) and isinstance(self.linear_fc2, CoatRowParallelLinear)):
-            raise TypeError("CoatMLP needs CoatColumnParallelLinear fc1 and CoatRowParallelLinear fc2 (get_gpt_layer_coat_spec)")
+        if not (
+            isinstance(self.linear_fc1, CoatColumnParallelLinear) and isinstance(self.linear_fc2, CoatRowParallelLinear)
+        ):
+            raise TypeError(
+                "CoatMLP needs CoatColumnParallelLinear fc1 and CoatRowParallelLinear fc2 (get_gpt_layer_coat_spec)"
+            )
         self.coat = self.linear_fc1.coat
         ffn_local = self.linear_fc2.input_size_per_partition
         if ffn_local % self.coat.group_size:
@@ -44,5 +48,7 @@ class CoatMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("per_token_scale (MoE) is not supported by COAT's MLP")
         h, _ = self.linear_fc1(hidden_states)
-        a = swiglu_fp8(h, group_size=self.coat.group_size, out_fmt=self.coat.forward_format, saved_fmt=self.coat.forward_format)
+        a = swiglu_fp8(
+            h, group_size=self.coat.group_size, out_fmt=self.coat.forward_format, saved_fmt=self.coat.forward_format
+        )
         return self.linear_fc2(a)

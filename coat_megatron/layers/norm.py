@@ -24,7 +24,13 @@ class CoatNorm(MegatronModule):
     Megatron's torch fallback norm it works under sequence parallelism."""
 
     def __init__(
-        self, config, hidden_size: int, eps: float = 1e-5, *, coat_config: CoatConfig | None = None, output: str = "fp8",
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-5,
+        *,
+        coat_config: CoatConfig | None = None,
+        output: str = "fp8",
         **kwargs,
     ):
         super().__init__(config=config)
@@ -45,11 +51,13 @@ class CoatNorm(MegatronModule):
         init = torch.zeros if self.zero_centered_gamma else torch.ones
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype, device=device))
-        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
+        self.bias = (
+            None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
+        )
         self.sequence_parallel = config.sequence_parallel
         for p in self.parameters():
             # Megatron all-reduces the grads of these over the tensor-parallel group under SP
-            setattr(p, "sequence_parallel", self.sequence_parallel)
+            p.sequence_parallel = self.sequence_parallel
 
     def forward(self, x: torch.Tensor):
         if self.output == "bf16":
@@ -59,8 +67,10 @@ class CoatNorm(MegatronModule):
             return F.layer_norm(x, (x.shape[-1],), w.to(x.dtype), self.bias.to(x.dtype), self.eps)
         group = parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None
         kw = dict(
-            group_size=self.coat.group_size, zero_centered_gamma=self.zero_centered_gamma,
-            out_fmt=self.coat.forward_format, saved_fmt=self.coat.forward_format,
+            group_size=self.coat.group_size,
+            zero_centered_gamma=self.zero_centered_gamma,
+            out_fmt=self.coat.forward_format,
+            saved_fmt=self.coat.forward_format,
             # under SP the consumer gathers the codes and makes its own transposed copy
             transpose=None if self.sequence_parallel else "recompute" if self.coat.recompute_norm_output else "store",
             reduce_amax=all_reduce_amax(group) if group is not None else None,

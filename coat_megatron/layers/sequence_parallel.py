@@ -25,6 +25,7 @@ from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
 
 from ..fp8.tensor import Fp8Tensor
 
+
 def all_reduce_amax(group):
     """A callable that all-reduces (MAX, in place) a 0-d amax over ``group``: one scale per group."""
 
@@ -56,7 +57,10 @@ class _GatherFp8(torch.autograd.Function):
         local = x.data_fp8
         ctx.group = group
         return Fp8Tensor(
-            _gather_rows(local, group), x.scale, transposed_fn=lambda: transpose_codes(_gather_rows(local, group)), dtype=x.dtype
+            _gather_rows(local, group),
+            x.scale,
+            transposed_fn=lambda: transpose_codes(_gather_rows(local, group)),
+            dtype=x.dtype,
         )
 
     @staticmethod

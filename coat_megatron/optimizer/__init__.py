@@ -7,7 +7,13 @@ rank's shard (``coat_megatron.optimizer.distributed``, imported on first use).
 
 from .adamw import CoatAdamW, summarize_telemetry
 
-_DISTRIBUTED = ("CoatDistributedOptimizer", "coat_param_layout", "coat_telemetry", "compute_coat_full_param_layout", "get_coat_optimizer")
+_DISTRIBUTED = (
+    "CoatDistributedOptimizer",
+    "coat_param_layout",
+    "coat_telemetry",
+    "compute_coat_full_param_layout",
+    "get_coat_optimizer",
+)
 
 __all__ = ["CoatAdamW", "summarize_telemetry", *_DISTRIBUTED]
 

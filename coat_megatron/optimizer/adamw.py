@@ -158,7 +158,11 @@ class CoatAdamW(torch.optim.Optimizer):
         split = "BF16 parameters with CoatConfig(master_weights='split') (the default)"
         raise TypeError(
             f"CoatAdamW updates FP32 parameters, or {split}; got {p.dtype} of shape {tuple(p.shape)}: "
-            + ("leave master_weights at its default" if p.dtype == torch.bfloat16 else "convert the model with .float() or .bfloat16()")
+            + (
+                "leave master_weights at its default"
+                if p.dtype == torch.bfloat16
+                else "convert the model with .float() or .bfloat16()"
+            )
         )
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
@@ -169,7 +173,12 @@ class CoatAdamW(torch.optim.Optimizer):
         for moment in MOMENTS:
             fmt, expansion = self._fmt(moment)
             zeros = ExpandedFp8.zeros(
-                p.shape, group_size=self.config.optimizer_group_size, fmt=fmt, signed=moment == "exp_avg", expansion=expansion, device=p.device
+                p.shape,
+                group_size=self.config.optimizer_group_size,
+                fmt=fmt,
+                signed=moment == "exp_avg",
+                expansion=expansion,
+                device=p.device,
             )
             state[f"{moment}.codes"] = zeros.codes.view(torch.uint8)
             for name in META:
@@ -207,8 +216,15 @@ class CoatAdamW(torch.optim.Optimizer):
         fmt, expansion = self._fmt(moment)
         c = self.config
         q = quantize_expanded(
-            value.detach().to(p.device, torch.float32).reshape(p.shape).contiguous(), c.optimizer_group_size, fmt, moment == "exp_avg",
-            expansion=expansion, k_min=c.k_min, k_max=c.k_max, exact_math=self.exact_math, backend=self.backend,
+            value.detach().to(p.device, torch.float32).reshape(p.shape).contiguous(),
+            c.optimizer_group_size,
+            fmt,
+            moment == "exp_avg",
+            expansion=expansion,
+            k_min=c.k_min,
+            k_max=c.k_max,
+            exact_math=self.exact_math,
+            backend=self.backend,
         )
         state[f"{moment}.codes"].copy_(q.codes.view(torch.uint8))
         for name in META:
@@ -248,7 +264,12 @@ class CoatAdamW(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of Adam states held: m and v's codes and metadata (2.19 per parameter with groups
         of 128). Neither the CPU step counters nor the split masters' low words (``master_bytes``)."""
-        return sum(t.numel() * t.element_size() for s in self.state.values() for key, t in s.items() if key not in ("step", LOW))
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.state.values()
+            for key, t in s.items()
+            if key not in ("step", LOW)
+        )
 
     def master_bytes(self) -> int:
         """Bytes of master weights this optimizer holds beyond the parameters: the split masters'
@@ -297,8 +318,16 @@ class CoatAdamW(torch.optim.Optimizer):
                         [self.moment(p, "exp_avg_sq") for p in params],
                         model_params=None if model_dtype is None else [self.model_params[p] for p in params],
                         master_lows=[self.state[p][LOW] for p in params] if split else None,
-                        lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                        k_min=c.k_min, k_max=c.k_max, exact_math=self.exact_math, backend=self.backend,
+                        lr=lr,
+                        beta1=beta1,
+                        beta2=beta2,
+                        eps=group["eps"],
+                        weight_decay=group["weight_decay"],
+                        step=step,
+                        k_min=c.k_min,
+                        k_max=c.k_max,
+                        exact_math=self.exact_math,
+                        backend=self.backend,
                     )
                 )
                 self._last_numel += sum(p.numel() for p in params)
@@ -398,7 +427,10 @@ class CoatAdamW(torch.optim.Optimizer):
         """What a checkpoint must agree on to be read: the states' formats, expansion and group size."""
         c = self.config
         return {
-            "m_format": c.m_format, "v_format": c.v_format, "m_expansion": c.m_expansion, "v_expansion": c.v_expansion,
+            "m_format": c.m_format,
+            "v_format": c.v_format,
+            "m_expansion": c.m_expansion,
+            "v_expansion": c.v_expansion,
             "group_size": c.optimizer_group_size,
         }
 
@@ -445,7 +477,9 @@ class CoatAdamW(torch.optim.Optimizer):
             )
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError("the checkpoint has other param groups than this optimizer: build CoatAdamW with the same parameters in the same groups")
+            raise ValueError(
+                "the checkpoint has other param groups than this optimizer: build CoatAdamW with the same parameters in the same groups"
+            )
         params = [p for group in self.param_groups for p in group["params"]]
         indices = [i for group in groups for i in group["params"]]
         saved = {p: state_dict["state"].get(i, {}) for p, i in zip(params, indices)}
@@ -559,7 +593,9 @@ class CoatAdamW(torch.optim.Optimizer):
                     f"or load into FP32 parameters"
                 )
             if master.dtype != torch.float32 or master.shape != p.shape:
-                raise ValueError(f"masters gives {what} a {master.dtype} tensor of shape {tuple(master.shape)}: pass the saved FP32 parameter of its shape")
+                raise ValueError(
+                    f"masters gives {what} a {master.dtype} tensor of shape {tuple(master.shape)}: pass the saved FP32 parameter of its shape"
+                )
         elif LOW in saved and not self._has_low_word(p):
             value = p.detach()
             if not torch.equal(value.to(torch.bfloat16).to(value.dtype), value):
@@ -580,7 +616,9 @@ class CoatAdamW(torch.optim.Optimizer):
             p = params[index]
             state[index] = {"step": s["step"].clone()}
             for moment in MOMENTS:
-                state[index][moment] = dequantize_expanded(self.moment(p, moment), exact_math=self.exact_math, backend=self.backend).view(p.shape)
+                state[index][moment] = dequantize_expanded(
+                    self.moment(p, moment), exact_math=self.exact_math, backend=self.backend
+                ).view(p.shape)
         sd["state"] = state
         for group in sd["param_groups"]:
             group.update(foreach=None, capturable=False, differentiable=False, fused=None)
@@ -590,8 +628,12 @@ class CoatAdamW(torch.optim.Optimizer):
         """Load a torch.optim.AdamW state dict (FP32 exp_avg / exp_avg_sq), quantizing the moments."""
         self._no_split_masters("load_fp32_state_dict")
         groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)):
-            raise ValueError("the AdamW state dict has other param groups than this optimizer; build CoatAdamW with the same params")
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "the AdamW state dict has other param groups than this optimizer; build CoatAdamW with the same params"
+            )
         params = [p for group in self.param_groups for p in group["params"]]
         index_of = {i: params[j] for j, i in enumerate(i for g in groups for i in g["params"])}
         for mine, theirs in zip(self.param_groups, groups):
@@ -604,11 +646,12 @@ class CoatAdamW(torch.optim.Optimizer):
                 self.set_moment(p, moment, s[moment])
             self.state[p]["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
 
-
     def _no_split_masters(self, what: str) -> None:
         """Refuse where a master weight is split (a BF16 param with a low word): FP32 params are
         their own masters under either setting."""
-        if self.split_masters and any(p.dtype == torch.bfloat16 for group in self.param_groups for p in group["params"]):
+        if self.split_masters and any(
+            p.dtype == torch.bfloat16 for group in self.param_groups for p in group["params"]
+        ):
             raise ValueError(
                 f"{what}: torch.optim.AdamW on these BF16 parameters has no FP32 master weights to carry split ones; "
                 f"read them with master_weight(p), or train FP32 parameters (their own masters; Megatron: save a fully_reshardable checkpoint)"

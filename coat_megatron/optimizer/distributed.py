@@ -48,14 +48,18 @@ from .adamw import META, MOMENTS, CoatAdamW, summarize_telemetry
 # ---------------------------------------------------------------------------------- the layout
 
 
-def align_buffer_layout(layout: PerBufferParamLayout, group_size: int, data_parallel_world_size: int, pad_for_high_nccl_busbw: bool) -> PerBufferParamLayout:
+def align_buffer_layout(
+    layout: PerBufferParamLayout, group_size: int, data_parallel_world_size: int, pad_for_high_nccl_busbw: bool
+) -> PerBufferParamLayout:
     """Megatron's layout of one buffer with every DP shard edge on a quantization-group boundary.
 
     Keeps Megatron's order and bucket assignment; pads each parameter start to ``group_size`` and
     each bucket end to a multiple of DP x ``group_size`` (and of Megatron's NCCL padding if set),
     so a shard (bucket size / DP) is a whole number of groups and starts on a group boundary.
     """
-    divisor = math.lcm(data_parallel_world_size * group_size, bucket_end_divisor(data_parallel_world_size, pad_for_high_nccl_busbw))
+    divisor = math.lcm(
+        data_parallel_world_size * group_size, bucket_end_divisor(data_parallel_world_size, pad_for_high_nccl_busbw)
+    )
     by_bucket: dict[int, list] = {}
     for param, (start, _, bucket) in sorted(layout.param_index_map.items(), key=lambda kv: kv[1][0]):
         by_bucket.setdefault(bucket, []).append(param)
@@ -90,23 +94,40 @@ def compute_coat_full_param_layout(
 ) -> FullParamLayout:
     """``DistributedOptimizer.compute_full_param_layout`` (same arguments) aligned to ``group_size``."""
     layout = DistributedOptimizer.compute_full_param_layout(
-        params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=expert_data_parallel_world_size
+        params,
+        bucket_size,
+        data_parallel_world_size,
+        ddp_config,
+        expert_data_parallel_world_size=expert_data_parallel_world_size,
     )
-    return align_full_param_layout(layout, data_parallel_world_size, ddp_config, expert_data_parallel_world_size, group_size=group_size)
+    return align_full_param_layout(
+        layout, data_parallel_world_size, ddp_config, expert_data_parallel_world_size, group_size=group_size
+    )
 
 
 def align_full_param_layout(
-    layout: FullParamLayout, data_parallel_world_size: int, ddp_config, expert_data_parallel_world_size: int | None = None, *, group_size: int = 128
+    layout: FullParamLayout,
+    data_parallel_world_size: int,
+    ddp_config,
+    expert_data_parallel_world_size: int | None = None,
+    *,
+    group_size: int = 128,
 ) -> FullParamLayout:
     """Megatron's layout of every buffer (``align_buffer_layout``) with shard edges on ``group_size`` boundaries."""
     aligned = {}
     for key, per_buffer in layout.layouts.items():
-        dp = (expert_data_parallel_world_size or data_parallel_world_size) if key.is_expert_parallel else data_parallel_world_size
+        dp = (
+            (expert_data_parallel_world_size or data_parallel_world_size)
+            if key.is_expert_parallel
+            else data_parallel_world_size
+        )
         aligned[key] = align_buffer_layout(per_buffer, group_size, dp, ddp_config.pad_buckets_for_high_nccl_busbw)
     return FullParamLayout(layouts=aligned)
 
 
-def coat_param_layout(module: torch.nn.Module, ddp_config, *, group_size: int = 128, pg_collection=None, disable_bucketing: bool = False) -> FullParamLayout:
+def coat_param_layout(
+    module: torch.nn.Module, ddp_config, *, group_size: int = 128, pg_collection=None, disable_bucketing: bool = False
+) -> FullParamLayout:
     """The parameter layout to build DDP with for COAT:
     ``DistributedDataParallel(config, ddp_config, module, full_param_layout=coat_param_layout(module, ddp_config))``.
 
@@ -122,8 +143,12 @@ def coat_param_layout(module: torch.nn.Module, ddp_config, *, group_size: int = 
         bucket_size = None
     params = [p for p in module.parameters() if p.requires_grad]
     return compute_coat_full_param_layout(
-        params, bucket_size, groups["intra_dp_cp_group"].size(), ddp_config,
-        expert_data_parallel_world_size=groups["intra_expt_dp_group"].size(), group_size=group_size,
+        params,
+        bucket_size,
+        groups["intra_dp_cp_group"].size(),
+        ddp_config,
+        expert_data_parallel_world_size=groups["intra_expt_dp_group"].size(),
+        group_size=group_size,
     )
 
 
@@ -137,9 +162,13 @@ class CoatDistributedOptimizer(DistributedOptimizer):
     optimizer: CoatAdamW
 
     @staticmethod
-    def compute_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None):
+    def compute_full_param_layout(
+        params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size=None
+    ):
         """Megatron's hook (what megatron.training calls to lay out DDP), with COAT's alignment."""
-        return compute_coat_full_param_layout(params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size)
+        return compute_coat_full_param_layout(
+            params, bucket_size, data_parallel_world_size, ddp_config, expert_data_parallel_world_size
+        )
 
     @classmethod
     def convert(cls, opt: DistributedOptimizer, coat_config: CoatConfig, config: OptimizerConfig) -> None:
@@ -151,14 +180,22 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             return
         opt._check_group_aligned_shards()
         inner = CoatAdamW.adopting(
-            opt.optimizer.param_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
-            weight_decay=config.weight_decay, config=coat_config,
+            opt.optimizer.param_groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            config=coat_config,
         )
         # the fused step writes the BF16/FP16 model weights: the shard views of DDP's param buffer
-        for model_group, model_shards, main_shards in zip(opt.model_float16_groups, opt.shard_float16_groups, opt.shard_fp32_from_float16_groups):
+        for model_group, model_shards, main_shards in zip(
+            opt.model_float16_groups, opt.shard_float16_groups, opt.shard_fp32_from_float16_groups
+        ):
             for model_param, model_shard, main_shard in zip(model_group, model_shards, main_shards):
                 if model_shard is None or not model_shard.is_contiguous():
-                    raise ValueError(f"model parameter {opt._coat_names()[model_param]} has no contiguous BF16 shard; FP8 param gather is not supported with COAT")
+                    raise ValueError(
+                        f"model parameter {opt._coat_names()[model_param]} has no contiguous BF16 shard; FP8 param gather is not supported with COAT"
+                    )
                 inner.model_params[main_shard] = model_shard
         opt.optimizer = inner
         opt.init_state_fn = lambda optimizer, config=None: optimizer.init_states()
@@ -178,7 +215,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         (``use_precision_aware_optimizer_no_fp8_or_ds_fp8``: the flag those paths test; its FP32
         main-param code is overridden here)."""
         inner = self.optimizer
-        for model_group, model_shards, main_shards in zip(self.model_float16_groups, self.shard_float16_groups, self.shard_fp32_from_float16_groups):
+        for model_group, model_shards, main_shards in zip(
+            self.model_float16_groups, self.shard_float16_groups, self.shard_fp32_from_float16_groups
+        ):
             for j, (model_param, model_shard, main_shard) in enumerate(zip(model_group, model_shards, main_shards)):
                 group_index, group_order = self.model_param_group_index_map[model_param]
                 params = inner.param_groups[group_index]["params"]
@@ -203,7 +242,10 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         if not self._split():
             return super()._copy_model_grads_to_main_grads()
         # the shards' grads are views of DDP's gradient buffer (no copy), as .decoupled_grad (see _split_main_params)
-        for model_groups, shard_groups in ((self.model_float16_groups, self.shard_fp32_from_float16_groups), (self.model_fp32_groups, self.shard_fp32_groups)):
+        for model_groups, shard_groups in (
+            (self.model_float16_groups, self.shard_fp32_from_float16_groups),
+            (self.model_fp32_groups, self.shard_fp32_groups),
+        ):
             for model_group, shard_group in zip(model_groups, shard_groups):
                 for model_param, shard in zip(model_group, shard_group):
                     param_range = self._get_model_param_range_map(model_param)["param"]
@@ -219,7 +261,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
     def _coat_names(self) -> dict[torch.nn.Parameter, str]:
         """A name per model parameter, the same at any DP size: model chunk index and module path."""
         if not hasattr(self, "_coat_param_names"):
-            self._coat_param_names = {p: f"{i}.{name}" for i, chunk in enumerate(self.model_chunks) for name, p in chunk.named_parameters()}
+            self._coat_param_names = {
+                p: f"{i}.{name}" for i, chunk in enumerate(self.model_chunks) for name, p in chunk.named_parameters()
+            }
         return self._coat_param_names
 
     def _coat_shards(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor, int, int]]:
@@ -269,7 +313,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         self.optimizer.init_states()
         out = {"param": self._main_fp32(main)}
         for moment in MOMENTS:
-            out[moment] = dequantize_expanded(self.optimizer.moment(main, moment), exact_math=self.optimizer.exact_math).view(-1)
+            out[moment] = dequantize_expanded(
+                self.optimizer.moment(main, moment), exact_math=self.optimizer.exact_math
+            ).view(-1)
         return out
 
     @torch.no_grad()
@@ -290,7 +336,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         inner = self.optimizer
         steps = {float(s["step"]) for s in inner.state.values()} or {0.0}
         if len(steps) != 1:
-            raise RuntimeError(f"the parameters of this optimizer are at different steps {sorted(steps)}; Megatron checkpoints one step")
+            raise RuntimeError(
+                f"the parameters of this optimizer are at different steps {sorted(steps)}; Megatron checkpoints one step"
+            )
         step = steps.pop()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": int(step)} for g in inner.param_groups]
         state = {"optimizer": {"param_groups": groups}, "coat": inner.format_record()}
@@ -308,7 +356,11 @@ class CoatDistributedOptimizer(DistributedOptimizer):
                 f"the checkpoint's optimizer states are {record}, this run uses {self.optimizer.format_record()}: use the "
                 f"checkpoint's CoatConfig, or save it with distrib_optim_sharding_type='fully_reshardable' (FP32 states) and load that"
             )
-        if record is None and "param_state" in state_dict and sharding_type not in self.checkpoint_fully_reshardable_formats | {"dp_zero_gather_scatter"}:
+        if (
+            record is None
+            and "param_state" in state_dict
+            and sharding_type not in self.checkpoint_fully_reshardable_formats | {"dp_zero_gather_scatter"}
+        ):
             raise ValueError(
                 f"this checkpoint was written by Megatron's own optimizer in the {sharding_type!r} format (bucket space), which "
                 f"COAT cannot read: save it with --dist-ckpt-optim-fully-reshardable (FP32 Adam states) and load that"
@@ -341,7 +393,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
                 )
             self.load_parameter_state_from_dp_zero(state_dict["param_state"])
         else:
-            raise NotImplementedError(f"COAT checkpoints support dp_reshardable and fully_reshardable, not {sharding_type!r}")
+            raise NotImplementedError(
+                f"COAT checkpoints support dp_reshardable and fully_reshardable, not {sharding_type!r}"
+            )
 
     @staticmethod
     def _group_identifier(group: dict) -> tuple:
@@ -352,7 +406,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
 
     # ------------------------------------------------------------------ compressed checkpoint
 
-    def sharded_param_state_dp_reshardable(self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None):
+    def sharded_param_state_dp_reshardable(
+        self, model_sharded_state_dict, is_loading: bool = False, metadata: dict | None = None
+    ):
         """COAT's compressed checkpoint: per parameter, the main param and codes in its index space
         and the per-group metadata in its group space (see the module docstring)."""
         self.optimizer.init_states()
@@ -371,7 +427,16 @@ class CoatDistributedOptimizer(DistributedOptimizer):
                 else:
                     pieces[key] = (s[key], -(-numel // g), start // g)
             state[names[model_param]] = {
-                key: ShardedTensor(f"{prefix}.{names[model_param]}.{key}", t, t.dtype, tuple(t.shape), (size,), (offset,), None, replica_id)
+                key: ShardedTensor(
+                    f"{prefix}.{names[model_param]}.{key}",
+                    t,
+                    t.dtype,
+                    tuple(t.shape),
+                    (size,),
+                    (offset,),
+                    None,
+                    replica_id,
+                )
                 for key, (t, size, offset) in pieces.items()
             }
         return state
@@ -415,22 +480,36 @@ def get_coat_optimizer(config: OptimizerConfig, model_chunks: list, coat_config:
     problems = []
     if config.optimizer != "adam":
         problems.append(f"optimizer={config.optimizer!r}: COAT's states are Adam's; use optimizer='adam'")
-    if not config.use_distributed_optimizer or not all(getattr(c, "ddp_config", None) is not None and c.ddp_config.use_distributed_optimizer for c in model_chunks):
-        problems.append("COAT's states live on the distributed optimizer's shards: set use_distributed_optimizer=True (--use-distributed-optimizer) in OptimizerConfig and the DDP config")
+    if not config.use_distributed_optimizer or not all(
+        getattr(c, "ddp_config", None) is not None and c.ddp_config.use_distributed_optimizer for c in model_chunks
+    ):
+        problems.append(
+            "COAT's states live on the distributed optimizer's shards: set use_distributed_optimizer=True (--use-distributed-optimizer) in OptimizerConfig and the DDP config"
+        )
     if not config.decoupled_weight_decay:
         problems.append("COAT implements AdamW: set decoupled_weight_decay=True")
     if config.use_precision_aware_optimizer:
-        problems.append("use_precision_aware_optimizer selects TransformerEngine's FP8/BF16 states: turn it off, COAT replaces it")
+        problems.append(
+            "use_precision_aware_optimizer selects TransformerEngine's FP8/BF16 states: turn it off, COAT replaces it"
+        )
     if config.optimizer_cpu_offload:
         problems.append("optimizer_cpu_offload is not supported with COAT")
-    if any(getattr(c.ddp_config, "use_megatron_fsdp", False) or getattr(c.ddp_config, "fp8_param_gather", False) for c in model_chunks if hasattr(c, "ddp_config")):
-        problems.append("Megatron-FSDP and fp8_param_gather are not supported with COAT: use DDP with the distributed optimizer")
+    if any(
+        getattr(c.ddp_config, "use_megatron_fsdp", False) or getattr(c.ddp_config, "fp8_param_gather", False)
+        for c in model_chunks
+        if hasattr(c, "ddp_config")
+    ):
+        problems.append(
+            "Megatron-FSDP and fp8_param_gather are not supported with COAT: use DDP with the distributed optimizer"
+        )
     if problems:
         raise ValueError("get_coat_optimizer: " + "; ".join(problems))
     optimizer = get_megatron_optimizer(config, model_chunks, **kwargs)
     for opt in optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]:
         if not isinstance(opt, DistributedOptimizer):
-            raise TypeError(f"get_megatron_optimizer returned a {type(opt).__name__}; COAT needs its DistributedOptimizer")
+            raise TypeError(
+                f"get_megatron_optimizer returned a {type(opt).__name__}; COAT needs its DistributedOptimizer"
+            )
         CoatDistributedOptimizer.convert(opt, coat_config, config)
     if isinstance(optimizer, ChainedOptimizer) and optimizer.chained_optimizers:
         optimizer.config = optimizer.chained_optimizers[0].config  # the chain reads its first part's flags

@@ -18,8 +18,27 @@ MODES = "bf16,coat,coat-act,coat-opt,bf16@data2,bf16@dp2"
 
 def accuracy(out, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(STEPS), "--seeds", "1", "--eval-every", "3",
-                           "--out", str(out), *args], capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--preset",
+            "tiny",
+            "--steps",
+            str(STEPS),
+            "--seeds",
+            "1",
+            "--eval-every",
+            "3",
+            "--out",
+            str(out),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
 
 
 def load_script():
@@ -51,14 +70,20 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
             for line in (tmp_path / "seed1" / name).read_text().splitlines():
                 row = json.loads(line)
                 if row.get("kind") == "train":
-                    rows[row["mode"] + ("@dp2" if row["dp"] == 2 else "") + ("@data2" if row["data_seed"] != 1 else "")] = row
+                    rows[
+                        row["mode"] + ("@dp2" if row["dp"] == 2 else "") + ("@data2" if row["data_seed"] != 1 else "")
+                    ] = row
     assert set(rows) == set(MODES.split(","))
     assert rows["bf16@data2"]["data_seed"] == 1001 and rows["bf16@data2"]["seed"] == 1
     assert len({r["valid_windows_sha256"] for r in rows.values()}) == 1  # one set of validation windows for every mode
     assert all([s for s, _ in r["valid_losses"]] == [3, 6] for r in rows.values())
     losses = {k: r["losses"] for k, r in rows.items()}
     # the same initial weights everywhere and, but for bf16@data2, the same first batch
-    assert max(v[0] for k, v in losses.items() if k != "bf16@data2") - min(v[0] for k, v in losses.items() if k != "bf16@data2") < 0.02
+    assert (
+        max(v[0] for k, v in losses.items() if k != "bf16@data2")
+        - min(v[0] for k, v in losses.items() if k != "bf16@data2")
+        < 0.02
+    )
     assert losses["coat-opt"][0] == losses["bf16"][0]  # BF16's layers: before the first update, BF16's loss bit for bit
     assert losses["bf16@dp2"] == pytest.approx(losses["bf16"], abs=5e-3)  # the same math, another reduction order
     assert losses["bf16@data2"][0] != losses["bf16"][0]  # another batch at step 1
@@ -73,7 +98,9 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
         assert seed["valid"][key] == rows[key]["valid_loss"]
         assert seed["train_tail"][key] == pytest.approx(rows[key]["losses"][-1])  # the last 10% of 6 steps: one step
     for key in MODES.split(",")[1:]:
-        assert seed["gap_valid"][key] == pytest.approx((seed["valid"][key] - seed["valid"]["bf16"]) / seed["valid"]["bf16"])
+        assert seed["gap_valid"][key] == pytest.approx(
+            (seed["valid"][key] - seed["valid"]["bf16"]) / seed["valid"]["bf16"]
+        )
     verdict = summary[2]
     assert verdict["noise_floor"] == "bf16@data2" and verdict["met"] is None  # one seed: no standard error
     assert verdict["gap_coat"] == pytest.approx(seed["gap_valid"]["coat"])
@@ -81,17 +108,26 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
 
     curves = json.loads((tmp_path / "losses.json").read_text())
     assert curves["modes"] == MODES.split(",")
-    assert curves["valid_losses"]["1"]["coat"] == [[s, pytest.approx(v, abs=1e-4)] for s, v in rows["coat"]["valid_losses"]]
+    assert curves["valid_losses"]["1"]["coat"] == [
+        [s, pytest.approx(v, abs=1e-4)] for s, v in rows["coat"]["valid_losses"]
+    ]
 
     md = (tmp_path / "accuracy.md").read_text()
     header = "| seed | BF16 | COAT | coat-act | coat-opt | bf16@data2 | bf16@dp2 | gap COAT | gap coat-act | gap coat-opt | gap bf16@data2 | gap bf16@dp2 |"
     assert md.count(header) == 2  # validation loss (primary), then training loss
-    assert md.index("Validation loss after the last step (the primary figure)") < md.index("Training loss, mean over the last 10%")
+    assert md.index("Validation loss after the last step (the primary figure)") < md.index(
+        "Training loss, mean over the last 10%"
+    )
     assert f"SHA-256 `{rows['bf16']['corpus_train_sha256']}`" in md and "each byte at most once" in md
-    assert "coat-act: the COAT layer spec" in md and "bf16@data2: BF16 with the same initial weights and another order" in md
+    assert (
+        "coat-act: the COAT layer spec" in md
+        and "bf16@data2: BF16 with the same initial weights and another order" in md
+    )
     assert "Noise-floor reading: COAT's mean validation-loss gap to BF16 <= 0.25% and within two standard errors" in md
     assert "- coat vs BF16 over 1 seed(s), rule mean gap <= 0.25% and mean + 2 se <= 0.50%:" in md
-    assert "|gap_coat| <= 2 noise_rms / sqrt(seeds)" in md and ": not judged (standard errors need 2 seeds or more)." in md
+    assert (
+        "|gap_coat| <= 2 noise_rms / sqrt(seeds)" in md and ": not judged (standard errors need 2 seeds or more)." in md
+    )
 
 
 def test_the_modes_start_with_the_bf16_reference(capsys):
@@ -135,7 +171,9 @@ def test_the_verdict_rule():
     assert script.verdict(close, None)["met"] is None and "add bf16@data2" in script.verdict(close, None)["note"]
     assert script.verdict([0.001], [0.0])["met"] is None  # one seed: no standard error
     line = script.verdict_line(script.verdict(close, noise, "bf16@data2"))
-    assert "COAT +0.200% (its own se " in line and "noise floor bf16@data2: per-seed gaps rms 0.387%, mean +0.100%" in line
+    assert (
+        "COAT +0.200% (its own se " in line and "noise floor bf16@data2: per-seed gaps rms 0.387%, mean +0.100%" in line
+    )
     assert line.endswith("**met**.") and "The signed reading" in line
 
 

@@ -33,6 +33,7 @@ def _env() -> dict:
 @pytest.fixture
 def no_work(monkeypatch):
     """Any training, process start or process group fails the test: a refusal must come first."""
+
     def started(*args, **kwargs):
         raise AssertionError("the job started work on a command line it should have refused")
 
@@ -65,21 +66,27 @@ BAD = [
     (["--micro-batch", "-1"], ["--micro-batch -1: must be 1 or more"]),
     (["--seq", "0"], ["--seq 0: must be 1 or more"]),
     (["--global-batch", "0"], ["--global-batch 0: must be 1 or more"]),
-    (["--global-batch", "7", "--micro-batch", "2"], ["global batch 7 is not a multiple of micro-batch 2 x DP 1",
-                                                     "use --global-batch 2, 4, 6, 8"]),
+    (
+        ["--global-batch", "7", "--micro-batch", "2"],
+        ["global batch 7 is not a multiple of micro-batch 2 x DP 1", "use --global-batch 2, 4, 6, 8"],
+    ),
     (["--tp", "0"], ["--tp 0 --dp 1: both must be 1 or more"]),
     (["--dp", "-1"], ["--tp 1 --dp -1: both must be 1 or more"]),
     (["--tp", "2"], ["launch with torchrun --nproc-per-node 2"]),
-    (["--search", "--search-steps", "2"], ["--search-steps 2 leaves no step of a try to time",
-                                           "use --search-steps 3 or more"]),
+    (
+        ["--search", "--search-steps", "2"],
+        ["--search-steps 2 leaves no step of a try to time", "use --search-steps 3 or more"],
+    ),
     (["--search", "--search-steps", "0"], ["use --search-steps 3 or more"]),
     (["--search", "--search-start", "0"], ["--search-start 0: must be 1 or more"]),
     (["--search", "--global-batch", "8"], ["drop --global-batch"]),
     (["--preset", "tiny-layer", "--steps", "5"], ["drop --steps"]),
     (["--resume-check", "--dp", "2", "--steps", "4"], ["use --steps 5 or more"]),
     (["--resume-check", "--dp", "2", "--steps", "6", "--save-step", "4"], ["use --steps 7 or more"]),
-    (["--save", "{tmp}/ckpt", "--save-step", "40"], ["--save-step 40 is not a step of this run",
-                                                     "give --save-step 0 to 39"]),
+    (
+        ["--save", "{tmp}/ckpt", "--save-step", "40"],
+        ["--save-step 40 is not a step of this run", "give --save-step 0 to 39"],
+    ),
     (["--load", "{tmp}/missing"], ["--load", "no such directory"]),
     (["--modes", "bf16,fp4"], ["unknown mode 'fp4'"]),
     (["--name", "a/b"], ["give a file name without '/'"]),
@@ -130,17 +137,26 @@ def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path, capsys, no_work)
 def test_an_out_that_cannot_be_written_is_refused_at_once(where, tmp_path, capsys, no_work, monkeypatch):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
-    out = {"proc": "/proc/coat-compare-out", "file": str(a_file), "under-a-file": str(a_file / "out"),
-           "unwritable": str(tmp_path / "read-only")}[where]
+    out = {
+        "proc": "/proc/coat-compare-out",
+        "file": str(a_file),
+        "under-a-file": str(a_file / "out"),
+        "unwritable": str(tmp_path / "read-only"),
+    }[where]
     if where == "unwritable":  # as root, permissions do not stop a write: the write itself fails here
+
         def denied(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
 
         monkeypatch.setattr(job.tempfile, "mkstemp", denied)
     line = refused(["--out", out], capsys)
     assert f"--out {out}" in line and "give --out a directory you can write to" in line
-    why = {"proc": "No such file or directory", "file": "is a file, not a directory", "under-a-file": "Not a directory",
-           "unwritable": "Permission denied"}
+    why = {
+        "proc": "No such file or directory",
+        "file": "is a file, not a directory",
+        "under-a-file": "Not a directory",
+        "unwritable": "Permission denied",
+    }
     assert why[where] in line
     assert a_file.read_text() == "x"
 
@@ -150,15 +166,24 @@ def test_the_out_check_leaves_no_file_behind(tmp_path):
     assert (tmp_path / "new" / "out").is_dir() and list((tmp_path / "new" / "out").iterdir()) == []
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--steps", "0"], ["--steps 0 leaves no step to time", "use --steps 3 or more"]),
-    (["--micro-batch", "-1"], ["--micro-batch -1: must be 1 or more"]),
-    (["--out", "/proc/coat-compare-out"], ["--out /proc/coat-compare-out: cannot write there"]),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--steps", "0"], ["--steps 0 leaves no step to time", "use --steps 3 or more"]),
+        (["--micro-batch", "-1"], ["--micro-batch -1: must be 1 or more"]),
+        (["--out", "/proc/coat-compare-out"], ["--out /proc/coat-compare-out: cannot write there"]),
+    ],
+)
 def test_the_command_prints_one_line_and_exits_2(argv, words, tmp_path):
     out = ["--out", str(tmp_path / "out")] if "--out" not in argv else []
-    proc = subprocess.run([sys.executable, "-m", "coat_compare", *argv, *out], capture_output=True, text=True,
-                          timeout=120, env=_env(), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "coat_compare", *argv, *out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -168,18 +193,21 @@ def test_the_command_prints_one_line_and_exits_2(argv, words, tmp_path):
 
 def test_a_job_that_dies_after_its_first_row_keeps_it(tmp_path):
     """A real bf16 row, then the coat run is interrupted: the bf16 row is on disk."""
-    driver = ("import sys\n"
-              "from coat_compare import job\n"
-              "real = job.run_mode\n"
-              "def run_mode(preset, mode, args, graphs='none'):\n"
-              "    if mode.name == 'coat':\n"
-              "        raise KeyboardInterrupt\n"
-              "    return real(preset, mode, args, graphs)\n"
-              "job.run_mode = run_mode\n"
-              "sys.exit(job.main(sys.argv[1:]))\n")
+    driver = (
+        "import sys\n"
+        "from coat_compare import job\n"
+        "real = job.run_mode\n"
+        "def run_mode(preset, mode, args, graphs='none'):\n"
+        "    if mode.name == 'coat':\n"
+        "        raise KeyboardInterrupt\n"
+        "    return real(preset, mode, args, graphs)\n"
+        "job.run_mode = run_mode\n"
+        "sys.exit(job.main(sys.argv[1:]))\n"
+    )
     argv = ["--modes", "bf16,coat", "--steps", "3", "--out", str(tmp_path), "--no-plots"]
-    proc = subprocess.run([sys.executable, "-c", driver, *argv], capture_output=True, text=True, timeout=300,
-                          env=_env(), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", driver, *argv], capture_output=True, text=True, timeout=300, env=_env(), check=False
+    )
     assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
     partial = tmp_path / "tiny.partial.jsonl"
     assert f"the rows it measured (1) are in {partial}" in proc.stderr
@@ -190,6 +218,7 @@ def test_a_job_that_dies_after_its_first_row_keeps_it(tmp_path):
 
 def _fake_run_mode(statuses: dict):
     """``run_mode`` that measures nothing: each mode's row with the status (and reason) given."""
+
     def run_mode(preset, mode, args, graphs="none"):
         status, reason = statuses[mode.name]
         return {**job.new_row(preset.kind, preset, mode, args, graphs), "status": status, "reason": reason}
@@ -207,8 +236,13 @@ def in_process(monkeypatch):
 
 
 def test_rows_measured_before_the_report_fails_stay_on_disk(tmp_path, monkeypatch, in_process):
-    monkeypatch.setattr(job, "run_mode", _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"),
-                                                         "coat": ("oom", "out of memory at micro-batch 8")}))
+    monkeypatch.setattr(
+        job,
+        "run_mode",
+        _fake_run_mode(
+            {"bf16": ("oom", "out of memory at micro-batch 8"), "coat": ("oom", "out of memory at micro-batch 8")}
+        ),
+    )
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -221,8 +255,11 @@ def test_rows_measured_before_the_report_fails_stay_on_disk(tmp_path, monkeypatc
 
 
 def test_a_failed_row_exits_1_after_the_report(tmp_path, monkeypatch, capsys, in_process):
-    monkeypatch.setattr(job, "run_mode", _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"),
-                                                         "coat": ("failed", "RuntimeError: boom")}))
+    monkeypatch.setattr(
+        job,
+        "run_mode",
+        _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"), "coat": ("failed", "RuntimeError: boom")}),
+    )
     assert job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 1
     assert "| coat | none | failed: RuntimeError: boom |" in (tmp_path / "tiny.md").read_text()
     assert [r["status"] for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"] == ["oom", "failed"]
@@ -232,8 +269,13 @@ def test_a_failed_row_exits_1_after_the_report(tmp_path, monkeypatch, capsys, in
 
 
 def test_out_of_memory_and_skipped_rows_exit_0(tmp_path, monkeypatch, in_process):
-    monkeypatch.setattr(job, "run_mode", _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"),
-                                                         "coat": ("skipped", "CUDA graphs need a CUDA GPU")}))
+    monkeypatch.setattr(
+        job,
+        "run_mode",
+        _fake_run_mode(
+            {"bf16": ("oom", "out of memory at micro-batch 8"), "coat": ("skipped", "CUDA graphs need a CUDA GPU")}
+        ),
+    )
     assert job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 0
     assert [r["status"] for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"] == ["oom", "skipped"]
 
@@ -252,8 +294,11 @@ def test_search_rows_are_kept_as_each_mode_is_done(tmp_path, monkeypatch, in_pro
 
 
 def test_a_failed_resume_check_exits_1(tmp_path, monkeypatch, in_process):
-    monkeypatch.setattr(job, "resume_check", lambda args, preset, mode, row: {**row, "status": "failed",
-                                                                               "reason": "resumed_dp1 (DP 1): it died"})
+    monkeypatch.setattr(
+        job,
+        "resume_check",
+        lambda args, preset, mode, row: {**row, "status": "failed", "reason": "resumed_dp1 (DP 1): it died"},
+    )
     assert job.main(["--modes", "coat", "--resume-check", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
     (row,) = read_jsonl(tmp_path / "tiny-resume.jsonl")
     assert (row["kind"], row["status"]) == ("resume", "failed")
@@ -274,8 +319,14 @@ def test_a_row_log_writes_each_row_at_once_and_only_where_enabled(tmp_path):
 
 
 def test_summary_leaves_out_the_rows_of_a_job_that_did_not_finish(tmp_path, capsys):
-    row = {"kind": "train", "preset": "tiny", "mode": "bf16", "family": "bf16", "status": "oom",
-           "reason": "out of memory"}
+    row = {
+        "kind": "train",
+        "preset": "tiny",
+        "mode": "bf16",
+        "family": "bf16",
+        "status": "oom",
+        "reason": "out of memory",
+    }
     (tmp_path / "tiny.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "tiny.partial.jsonl").write_text(json.dumps({**row, "mode": "coat", "family": "coat"}) + "\n")
     assert job.summarize(str(tmp_path)) == 0
@@ -286,14 +337,24 @@ def test_summary_leaves_out_the_rows_of_a_job_that_did_not_finish(tmp_path, caps
 
 
 def _row(mode, family, device, **values):
-    return {"kind": "train", "preset": "g", "mode": mode, "family": family, "status": "ok", "device": device,
-            "micro_batch": 4, **values}
+    return {
+        "kind": "train",
+        "preset": "g",
+        "mode": mode,
+        "family": family,
+        "status": "ok",
+        "device": device,
+        "micro_batch": 4,
+        **values,
+    }
 
 
 def test_speed_goals_on_a_cpu_are_not_applicable_and_memory_goals_are_judged():
     def rows(device, source):
-        return [_row("bf16", "bf16", device, tokens_per_s=100.0, peak_MiB=1000.0, memory_source=source),
-                _row("coat", "coat", device, tokens_per_s=90.0, peak_MiB=500.0, memory_source=source)]
+        return [
+            _row("bf16", "bf16", device, tokens_per_s=100.0, peak_MiB=1000.0, memory_source=source),
+            _row("coat", "coat", device, tokens_per_s=90.0, peak_MiB=500.0, memory_source=source),
+        ]
 
     speed = "tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration"
     memory = "end-to-end peak memory vs BF16, equal micro-batch"
@@ -306,16 +367,33 @@ def test_speed_goals_on_a_cpu_are_not_applicable_and_memory_goals_are_judged():
     table = goals_table(list(cpu.values()))
     assert any(line.startswith(f"| {speed} | g | >= 1.1 | 0.90 | n/a |") for line in table), table
     measured = [("te-fp8-current", "te-fp8", 10.0, 10.0), ("coat", "coat", 8.0, 6.0)]
-    layer = [{"kind": "layer", "preset": "L", "mode": m, "family": f, "status": "ok", "device": "CPU", "ms": ms,
-              "activation_MiB": a} for m, f, ms, a in measured]
+    layer = [
+        {
+            "kind": "layer",
+            "preset": "L",
+            "mode": m,
+            "family": f,
+            "status": "ok",
+            "device": "CPU",
+            "ms": ms,
+            "activation_MiB": a,
+        }
+        for m, f, ms, a in measured
+    ]
     time_goal = {g.goal: g for g in evaluate(layer)}["per-layer fwd+bwd time vs TE FP8 current scaling"]
     assert time_goal.met is None and time_goal.note.startswith("not applicable")
 
 
 def test_a_cpu_run_shows_speed_goals_not_applicable(tmp_path):
     argv = ["--modes", "bf16,coat", "--steps", "3", "--out", str(tmp_path), "--no-plots"]
-    proc = subprocess.run([sys.executable, "-m", "coat_compare", *argv], capture_output=True, text=True, timeout=300,
-                          env=_env(), check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "coat_compare", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     goals = {g["goal"]: g for g in read_jsonl(tmp_path / "tiny.jsonl") if g["kind"] == "goal"}
     speed = goals["tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration"]

@@ -27,7 +27,11 @@ BUDGET = 2_000_000  # a few MB: the accuracy runs use 100 MiB; a CPU test builds
 def built(tmp_path_factory):
     """The packages corpus built twice, into two cache directories."""
     first, second = tmp_path_factory.mktemp("cache1"), tmp_path_factory.mktemp("cache2")
-    return load_corpus("packages", BUDGET, cache_dir=str(first)), load_corpus("packages", BUDGET, cache_dir=str(second)), first
+    return (
+        load_corpus("packages", BUDGET, cache_dir=str(first)),
+        load_corpus("packages", BUDGET, cache_dir=str(second)),
+        first,
+    )
 
 
 def test_a_build_is_deterministic_and_recorded_by_its_sha256(built):
@@ -94,7 +98,10 @@ def test_a_machine_with_too_little_text_is_told_what_to_install(tmp_path, monkey
     what, _, read, too_small = corpus.SOURCES["packages"]
     few = corpus.stdlib_files()[:5]
     monkeypatch.setitem(corpus.SOURCES, "packages", (what, lambda: (few, {"python": "3"}), read, too_small))
-    with pytest.raises(ValueError, match=r"needs 100,000,000 bytes; this machine has [\d,]+: install more Python packages \(e.g. pip install"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 100,000,000 bytes; this machine has [\d,]+: install more Python packages \(e.g. pip install",
+    ):
         load_corpus("packages", 100_000_000, cache_dir=str(tmp_path))
     assert not any(tmp_path.iterdir())  # nothing half-built is left
 
@@ -114,7 +121,9 @@ def test_training_windows_never_repeat_and_run_out_loudly():
     cut = data[: 50 * (seq + 1)].view(50, seq + 1).long()
     assert len(torch.unique(seen, dim=0)) == len(seen) == 48  # no window twice
     assert all((cut == row).all(1).any() for row in seen)  # each one a window of the non-overlapping cut
-    with pytest.raises(ValueError, match=r"13 steps of 4 sequences need 52 windows of 17 bytes .* use --steps 12 or fewer"):
+    with pytest.raises(
+        ValueError, match=r"13 steps of 4 sequences need 52 windows of 17 bytes .* use --steps 12 or fewer"
+    ):
         windows.check_steps(13)
     with pytest.raises(ValueError, match="--steps 12 or fewer"):
         windows.batch(12)

@@ -11,16 +11,33 @@ import sys
 import pytest
 
 from coat_compare import job
+from coat_compare.corpus import load_corpus
 from coat_compare.presets import get_preset
 from coat_compare.report import read_jsonl
 from coat_compare.train import training_windows
-from coat_compare.corpus import load_corpus
 
 
 def coat_compare(out, *args, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "coat_compare", "--preset", "tiny", "--steps", "6", "--out", str(out), "--no-plots", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coat_compare",
+            "--preset",
+            "tiny",
+            "--steps",
+            "6",
+            "--out",
+            str(out),
+            "--no-plots",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["mode"]: r for r in read_jsonl(out / "tiny.jsonl") if r["kind"] == "train"}
 
@@ -56,8 +73,22 @@ def test_validation_leaves_the_training_untouched_and_the_report_shows_it(valida
 
 def test_the_packages_corpus_and_another_data_order(tmp_path):
     cache = tmp_path / "corpus"
-    rows = coat_compare(tmp_path, "--modes", "bf16", "--corpus", "packages", "--corpus-bytes", "3000000", "--data-seed", "99",
-                       "--eval-every", "6", "--eval-windows", "16", env={"COAT_CORPUS_DIR": str(cache)})
+    rows = coat_compare(
+        tmp_path,
+        "--modes",
+        "bf16",
+        "--corpus",
+        "packages",
+        "--corpus-bytes",
+        "3000000",
+        "--data-seed",
+        "99",
+        "--eval-every",
+        "6",
+        "--eval-windows",
+        "16",
+        env={"COAT_CORPUS_DIR": str(cache)},
+    )
     row = rows["bf16"]
     built = load_corpus("packages", 3_000_000, cache_dir=str(cache))
     assert row["status"] == "ok" and row["seed"] == 1234 and row["data_seed"] == 99
@@ -71,7 +102,9 @@ def test_the_packages_corpus_and_another_data_order(tmp_path):
 def test_a_run_longer_than_its_corpus_is_refused_with_the_fix():
     preset = get_preset("tiny")
     data = training_windows(preset, 1)  # the tiny run fits the docstrings many times over
-    with pytest.raises(ValueError, match=rf"use --steps {len(data)} or fewer, or a bigger corpus \(--corpus packages, --corpus-bytes\)"):
+    with pytest.raises(
+        ValueError, match=rf"use --steps {len(data)} or fewer, or a bigger corpus \(--corpus packages, --corpus-bytes\)"
+    ):
         training_windows(preset.with_overrides(steps=len(data) + 1), 1)
 
 
@@ -82,5 +115,12 @@ def test_validation_with_cuda_graphs_is_refused_and_otherwise_left_out(capsys):
     preset = get_preset("tiny")
     assert job.preset_for(preset, "none").eval_every == 20 and job.preset_for(preset, "local").eval_every == 0
     args = job.parse_args(["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"])
-    assert job.data_args(args) == ["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"]  # passed on to fresh processes
+    assert job.data_args(args) == [
+        "--data-seed",
+        "7",
+        "--corpus",
+        "packages",
+        "--eval-every",
+        "5",
+    ]  # passed on to fresh processes
     json.dumps(job.data_args(args))

@@ -26,7 +26,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def run_job(*args, timeout=300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "coat_compare", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "coat_compare", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -36,20 +38,40 @@ def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     proc = run_job("--preset", "tiny", "--modes", "all", "--out", str(out))
     rows = read_jsonl(out / "tiny.jsonl")
-    return dict(out=out, stdout=proc.stdout, rows={r["mode"]: r for r in rows if r["kind"] == "train"}, goals=[r for r in rows if r["kind"] == "goal"])
+    return dict(
+        out=out,
+        stdout=proc.stdout,
+        rows={r["mode"]: r for r in rows if r["kind"] == "train"},
+        goals=[r for r in rows if r["kind"] == "goal"],
+    )
 
 
 def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     rows = tiny["rows"]
-    assert list(rows) == ["bf16", "bf16-local", "te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa", "coat",
-                          "coat-cached", "coat-fp32-grads", "coat-fp32", "coat-recompute"]
+    assert list(rows) == [
+        "bf16",
+        "bf16-local",
+        "te-fp8-delayed",
+        "te-fp8-current",
+        "te-fp8-block",
+        "te-fp8-store",
+        "te-fp8-pa",
+        "coat",
+        "coat-cached",
+        "coat-fp32-grads",
+        "coat-fp32",
+        "coat-recompute",
+    ]
     for mode in ("bf16", "bf16-local", "coat", "coat-cached", "coat-fp32-grads", "coat-fp32", "coat-recompute"):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
     if not TE:
         for mode in ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa"):
             assert rows[mode]["status"] == "skipped"
-            assert rows[mode]["reason"] == f"{mode} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
+            assert (
+                rows[mode]["reason"]
+                == f"{mode} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
+            )
 
 
 def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
@@ -83,14 +105,20 @@ def test_coat_keeps_less_optimizer_state_and_fewer_activations(tiny):
     bf16, coat, fp32 = tiny["rows"]["bf16"], tiny["rows"]["coat"], tiny["rows"]["coat-fp32"]
     assert bf16["optimizer_bytes_per_param"] == pytest.approx(12.0, abs=0.01)  # FP32 main param + FP32 m, v
     states = 2 + 6 * 4 / 128  # FP8 m, v + FP32 scale, k, centre per 128 elements
-    assert coat["optimizer_bytes_per_param"] == pytest.approx(2 + states, abs=0.02)  # int16 low words of the split masters
+    assert coat["optimizer_bytes_per_param"] == pytest.approx(
+        2 + states, abs=0.02
+    )  # int16 low words of the split masters
     assert fp32["optimizer_bytes_per_param"] == pytest.approx(4 + states, abs=0.02)  # an FP32 copy of the masters
     assert coat["optimizer_MiB"] < 0.4 * bf16["optimizer_MiB"]
     assert coat["weights_MiB"] == bf16["weights_MiB"]
-    assert coat["grads_MiB"] == pytest.approx(bf16["grads_MiB"] / 2, rel=0.01)  # BF16 buffers; COAT pads parameter starts to 128, not 64
+    assert coat["grads_MiB"] == pytest.approx(
+        bf16["grads_MiB"] / 2, rel=0.01
+    )  # BF16 buffers; COAT pads parameter starts to 128, not 64
     assert fp32["grads_MiB"] == pytest.approx(bf16["grads_MiB"], rel=0.01)
     assert coat["activations_MiB"] < 0.8 * bf16["activations_MiB"]
-    assert coat["peak_MiB"] == pytest.approx(sum(coat[f"{p}_MiB"] for p in ("weights", "fp8_copies", "grads", "optimizer", "activations")))
+    assert coat["peak_MiB"] == pytest.approx(
+        sum(coat[f"{p}_MiB"] for p in ("weights", "fp8_copies", "grads", "optimizer", "activations"))
+    )
     assert coat["optimizer_MiB"] == pytest.approx(coat["master_weights_MiB"] + coat["states_MiB"])
     for r, grads in ((bf16, 4.0), (coat, 2.0), (fp32, 4.0)):
         b = r["bytes_per_param"]
@@ -118,7 +146,9 @@ def test_default_coat_holds_under_9_5_bytes_per_parameter_between_steps(tiny):
     assert total <= 9.5 and total == pytest.approx(8.2 + linear, abs=0.05)
     md = (tiny["out"] / "tiny.md").read_text()
     budget = md.split("### Bytes per parameter between steps: tiny")[1].split("\n\n")[1].splitlines()
-    assert budget[0].startswith("| mode | CUDA graphs | weights | FP8 copies | grads | master weights | optimizer states | counted |")
+    assert budget[0].startswith(
+        "| mode | CUDA graphs | weights | FP8 copies | grads | master weights | optimizer states | counted |"
+    )
     assert any(line.startswith("| coat | none | 2.00 |") for line in budget), budget
 
 
@@ -169,7 +199,9 @@ def test_summary_states_every_goal(tiny, capsys):
     rows = read_jsonl(tiny["out"] / "summary.jsonl")
     goals = {g["goal"]: g for g in rows if g["kind"] == "goal"}
     assert len({g for g in goals}) >= 8
-    assert goals["per-layer activation memory vs the best BF16"]["note"].startswith("not measured: coat-compare --preset llama2-7b-layer")
+    assert goals["per-layer activation memory vs the best BF16"]["note"].startswith(
+        "not measured: coat-compare --preset llama2-7b-layer"
+    )
     assert goals["llama2-7b trains on one GPU with COAT where BF16 does not fit"]["met"] is None
     assert "## Goals" in capsys.readouterr().out
 
@@ -177,7 +209,17 @@ def test_summary_states_every_goal(tiny, capsys):
 def test_global_batch_accumulates_micro_batches_like_one_large_one(tmp_path):
     """--global-batch 8 at micro-batch 2: four micro-batches per step through Megatron's schedule,
     gradients summed in DDP's buffers, against one micro-batch of 8 on the same windows."""
-    common = ["--preset", "tiny", "--modes", "bf16,coat,coat-fp32-grads", "--steps", "8", "--global-batch", "8", "--no-plots"]
+    common = [
+        "--preset",
+        "tiny",
+        "--modes",
+        "bf16,coat,coat-fp32-grads",
+        "--steps",
+        "8",
+        "--global-batch",
+        "8",
+        "--no-plots",
+    ]
     run_job(*common, "--micro-batch", "2", "--out", str(tmp_path / "acc"))
     run_job(*common, "--micro-batch", "8", "--out", str(tmp_path / "one"))
     acc = {r["mode"]: r for r in read_jsonl(tmp_path / "acc" / "tiny.jsonl") if r["kind"] == "train"}
@@ -194,13 +236,32 @@ def test_global_batch_accumulates_micro_batches_like_one_large_one(tmp_path):
     assert sum(bf16_sum[-3:]) == pytest.approx(sum(fp32_sum[-3:]), rel=0.01), (bf16_sum, fp32_sum)
     assert "| coat | none | 2 | 8 |" in (tmp_path / "acc" / "tiny.md").read_text()
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    bad = subprocess.run([sys.executable, "-m", "coat_compare", "--preset", "tiny", "--micro-batch", "2", "--global-batch", "7"],
-                         capture_output=True, text=True, env=env)
-    assert bad.returncode != 0 and "global batch 7 is not a multiple of micro-batch 2 x DP 1 = 2: use --global-batch 2, 4, 6, 8" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "coat_compare", "--preset", "tiny", "--micro-batch", "2", "--global-batch", "7"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert (
+        bad.returncode != 0
+        and "global batch 7 is not a multiple of micro-batch 2 x DP 1 = 2: use --global-batch 2, 4, 6, 8" in bad.stderr
+    )
 
 
 def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
-    run_job("--preset", "tiny", "--modes", "coat", "--steps", "4", "--cuda-graphs", "none,local,full_iteration", "--out", str(tmp_path), "--no-plots")
+    run_job(
+        "--preset",
+        "tiny",
+        "--modes",
+        "coat",
+        "--steps",
+        "4",
+        "--cuda-graphs",
+        "none,local,full_iteration",
+        "--out",
+        str(tmp_path),
+        "--no-plots",
+    )
     rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
     assert [(r["mode"], r["graphs"]) for r in rows] == [("coat", "none"), ("coat", "local"), ("coat", "full")]
     assert rows[0]["status"] == "ok" and rows[0]["graphs"] == "none"
@@ -208,10 +269,16 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
     md = (tmp_path / "tiny.md").read_text()
     assert "| coat | local | skipped: CUDA graphs need a CUDA GPU |" in md
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    bad = subprocess.run([sys.executable, "-m", "coat_compare", "--cuda-graphs", "none,partial"], capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        [sys.executable, "-m", "coat_compare", "--cuda-graphs", "none,partial"], capture_output=True, text=True, env=env
+    )
     assert bad.returncode == 2 and "unknown CUDA graph configuration 'partial': use none, local, full" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "coat_compare", "--cuda-graphs", "local", "--resume-check", "--dp", "2"],
-                         capture_output=True, text=True, env=env)
+    bad = subprocess.run(
+        [sys.executable, "-m", "coat_compare", "--cuda-graphs", "local", "--resume-check", "--dp", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert bad.returncode == 2 and "drop --cuda-graphs" in bad.stderr
 
 
@@ -251,7 +318,9 @@ def test_a_gpu_preset_on_a_cpu_is_a_skipped_row(tmp_path):
 
 def test_one_search_try_in_a_fresh_process(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    fits = probe_fits(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--seq", "64", "--seed", "1234"], 1, fit_memory_gib=1e-6)
+    fits = probe_fits(
+        ["--preset", "tiny", "--modes", "coat", "--steps", "4", "--seq", "64", "--seed", "1234"], 1, fit_memory_gib=1e-6
+    )
     t = fits(2)
     assert t.result["status"] == "ok" and t.result["micro_batch"] == 2 and len(t.result["losses"]) == 4
     assert all(math.isfinite(x) for x in t.result["losses"]) and t.result["tokens_per_s"] > 0
@@ -270,11 +339,19 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
 
     def fake_probe_fits(args, world_size, fit_memory_gib):
         mode = args[args.index("--modes") + 1]
-        return lambda n: Try(n, n <= limits[mode], "" if n <= limits[mode] else "OOM", {"tokens_per_s": 1000.0 * min(n, 4), "peak_MiB": 10.0 * n})
+        return lambda n: Try(
+            n,
+            n <= limits[mode],
+            "" if n <= limits[mode] else "OOM",
+            {"tokens_per_s": 1000.0 * min(n, 4), "peak_MiB": 10.0 * n},
+        )
 
     monkeypatch.setattr(job, "probe_fits", fake_probe_fits)
     monkeypatch.setattr(parallel, "device_name", lambda: "NVIDIA H100 80GB HBM3")
-    assert job.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"]) == 0
+    assert (
+        job.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
+        == 0
+    )
     rows = read_jsonl(tmp_path / "tiny-search.jsonl")
     by = {r["mode"]: r for r in rows if r["kind"] == "search"}
     assert (by["bf16"]["largest_micro_batch"], by["coat"]["largest_micro_batch"]) == (5, 12)
@@ -285,6 +362,8 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     md = (tmp_path / "tiny-search.md").read_text()
     assert "| coat | none | 12 | 4000 | 1.00 | - | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
     assert all(r["graphs"] == "none" for r in by.values())
-    goal = next(r for r in rows if r["kind"] == "goal" and r["goal"] == "tokens/s at each mode's largest micro-batch vs BF16")
+    goal = next(
+        r for r in rows if r["kind"] == "goal" and r["goal"] == "tokens/s at each mode's largest micro-batch vs BF16"
+    )
     assert (goal["measured"], goal["met"], goal["missed_by"]) == (1.0, False, "33.3% below the target")
     assert not (tmp_path / "tiny-search.partial.jsonl").exists()  # the report replaced the rows kept as they came

@@ -17,7 +17,21 @@ STEPS, GROWTH = 4, 4.0
 def stress(out, *args):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     # a learning rate of ~0: the weights change by the injection alone, so its effect can be measured
-    cmd = [sys.executable, SCRIPT, "--preset", "tiny", "--steps", str(STEPS), "--growth", str(GROWTH), "--lr", "1e-7", "--out", str(out), *args]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--preset",
+        "tiny",
+        "--steps",
+        str(STEPS),
+        "--growth",
+        str(GROWTH),
+        "--lr",
+        "1e-7",
+        "--out",
+        str(out),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "outlier_stress.jsonl").read_text().splitlines()]
@@ -58,7 +72,9 @@ def test_swiglu_injection_grows_the_channels_by_the_factor_in_every_mode(tmp_pat
         assert ratios(run, "weight_other_amax") == pytest.approx([1.0] * (STEPS - 1), rel=2.0**-7)
         # fc1's output in those channels: x GROWTH per step up to the batch-to-batch spread of a maximum
         # over tokens (each step reads another batch); the other channels do not grow
-        assert all(GROWTH / 1.5 < q < GROWTH * 1.5 for q in ratios(run, "out_injected_amax")), ratios(run, "out_injected_amax")
+        assert all(GROWTH / 1.5 < q < GROWTH * 1.5 for q in ratios(run, "out_injected_amax")), ratios(
+            run, "out_injected_amax"
+        )
         first, last = run[0], run[-1]
         assert 0.5 < last["out_other_amax"] / first["out_other_amax"] < 2
         # SwiGLU's output there grows faster than either factor: silu(gate) * up, both halves grown
@@ -67,7 +83,9 @@ def test_swiglu_injection_grows_the_channels_by_the_factor_in_every_mode(tmp_pat
 
         s = summaries[mode]
         assert s["status"] == "ok" and s["steps_run"] == STEPS and s["target"] == "swiglu" and s["inject_layers"] == [1]
-        assert s["first_nonfinite_step"] is None and s["first_blowup_step"] is None and s["skipped_optimizer_steps"] == 0
+        assert (
+            s["first_nonfinite_step"] is None and s["first_blowup_step"] is None and s["skipped_optimizer_steps"] == 0
+        )
         assert s["initial_loss"] == run[0]["loss"] and s["out_injected_amax_last"] == last["out_injected_amax"]
         assert s["final_loss"] == pytest.approx(sum(r["loss"] for r in run) / STEPS)
         assert s["out_past_e5m2_step"] is None and s["seconds"] > 0
@@ -76,7 +94,10 @@ def test_swiglu_injection_grows_the_channels_by_the_factor_in_every_mode(tmp_pat
     # COAT's fc1 output is 1x16 FP8: the measured maximum is its dequantized value, within E4M3's step
     assert steps["coat"][0]["out_injected_amax"] == pytest.approx(steps["bf16"][0]["out_injected_amax"], rel=2.0**-3)
 
-    assert "| mode | status | steps | loss first -> last 10 |" in md and "| injected weight rows max abs first -> last | seconds |" in md
+    assert (
+        "| mode | status | steps | loss first -> last 10 |" in md
+        and "| injected weight rows max abs first -> last | seconds |" in md
+    )
     assert "| bf16 | ok | 4 |" in md and "| coat | ok | 4 |" in md
     assert "| te-fp8-current | skipped: te-fp8-current" in md
     assert "## Per step" in md and "| step | growth | bf16 loss | bf16 act | bf16 SwiGLU | coat loss |" in md
@@ -106,8 +127,17 @@ def test_summary_finds_the_blowup_the_first_non_finite_loss_and_the_range_crossi
     args = stress_script.parse_args(["--blowup", "1.5"])
     losses = [5.0, 4.0, 7.6, float("nan"), float("inf")]
     acts = [10.0, 300.0, 500.0, 6e4, float("nan")]
-    steps = [{"step": i, "loss": x, "finite": math.isfinite(x), "optimizer_stepped": i < 3, "out_injected_amax": a, "out_other_amax": 1.0}
-             for i, (x, a) in enumerate(zip(losses, acts))]
+    steps = [
+        {
+            "step": i,
+            "loss": x,
+            "finite": math.isfinite(x),
+            "optimizer_stepped": i < 3,
+            "out_injected_amax": a,
+            "out_other_amax": 1.0,
+        }
+        for i, (x, a) in enumerate(zip(losses, acts))
+    ]
     s = stress_script.summarize("coat", steps, args)
     assert (s["first_blowup_step"], s["first_nonfinite_step"]) == (2, 3)
     assert (s["out_past_e4m3_step"], s["out_past_e5m2_step"]) == (2, 3)
@@ -115,7 +145,12 @@ def test_summary_finds_the_blowup_the_first_non_finite_loss_and_the_range_crossi
 
 
 def test_bad_arguments_name_the_fix(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, "--preset", "tiny-layer", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--preset", "tiny-layer", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "choose an end-to-end one" in proc.stderr
     stress_script = load_script()
     with pytest.raises(ValueError, match="choose 1 to 128"):

@@ -6,12 +6,12 @@ import io
 import pytest
 import torch
 
-from coat_kernels import quantize_per_group
 from coat_compare.goals import evaluate
 from coat_compare.memory import SavedTensors, tensor_bytes
 from coat_compare.modes import ABLATIONS, DEFAULT_MODES, MODES, parse_modes, unavailable_reason
 from coat_compare.presets import PRESETS, get_preset
 from coat_compare.progress import Progress
+from coat_kernels import quantize_per_group
 from coat_megatron.fp8 import Fp8Tensor
 from coat_megatron.optional import transformer_engine_available
 
@@ -30,7 +30,10 @@ def test_te_modes_name_the_fix_without_te():
     for mode in parse_modes("all"):
         reason = unavailable_reason(mode, "train")
         if mode.needs_transformer_engine:
-            assert reason == f"{mode.name} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
+            assert (
+                reason
+                == f"{mode.name} needs TransformerEngine (not installed, or it does not import): pip install -e '.[te]'"
+            )
         else:
             assert reason is None, mode
     assert "end-to-end presets" in unavailable_reason(MODES["te-fp8-pa"], "layer")
@@ -40,7 +43,12 @@ def test_te_modes_name_the_fix_without_te():
 
 
 def test_presets_are_the_issue_shapes():
-    assert (PRESETS["gpt-1b"].layers, PRESETS["gpt-1b"].hidden, PRESETS["gpt-1b"].ffn, PRESETS["gpt-1b"].heads) == (16, 2048, 5632, 16)
+    assert (PRESETS["gpt-1b"].layers, PRESETS["gpt-1b"].hidden, PRESETS["gpt-1b"].ffn, PRESETS["gpt-1b"].heads) == (
+        16,
+        2048,
+        5632,
+        16,
+    )
     assert (PRESETS["llama2-7b"].layers, PRESETS["llama2-7b"].ffn, PRESETS["llama2-7b"].vocab) == (32, 11008, 32000)
     l3 = PRESETS["llama3-8b-layer"]
     assert (l3.ffn, l3.kv_heads, l3.seq * l3.micro_batch) == (14336, 8, 8192)
@@ -97,9 +105,12 @@ def test_speed_goals_compare_each_family_in_its_fastest_cuda_graph_configuration
     rows = [
         _row("train", "g", mode, family, graphs=graphs, tokens_per_s=tps, peak_MiB=peak, micro_batch=4)
         for mode, family, graphs, tps, peak in [
-            ("bf16", "bf16", "none", 100.0, 1000.0), ("bf16", "bf16", "local", 150.0, 600.0),
-            ("te-fp8-current", "te-fp8", "none", 120.0, 900.0), ("te-fp8-current", "te-fp8", "full", 160.0, 950.0),
-            ("coat", "coat", "none", 90.0, 700.0), ("coat", "coat", "local", 170.0, 760.0),
+            ("bf16", "bf16", "none", 100.0, 1000.0),
+            ("bf16", "bf16", "local", 150.0, 600.0),
+            ("te-fp8-current", "te-fp8", "none", 120.0, 900.0),
+            ("te-fp8-current", "te-fp8", "full", 160.0, 950.0),
+            ("coat", "coat", "none", 90.0, 700.0),
+            ("coat", "coat", "local", 170.0, 760.0),
         ]
     ]
     goals = {g.goal: g for g in evaluate(rows)}
@@ -120,14 +131,37 @@ def test_default_mode_goals_judge_coat_against_the_fastest_configuration_and_whe
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     rows = [
         _row("train", "g", mode, family, tokens_per_s=tps, peak_MiB=peak, micro_batch=4)
-        for mode, family, tps, peak in [("bf16", "bf16", 100.0, 1000.0), ("te-fp8-pa", "te-fp8", 90.0, 800.0),
-                                        ("coat", "coat", 119.0, 520.0), ("coat-cached", "coat", 120.0, 560.0),
-                                        ("coat-act", "coat", 150.0, 900.0)]  # an ablation is no configuration of COAT
+        for mode, family, tps, peak in [
+            ("bf16", "bf16", 100.0, 1000.0),
+            ("te-fp8-pa", "te-fp8", 90.0, 800.0),
+            ("coat", "coat", 119.0, 520.0),
+            ("coat-cached", "coat", 120.0, 560.0),
+            ("coat-act", "coat", 150.0, 900.0),
+        ]  # an ablation is no configuration of COAT
     ] + [
         {**_row("train", "llama2-7b", "bf16", "bf16", micro_batch=2, global_batch=16), "status": "oom", "device": h100},
-        {**_row("train", "llama2-7b", "coat", "coat", micro_batch=2, global_batch=16, tokens_per_s=12400.0, peak_MiB=74000.0), "device": h100},
-        {**_row("train", "llama2-7b", "coat", "coat", micro_batch=4, global_batch=16, reason="out of memory"), "status": "oom", "device": h100},
-        {**_row("train", "llama2-13b", "coat", "coat", micro_batch=2, tokens_per_s=3000.0, peak_MiB=120000.0), "device": h200},
+        {
+            **_row(
+                "train",
+                "llama2-7b",
+                "coat",
+                "coat",
+                micro_batch=2,
+                global_batch=16,
+                tokens_per_s=12400.0,
+                peak_MiB=74000.0,
+            ),
+            "device": h100,
+        },
+        {
+            **_row("train", "llama2-7b", "coat", "coat", micro_batch=4, global_batch=16, reason="out of memory"),
+            "status": "oom",
+            "device": h100,
+        },
+        {
+            **_row("train", "llama2-13b", "coat", "coat", micro_batch=2, tokens_per_s=3000.0, peak_MiB=120000.0),
+            "device": h200,
+        },
     ]
     goals = {g.goal: g for g in evaluate(rows) if g.preset == "g" or "trains" in g.goal}
     assert goals["end-to-end peak memory vs BF16, equal micro-batch"].measured == 0.52
@@ -144,7 +178,9 @@ def test_default_mode_goals_judge_coat_against_the_fastest_configuration_and_whe
     small_batch = [{**r, "global_batch": 2} if r["preset"] == "llama2-7b" else r for r in rows]
     assert {g.goal: g for g in evaluate(small_batch)}["llama2-7b trains with default coat on one 80 GB GPU"].met is None
     on_h200 = [{**r, "device": h200} if r["preset"] == "llama2-7b" else r for r in rows]
-    assert {g.goal: g for g in evaluate(on_h200)}["llama2-7b trains with default coat on one 80 GB GPU"].met is None  # not an H100
+    assert {g.goal: g for g in evaluate(on_h200)}[
+        "llama2-7b trains with default coat on one 80 GB GPU"
+    ].met is None  # not an H100
     # rows of the former name of the default recipe count as the default
     renamed = [{**r, "mode": "coat-mem"} if r["mode"] == "coat" else r for r in rows]
     assert {g.goal: g for g in evaluate(renamed)}["llama2-13b trains with default coat on one 141 GB GPU"].met

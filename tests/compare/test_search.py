@@ -73,18 +73,33 @@ def test_time_limit_keeps_what_is_known():
 
 def test_a_try_runs_this_job_in_a_fresh_process():
     single = probe_command(["--preset", "tiny", "--modes", "coat", "--micro-batch", "8"], world_size=1)
-    assert single == [sys.executable, "-m", "coat_compare", "--preset", "tiny", "--modes", "coat", "--micro-batch", "8", "--probe"]
+    assert single == [
+        sys.executable,
+        "-m",
+        "coat_compare",
+        "--preset",
+        "tiny",
+        "--modes",
+        "coat",
+        "--micro-batch",
+        "8",
+        "--probe",
+    ]
     multi = probe_command(["--tp", "2", "--micro-batch", "4"], world_size=2)
     assert multi[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert multi[5:] == ["-m", "coat_compare", "--tp", "2", "--micro-batch", "4", "--probe"]
 
 
 def test_a_dead_run_is_reported_by_the_line_that_says_why():
-    python = "Traceback (most recent call last):\n  File \"x.py\", line 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n"
+    python = (
+        'Traceback (most recent call last):\n  File "x.py", line 1\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n'
+    )
     assert why_it_died(python) == "torch.OutOfMemoryError: CUDA out of memory. Tried"
-    abort = ("terminate called after throwing an instance of 'c10::Error'\n  what():  CUDA error: operation not permitted\n"
-             "Exception raised from c10_cuda_check_implementation at /c.cpp:43 (most recent call first):\n"
-             "frame #0: <unknown function> + 0x12 (0x7f in /lib/libc.so.6)\n")
+    abort = (
+        "terminate called after throwing an instance of 'c10::Error'\n  what():  CUDA error: operation not permitted\n"
+        "Exception raised from c10_cuda_check_implementation at /c.cpp:43 (most recent call first):\n"
+        "frame #0: <unknown function> + 0x12 (0x7f in /lib/libc.so.6)\n"
+    )
     assert why_it_died(abort) == "what():  CUDA error: operation not permitted"  # not the stack's last frame
     assert why_it_died("step 1\nKilled\n") == "Killed"
     assert why_it_died("") == "no output"

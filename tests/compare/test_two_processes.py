@@ -51,8 +51,18 @@ def _env() -> dict:
 
 
 def run(*args, processes: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes > 1 else [sys.executable]
-    proc = subprocess.run([*launch, "-m", "coat_compare", *args, "--no-plots"], capture_output=True, text=True, timeout=timeout, env=_env())
+    launch = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+        if processes > 1
+        else [sys.executable]
+    )
+    proc = subprocess.run(
+        [*launch, "-m", "coat_compare", *args, "--no-plots"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -62,7 +72,9 @@ def rows(path, kind="train") -> dict:
 
 
 def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tmp_path):
-    proc = run("--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--tp", "2", "--out", str(tmp_path), processes=2)
+    proc = run(
+        "--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--tp", "2", "--out", str(tmp_path), processes=2
+    )
     assert proc.stdout.count("# coat-compare: tiny") == 1  # rank 0 alone reports
     by = rows(tmp_path / "tiny.jsonl")
     bf16, coat = by["bf16"], by["coat"]
@@ -95,15 +107,48 @@ def test_tp2_one_layer_gathers(tmp_path):
 
 
 def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_batch(tmp_path, capsys):
-    run("--preset", "tiny", "--modes", "bf16,coat", "--steps", "6", "--dp", "2", "--micro-batch", "4", "--out", str(tmp_path), "--name", "dp2", processes=2)
-    run("--preset", "tiny", "--modes", "bf16,coat", "--steps", "6", "--micro-batch", "8", "--out", str(tmp_path), "--name", "dp1")
+    run(
+        "--preset",
+        "tiny",
+        "--modes",
+        "bf16,coat",
+        "--steps",
+        "6",
+        "--dp",
+        "2",
+        "--micro-batch",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "dp2",
+        processes=2,
+    )
+    run(
+        "--preset",
+        "tiny",
+        "--modes",
+        "bf16,coat",
+        "--steps",
+        "6",
+        "--micro-batch",
+        "8",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "dp1",
+    )
     two, one = rows(tmp_path / "dp2.jsonl"), rows(tmp_path / "dp1.jsonl")
     for mode in ("bf16", "coat"):
         a, b = two[mode], one[mode]
         assert a["status"] == b["status"] == "ok"
         # each rank holds its half of the main params and states (buckets padded to DP x 128 elements)
         for per_rank in a["optimizer_MiB_per_rank"]:
-            assert per_rank / b["optimizer_MiB"] == pytest.approx(0.5, abs=0.005), (mode, a["optimizer_MiB_per_rank"], b["optimizer_MiB"])
+            assert per_rank / b["optimizer_MiB"] == pytest.approx(0.5, abs=0.005), (
+                mode,
+                a["optimizer_MiB_per_rank"],
+                b["optimizer_MiB"],
+            )
         assert a["optimizer_bytes_per_param"] == pytest.approx(b["optimizer_bytes_per_param"], rel=0.01)
         assert a["losses"] == pytest.approx(b["losses"], abs=DP_LOSS_TOL), mode
         assert a["sp_all_gather_bytes"] == 0 and a["dp_all_gather_bytes"] > 0  # the parameter gather
@@ -117,8 +162,25 @@ def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_
 
 
 def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
-    run("--preset", "tiny", "--modes", "coat", "--steps", "8", "--save-step", "3", "--dp", "2", "--micro-batch", "4",
-        "--resume-check", "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path))
+    run(
+        "--preset",
+        "tiny",
+        "--modes",
+        "coat",
+        "--steps",
+        "8",
+        "--save-step",
+        "3",
+        "--dp",
+        "2",
+        "--micro-batch",
+        "4",
+        "--resume-check",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(tmp_path),
+    )
     (r,) = rows(tmp_path / "tiny-resume.jsonl", "resume").values()
     assert r["status"] == "ok", r
     after = r["losses_uninterrupted"][3:]
@@ -147,7 +209,12 @@ def test_layouts_the_job_cannot_run_name_the_fix(args, message, capsys):
 
 
 def test_tp_x_dp_must_match_the_processes():
-    proc = subprocess.run([sys.executable, "-m", "coat_compare", "--preset", "tiny", "--tp", "2", "--no-plots"],
-                          capture_output=True, text=True, timeout=120, env=_env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "coat_compare", "--preset", "tiny", "--tp", "2", "--no-plots"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
     assert proc.returncode != 0
     assert "launch with torchrun --nproc-per-node 2 -m coat_compare" in proc.stderr

@@ -56,7 +56,9 @@ def test_each_op_saves_its_contract():
     x, wn, w1, w2 = make()
     params = [wn, w1, w2]
     n, s = saved_by(lambda: rmsnorm_to_fp8(x, wn), params)
-    assert sorted(map(str, (t.dtype for t in s))) == sorted(map(str, [torch.float8_e4m3fn, torch.float32, torch.float32]))
+    assert sorted(map(str, (t.dtype for t in s))) == sorted(
+        map(str, [torch.float8_e4m3fn, torch.float32, torch.float32])
+    )
     assert nbytes(s) == T * H + T * H // G * 4 + T * 4
     h, s = saved_by(lambda: fp8_linear(n, w1, fp8_output="swiglu"), params)
     fp8 = [t for t in s if t.dtype == torch.float8_e4m3fn]
@@ -80,7 +82,9 @@ def test_mlp_block_saves_about_a_third_of_bf16():
     params = [wn, w1, w2]
 
     def coat():
-        return fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(x, wn, transpose="recompute"), w1, fp8_output="swiglu")), w2)
+        return fp8_linear(
+            swiglu_fp8(fp8_linear(rmsnorm_to_fp8(x, wn, transpose="recompute"), w1, fp8_output="swiglu")), w2
+        )
 
     def bf16():
         gate, up = (F.rms_norm(x, (H,), wn.to(torch.bfloat16), 1e-5) @ w1.t()).chunk(2, dim=-1)

@@ -231,7 +231,9 @@ def test_whole_mlp_chain_at_llama_13b_width(device, seed):
     yr.backward(dy.float())
 
     ours = [leaf(t, device=device) for t in (x, wn, w1, w2)]
-    y = fp8_linear(swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], fp8_output="swiglu")), ours[3])
+    y = fp8_linear(
+        swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], fp8_output="swiglu")), ours[3]
+    )
     y.backward(dy.to(device))
 
     def rel(a, b):
@@ -239,7 +241,7 @@ def test_whole_mlp_chain_at_llama_13b_width(device, seed):
 
     assert rel(y, yr) <= 0.16
     for mine, theirs in zip(ours, ref):
-        assert rel(mine.grad, theirs.grad) <= 0.26, (rel(mine.grad, theirs.grad))
+        assert rel(mine.grad, theirs.grad) <= 0.26, rel(mine.grad, theirs.grad)
 
 
 def test_norm_output_recompute_for_wgrad_stays_within_one_more_rounding(device, seed):
@@ -251,7 +253,9 @@ def test_norm_output_recompute_for_wgrad_stays_within_one_more_rounding(device, 
     grads = {}
     for mode in ("store", "recompute"):
         wc = leaf(w, device=device)
-        fp8_linear(rmsnorm_to_fp8(leaf(x, device=device), torch.ones(320, device=device), transpose=mode), wc).backward(dy.to(device))
+        fp8_linear(rmsnorm_to_fp8(leaf(x, device=device), torch.ones(320, device=device), transpose=mode), wc).backward(
+            dy.to(device)
+        )
         grads[mode] = wc.grad.float().cpu()
     xf = x.float()
     rstd = 1.0 / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)

@@ -49,11 +49,13 @@ FP32_SLACK = 2.0**-20  # FP32 roundings of x / s (and of the fused ops' arithmet
 _FIELDS = {"e4m3": (3, 7), "e5m2": (2, 15)}  # mantissa bits, exponent bias
 
 
-@pytest.fixture(params=[
-    "interpreter",
-    "reference",
-    pytest.param("cuda", marks=pytest.mark.gpu),
-])
+@pytest.fixture(
+    params=[
+        "interpreter",
+        "reference",
+        pytest.param("cuda", marks=pytest.mark.gpu),
+    ]
+)
 def target(request):
     """(device, backend): the Triton kernels under the interpreter, the torch references, or the GPU."""
     if request.param == "interpreter":
@@ -115,7 +117,9 @@ def check_within_bound(got, x, bound):
     err = (got - x).abs()
     assert torch.isfinite(got).all(), f"{(~torch.isfinite(got)).sum()} non-finite values"
     over = err > bound + FP32_SLACK * x.abs()
-    assert not over.any(), f"{over.sum()} values off by more than the bound, e.g. x={x[over][:3].tolist()} got={got[over][:3].tolist()}"
+    assert not over.any(), (
+        f"{over.sum()} values off by more than the bound, e.g. x={x[over][:3].tolist()} got={got[over][:3].tolist()}"
+    )
 
 
 def check_underflow_rule(got, x, scale, fmt, mask):
@@ -355,7 +359,9 @@ def test_swiglu_to_fp8_outlier(target, shape, seed):
             for c in channels:
                 assert ((got[..., c] - out[..., c]).abs() <= 2e-5 * out[..., c].abs()).all(), a
         ratio = out.abs() / scale.double()
-        settled = ordinary & ((ratio / (MIN_SUBNORMAL["e4m3"] / 2) - 1).abs() > 1e-3)  # SiLU's last bits decide the rest
+        settled = ordinary & (
+            (ratio / (MIN_SUBNORMAL["e4m3"] / 2) - 1).abs() > 1e-3
+        )  # SiLU's last bits decide the rest
         zeros.append(check_underflow_rule(got, out, scale.double(), "e4m3", settled))
     print("fraction of ordinary SwiGLU outputs rounded to 0:", dict(zip(FUSED_MAGNITUDES, zeros)))
     assert zeros == sorted(zeros) and zeros[0] == 0.0 and zeros[-1] == 1.0

@@ -4,9 +4,16 @@ import pytest
 import torch
 
 from coat_kernels import quantize_per_group, quantize_per_tensor
-from coat_megatron.fp8 import weights as weights_module
-from coat_megatron.fp8 import HANDLED_OPS, Fp8Tensor, Fp8WeightCache, fp8_linear, invalidate_weight_caches, rmsnorm_to_fp8
+from coat_megatron.fp8 import (
+    HANDLED_OPS,
+    Fp8Tensor,
+    Fp8WeightCache,
+    fp8_linear,
+    invalidate_weight_caches,
+    rmsnorm_to_fp8,
+)
 from coat_megatron.fp8 import tensor as tensor_module
+from coat_megatron.fp8 import weights as weights_module
 
 
 def per_tensor(shape=(6, 32), seed=0):

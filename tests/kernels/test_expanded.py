@@ -37,7 +37,15 @@ def assert_same_state(a: ExpandedFp8, b: ExpandedFp8):
 
 def on(device, state: ExpandedFp8) -> ExpandedFp8:
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return ExpandedFp8(state.codes.to(device), state.scale.to(device), move(state.k), move(state.center), state.group_size, state.fmt, state.signed)
+    return ExpandedFp8(
+        state.codes.to(device),
+        state.scale.to(device),
+        move(state.k),
+        move(state.center),
+        state.group_size,
+        state.fmt,
+        state.signed,
+    )
 
 
 def off(state: ExpandedFp8) -> ExpandedFp8:
@@ -64,7 +72,9 @@ def test_kernel_matches_reference_bit_for_bit(device, shape, kind, fmt, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_group_sizes_input_dtypes_and_expansion_off(device, expansion, group_size, dtype, seed):
     x = adam_like("m", 3 * group_size + 5, seed).to(dtype)
-    state = off(quantize_expanded(x.to(device), group_size, "e4m3", expansion=expansion, exact_math=True, backend="triton"))
+    state = off(
+        quantize_expanded(x.to(device), group_size, "e4m3", expansion=expansion, exact_math=True, backend="triton")
+    )
     assert_same_state(state, quantize_expanded_reference(x, group_size, "e4m3", expansion=expansion))
     y = dequantize_expanded(on(device, state), exact_math=True, backend="triton").cpu()
     assert torch.equal(y, dequantize_expanded_reference(state))
@@ -194,7 +204,9 @@ def test_large_tensor_on_gpu_matches_reference(kind, fmt, seed):
     state = off(quantize_expanded(x.cuda(), 128, fmt, kind != "v", exact_math=True))
     ref = quantize_expanded_reference(x, 128, fmt, signed=kind != "v")
     assert_same_state(state, ref)
-    assert torch.equal(dequantize_expanded(on("cuda", state), exact_math=True).cpu(), dequantize_expanded_reference(ref))
+    assert torch.equal(
+        dequantize_expanded(on("cuda", state), exact_math=True).cpu(), dequantize_expanded_reference(ref)
+    )
 
 
 def code_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,10 @@ def make_tensors(shapes, m_fmt="e4m3", v_fmt="e4m3", expansion=(True, True), dev
     g = torch.Generator().manual_seed(seed)
     params = [torch.randn(s, generator=g).to(device) for s in shapes]
     m = [ExpandedFp8.zeros(s, group_size=group_size, fmt=m_fmt, expansion=expansion[0], device=device) for s in shapes]
-    v = [ExpandedFp8.zeros(s, group_size=group_size, fmt=v_fmt, signed=False, expansion=expansion[1], device=device) for s in shapes]
+    v = [
+        ExpandedFp8.zeros(s, group_size=group_size, fmt=v_fmt, signed=False, expansion=expansion[1], device=device)
+        for s in shapes
+    ]
     model = [torch.zeros(s, dtype=torch.bfloat16, device=device) for s in shapes]
     return params, m, v, model
 
@@ -21,7 +24,9 @@ def make_tensors(shapes, m_fmt="e4m3", v_fmt="e4m3", expansion=(True, True), dev
 def grads_for(shapes, step, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed * 1000 + step)
     # a shared direction plus noise: m and v develop the structure of real training
-    return [((torch.randn(s, generator=g) + 0.5) * 1e-2 * torch.exp(torch.randn(s, generator=g))).to(dtype) for s in shapes]
+    return [
+        ((torch.randn(s, generator=g) + 0.5) * 1e-2 * torch.exp(torch.randn(s, generator=g))).to(dtype) for s in shapes
+    ]
 
 
 def assert_same(a, b):
@@ -30,7 +35,9 @@ def assert_same(a, b):
     for x, y in zip(pa + wa, pb + wb):
         assert torch.equal(x.cpu(), y.cpu()), f"{(x.cpu() != y.cpu()).sum()} of {x.numel()} weights differ"
     for s, r in zip(ma + va, mb + vb):
-        assert torch.equal(as_bytes(s.codes), as_bytes(r.codes)), f"{(as_bytes(s.codes) != as_bytes(r.codes)).sum()} codes differ"
+        assert torch.equal(as_bytes(s.codes), as_bytes(r.codes)), (
+            f"{(as_bytes(s.codes) != as_bytes(r.codes)).sum()} codes differ"
+        )
         for name in ("scale", "k", "center"):
             x, y = getattr(s, name), getattr(r, name)
             assert (x is None and y is None) or torch.equal(x.cpu(), y.cpu()), name
@@ -39,7 +46,15 @@ def assert_same(a, b):
 def to_device(tensors, device):
     params, m, v, model = tensors
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    states = lambda ss: [ExpandedFp8(s.codes.to(device), s.scale.to(device), move(s.k), move(s.center), s.group_size, s.fmt, s.signed) for s in ss]  # noqa: E731
+
+    def states(ss):
+        return [
+            ExpandedFp8(
+                s.codes.to(device), s.scale.to(device), move(s.k), move(s.center), s.group_size, s.fmt, s.signed
+            )
+            for s in ss
+        ]
+
     return [p.to(device) for p in params], states(m), states(v), [w.to(device) for w in model]
 
 
@@ -50,15 +65,32 @@ SHAPES = [(300,), (64, 65), (128,), (1,), (0,), (5000,)]
 
 @pytest.mark.parametrize(
     "m_fmt,v_fmt,expansion",
-    [("e4m3", "e4m3", (True, True)), ("e4m3", "e5m2", (True, True)), ("e4m3", "e4m3", (False, False)), ("e5m2", "e4m3", (True, False))],
+    [
+        ("e4m3", "e4m3", (True, True)),
+        ("e4m3", "e5m2", (True, True)),
+        ("e4m3", "e4m3", (False, False)),
+        ("e5m2", "e4m3", (True, False)),
+    ],
 )
 def test_fused_step_matches_reference_bit_for_bit(device, m_fmt, v_fmt, expansion, seed):
     ref = make_tensors(SHAPES, m_fmt, v_fmt, expansion, seed=seed)
     dut = to_device(copy.deepcopy(ref), device)
     for step in (1, 2, 3):
         grads = grads_for(SHAPES, step, seed)
-        u_dut = fp8_adamw_step(dut[0], [g.to(device) for g in grads], dut[1], dut[2], model_params=dut[3], step=step, exact_math=True, backend="triton", **HYPER)
-        u_ref = fp8_adamw_step(ref[0], grads, ref[1], ref[2], model_params=ref[3], step=step, backend="reference", **HYPER)
+        u_dut = fp8_adamw_step(
+            dut[0],
+            [g.to(device) for g in grads],
+            dut[1],
+            dut[2],
+            model_params=dut[3],
+            step=step,
+            exact_math=True,
+            backend="triton",
+            **HYPER,
+        )
+        u_ref = fp8_adamw_step(
+            ref[0], grads, ref[1], ref[2], model_params=ref[3], step=step, backend="reference", **HYPER
+        )
         assert_same(dut, ref)
         assert torch.equal(u_dut.cpu(), u_ref)
     assert not torch.equal(ref[1][0].codes.view(torch.uint8), torch.zeros(300, dtype=torch.uint8))
@@ -70,7 +102,9 @@ def test_bf16_grads_and_no_model_copy(device, seed):
     dut = to_device(copy.deepcopy(ref), device)
     for step in (1, 2):
         grads = grads_for(shapes, step, seed, torch.bfloat16)
-        fp8_adamw_step(dut[0], [g.to(device) for g in grads], dut[1], dut[2], step=step, exact_math=True, backend="triton", **HYPER)
+        fp8_adamw_step(
+            dut[0], [g.to(device) for g in grads], dut[1], dut[2], step=step, exact_math=True, backend="triton", **HYPER
+        )
         fp8_adamw_step(ref[0], grads, ref[1], ref[2], step=step, backend="reference", **HYPER)
     assert_same(dut[:3] + ([],), ref[:3] + ([],))
     assert all((w == 0).all() for w in dut[3])  # no model params given: nothing written
@@ -83,7 +117,13 @@ def test_first_step_equals_torch_adamw(seed):
     torch_params = [p.clone().requires_grad_() for p in params]
     grads = grads_for(shapes, 1, seed)
     fp8_adamw_step(params, grads, m, v, model_params=model, step=1, **HYPER)
-    opt = torch.optim.AdamW(torch_params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
+    opt = torch.optim.AdamW(
+        torch_params,
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
     for p, g in zip(torch_params, grads):
         p.grad = g.clone()
     opt.step()
@@ -163,7 +203,17 @@ def test_fast_math_step_stays_close_to_the_reference(device, seed):
 
     for step in (1, 2, 3):
         grads = grads_for(shapes, step, seed)
-        fp8_adamw_step(dut[0], [g.to(device) for g in grads], dut[1], dut[2], model_params=dut[3], step=step, exact_math=False, backend="triton", **HYPER)
+        fp8_adamw_step(
+            dut[0],
+            [g.to(device) for g in grads],
+            dut[1],
+            dut[2],
+            model_params=dut[3],
+            step=step,
+            exact_math=False,
+            backend="triton",
+            **HYPER,
+        )
         fp8_adamw_step(ref[0], grads, ref[1], ref[2], model_params=ref[3], step=step, backend="reference", **HYPER)
         for moment in (1, 2):  # all tensors' groups together, so that a small tensor weighs little
             k_dut, k_ref = cat(dut[moment], "k"), cat(ref[moment], "k")
@@ -189,7 +239,12 @@ def test_fast_math_step_stays_close_to_the_reference(device, seed):
             assert close.float().mean() >= 0.95, (~close).sum()
             steps = code_steps(cat(dut[moment], "codes"), cat(ref[moment], "codes"))
             if step == 1:  # identical inputs: where k agrees, codes differ only at rounding midpoints
-                in_same_k = torch.cat([(st_d.k.cpu() == st_r.k).repeat_interleave(128)[: st_r.codes.numel()] for st_d, st_r in zip(dut[moment], ref[moment])])
+                in_same_k = torch.cat(
+                    [
+                        (st_d.k.cpu() == st_r.k).repeat_interleave(128)[: st_r.codes.numel()]
+                        for st_d, st_r in zip(dut[moment], ref[moment])
+                    ]
+                )
                 steps = steps[in_same_k]
                 assert steps.max() <= 1 and (steps > 0).float().mean() <= 2e-3, ((steps > 0).sum(), steps.max())
             else:

@@ -22,8 +22,23 @@ def patterns(*values: int) -> torch.Tensor:
 # both rounding ties of an even and an odd BF16 pattern, either sign; zeros, subnormals, the
 # largest finite FP32 below the BF16 overflow threshold, a carry into the exponent (0x3F7FFFFF)
 EDGES = patterns(
-    0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x3F807FFF, 0x3F80FFFF, 0x3F7FFFFF, 0xBF7FFFFF,
-    0x00000000, 0x80000000, 0x00000001, 0x80000001, 0x00008000, 0x80008000, 0x007FFFFF, 0x7F7F7FFF, 0xFF7F7FFF,
+    0x3F808000,
+    0x3F818000,
+    0xBF808000,
+    0xBF818000,
+    0x3F807FFF,
+    0x3F80FFFF,
+    0x3F7FFFFF,
+    0xBF7FFFFF,
+    0x00000000,
+    0x80000000,
+    0x00000001,
+    0x80000001,
+    0x00008000,
+    0x80008000,
+    0x007FFFFF,
+    0x7F7F7FFF,
+    0xFF7F7FFF,
 )
 
 
@@ -43,7 +58,7 @@ def test_split_and_join_are_bit_exact_and_the_high_half_is_a_nearest_bf16(seed):
     assert torch.equal(err[finite], err_rne[finite])
     differs = (hi != x.bfloat16()) & finite
     assert ((bits(x)[differs] & 0xFFFF) == 0x8000).all(), "the high half differs from RNE only at exact ties"
-    assert differs.any() and hi[-len(EDGES):][0].view(torch.int16) == 0x3F81  # the even tie rounded away from zero
+    assert differs.any() and hi[-len(EDGES) :][0].view(torch.int16) == 0x3F81  # the even tie rounded away from zero
 
 
 def test_join_checks_its_inputs():
@@ -71,8 +86,17 @@ def test_step_on_split_masters_equals_the_step_on_fp32_masters_over_many_steps(d
         grads = grads_for(SHAPES, step, seed, grad_dtype)
         fp8_adamw_step(fp32[0], grads, fp32[1], fp32[2], model_params=fp32[3], step=step, backend="reference", **HYPER)
         fp8_adamw_step(his, grads, split[1], split[2], master_lows=los, step=step, backend="reference", **HYPER)
-        fp8_adamw_step(his_dut, [g.to(device) for g in grads], split_dut[1], split_dut[2], master_lows=los_dut, step=step,
-                       exact_math=True, backend="triton", **HYPER)
+        fp8_adamw_step(
+            his_dut,
+            [g.to(device) for g in grads],
+            split_dut[1],
+            split_dut[2],
+            master_lows=los_dut,
+            step=step,
+            exact_math=True,
+            backend="triton",
+            **HYPER,
+        )
         for p, h, lo, hd, ld in zip(fp32[0], his, los, his_dut, los_dut):
             assert torch.equal(bits(join_master(h, lo)), bits(p)), step
             assert torch.equal(hd.cpu().view(torch.int16), h.view(torch.int16)) and torch.equal(ld.cpu(), lo), step

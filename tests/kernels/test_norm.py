@@ -16,8 +16,14 @@ def weights(n, kind, seed):
 
 def run_forward(device, x, w, b, kind, group_size=16, out_fmt="e4m3"):
     r = norm_to_fp8(
-        x.to(device), w.to(device), None if b is None else b.to(device), eps=1e-5, kind=kind, group_size=group_size,
-        out_fmt=out_fmt, backend="triton",
+        x.to(device),
+        w.to(device),
+        None if b is None else b.to(device),
+        eps=1e-5,
+        kind=kind,
+        group_size=group_size,
+        out_fmt=out_fmt,
+        backend="triton",
     )
     return type(r)(*(t.cpu() if t is not None else None for t in r))
 
@@ -51,12 +57,18 @@ def test_a_bf16_weight_is_read_as_its_fp32_value(device, kind, seed):
     half = run_forward(device, x, w16, b16, kind)
     full = run_forward(device, x, w16.float(), None if b16 is None else b16.float(), kind)
     for a, c in zip(half, full):
-        assert (a is None and c is None) or torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a, c.view(torch.uint8) if c.dtype.itemsize == 1 else c)
+        assert (a is None and c is None) or torch.equal(
+            a.view(torch.uint8) if a.dtype.itemsize == 1 else a, c.view(torch.uint8) if c.dtype.itemsize == 1 else c
+        )
     dy = random_activations((37, 160), seed=seed + 1)
     args = (half.x_q.to(device), half.x_scales.to(device))
     stats = (None if half.mean is None else half.mean.to(device), half.rstd.to(device))
-    g16 = norm_backward(dy.to(device), *args, w16.to(device), *stats, group_size=16, has_bias=b is not None, backend="triton")
-    g32 = norm_backward(dy.to(device), *args, w16.float().to(device), *stats, group_size=16, has_bias=b is not None, backend="triton")
+    g16 = norm_backward(
+        dy.to(device), *args, w16.to(device), *stats, group_size=16, has_bias=b is not None, backend="triton"
+    )
+    g32 = norm_backward(
+        dy.to(device), *args, w16.float().to(device), *stats, group_size=16, has_bias=b is not None, backend="triton"
+    )
     for a, c in zip(g16, g32):
         assert (a is None and c is None) or torch.equal(a, c)
 
@@ -90,7 +102,13 @@ def test_backward_matches_reference(device, kind, shape, seed):
     r = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
     dy = random_activations(shape, seed=seed + 1, outliers=False)
     args = (r.x_q, r.x_scales, w, r.mean, r.rstd)
-    got = norm_backward(dy.to(device), *(a.to(device) if a is not None else None for a in args), group_size=16, has_bias=b is not None, backend="triton")
+    got = norm_backward(
+        dy.to(device),
+        *(a.to(device) if a is not None else None for a in args),
+        group_size=16,
+        has_bias=b is not None,
+        backend="triton",
+    )
     want = norm_backward_reference(dy, *args, group_size=16, has_bias=b is not None, dx_dtype=torch.bfloat16)
     assert got[0].dtype == torch.bfloat16 and got[0].shape == x.shape
     # FP32 sums in another order, then dx rounded to BF16: within 2 BF16 ulps
@@ -102,7 +120,9 @@ def test_backward_matches_reference(device, kind, shape, seed):
 
 def test_bad_arguments_name_the_fix():
     x = torch.randn(4, 40)
-    with pytest.raises(ValueError, match="hidden size 40 is not a multiple of the FP8 group size 16; use --coat-group-size"):
+    with pytest.raises(
+        ValueError, match="hidden size 40 is not a multiple of the FP8 group size 16; use --coat-group-size"
+    ):
         norm_to_fp8(x, torch.ones(40), eps=1e-5)
     with pytest.raises(ValueError, match="RMSNorm has no bias"):
         norm_to_fp8(torch.randn(4, 32), torch.ones(32), torch.zeros(32), eps=1e-5)
@@ -121,4 +141,8 @@ def test_quantize_pass_alone_with_given_stats(device, kind, seed):
     r = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
     args = [t.to(device) if t is not None else None for t in (x, w, b, r.mean, r.rstd, r.amax)]
     q, scale, q_t = (t.cpu() for t in norm_quantize(*args, transpose=True, backend="triton"))
-    assert torch.equal(scale, r.scale) and torch.equal(as_bytes(q), as_bytes(r.q)) and torch.equal(as_bytes(q_t), as_bytes(r.q_t))
+    assert (
+        torch.equal(scale, r.scale)
+        and torch.equal(as_bytes(q), as_bytes(r.q))
+        and torch.equal(as_bytes(q_t), as_bytes(r.q_t))
+    )

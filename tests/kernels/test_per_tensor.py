@@ -116,11 +116,16 @@ def test_strided_rows_and_rejected_layouts(device):
     view = base[1:8, 3:67]
     out = quantize_on(device, view, "e4m3", transpose=True)
     ref = quantize_per_tensor_reference(view.contiguous(), "e4m3", transpose=True)
-    assert all(torch.equal(as_bytes(a) if a.dtype != torch.float32 else a, as_bytes(b) if b.dtype != torch.float32 else b) for a, b in zip(out, ref))
+    assert all(
+        torch.equal(as_bytes(a) if a.dtype != torch.float32 else a, as_bytes(b) if b.dtype != torch.float32 else b)
+        for a, b in zip(out, ref)
+    )
     with pytest.raises(ValueError, match=r"contiguous\(\)"):
         quantize_per_tensor(torch.randn(16, 8, device=device).t(), "e4m3", backend="triton")
     with pytest.raises(ValueError, match="amax must be a non-empty float32"):
-        quantize_per_tensor(torch.randn(4, 4, device=device), "e4m3", amax=torch.ones(1, dtype=torch.float64, device=device))
+        quantize_per_tensor(
+            torch.randn(4, 4, device=device), "e4m3", amax=torch.ones(1, dtype=torch.float64, device=device)
+        )
     with pytest.raises(ValueError, match="use 'e4m3'"):
         quantize_per_tensor(torch.randn(4, 4), "fp8")
 

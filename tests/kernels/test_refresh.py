@@ -35,7 +35,9 @@ def check_against_reference(x, fmt, q, q_t, scale):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_refresh_equals_quantize_per_tensor_and_runs_only_when_stale(device, shape, fmt, dtype, backend, seed):
     if backend == "reference" and device.type == "cuda":
-        pytest.skip("the torch reference is bit-exact on the CPU (on CUDA torch divides by a scalar through its reciprocal)")
+        pytest.skip(
+            "the torch reference is bit-exact on the CPU (on CUDA torch divides by a scalar through its reciprocal)"
+        )
     x = random_activations(shape, dtype, seed=seed).to(device)
     q, q_t, scale, amax = buffers(shape, fmt, dtype == torch.bfloat16, device)
     generation = torch.full((), -1, dtype=torch.int64, device=device)
@@ -55,7 +57,9 @@ def test_refresh_equals_quantize_per_tensor_and_runs_only_when_stale(device, sha
     check_against_reference(y, fmt, q, q_t, scale)
     assert generation.item() == 1 and amax.item() == 0.0
     # forced: remade although the generations agree
-    refresh_per_tensor_copy(x, q, scale, amax, q_t=q_t, generation=generation, current=current, force=True, backend=backend)
+    refresh_per_tensor_copy(
+        x, q, scale, amax, q_t=q_t, generation=generation, current=current, force=True, backend=backend
+    )
     check_against_reference(x, fmt, q, q_t, scale)
 
 
@@ -92,7 +96,9 @@ def test_a_captured_refresh_replays_only_after_the_generation_moves(seed):
     q, q_t, scale, amax = buffers((384, 1000), "e4m3", True, "cuda")
     generation = torch.full((), -1, dtype=torch.int64, device="cuda")
     current = torch.zeros((), dtype=torch.int64, device="cuda")
-    refresh_per_tensor_copy(x, q, scale, amax, q_t=q_t, generation=generation, current=current)  # compile outside the capture
+    refresh_per_tensor_copy(
+        x, q, scale, amax, q_t=q_t, generation=generation, current=current
+    )  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

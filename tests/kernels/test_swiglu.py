@@ -52,7 +52,11 @@ def test_transposed_recompute_is_bit_identical(device, seed):
     h_q, h_s = h_q.to(device), h_s.to(device)
     full = swiglu_to_fp8(h_q, h_s, 16, transpose=True, backend="triton")
     again = swiglu_to_fp8(h_q, h_s, 16, transpose=True, amax=full.amax, store_q=False, backend="triton")
-    assert again.q is None and torch.equal(as_bytes(again.q_t), as_bytes(full.q_t)) and torch.equal(again.scale, full.scale)
+    assert (
+        again.q is None
+        and torch.equal(as_bytes(again.q_t), as_bytes(full.q_t))
+        and torch.equal(again.scale, full.scale)
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)

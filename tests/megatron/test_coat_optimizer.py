@@ -34,7 +34,7 @@ def _stock_layout_cutting_a_group(module, ddp_config) -> FullParamLayout:
     (the bucket's middle) falls 64 elements into a 128-element group of some parameter."""
     params = [p for p in module.parameters() if p.requires_grad]
     layout = DistributedOptimizer.compute_full_param_layout(params, None, 2, ddp_config)
-    (key, buffer), = layout.layouts.items()
+    ((key, buffer),) = layout.layouts.items()
     last_end = max(t for _, t, _ in buffer.param_index_map.values())
     for s, t, _ in sorted(buffer.param_index_map.values()):
         edge = s + 64
@@ -42,25 +42,56 @@ def _stock_layout_cutting_a_group(module, ddp_config) -> FullParamLayout:
             edge += G
         if edge < t:
             break
-    buffer = PerBufferParamLayout(buffer.param_index_map, [(0, 2 * edge)], buffer.per_bucket_numel_unpadded, buffer.param_indices, buffer.num_optimizer_shards)
+    buffer = PerBufferParamLayout(
+        buffer.param_index_map,
+        [(0, 2 * edge)],
+        buffer.per_bucket_numel_unpadded,
+        buffer.param_indices,
+        buffer.num_optimizer_shards,
+    )
     return FullParamLayout({key: buffer})
 
 
-def _build(*, seed: int = 0, coat: bool = True, coat_layout: bool = True, loss_scale: float | None = None, cut_groups: bool = False, dtype=torch.bfloat16, device="cpu",
-           master_weights: str = "fp32", grad_fp32: bool | None = None, clip_grad: float = 1.0):
+def _build(
+    *,
+    seed: int = 0,
+    coat: bool = True,
+    coat_layout: bool = True,
+    loss_scale: float | None = None,
+    cut_groups: bool = False,
+    dtype=torch.bfloat16,
+    device="cpu",
+    master_weights: str = "fp32",
+    grad_fp32: bool | None = None,
+    clip_grad: float = 1.0,
+):
     module = tiny_gpt(tiny_config(params_dtype=dtype), seed=seed).to(device)
     grad_fp32 = master_weights == "fp32" if grad_fp32 is None else grad_fp32
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True
+    )
     layout = coat_param_layout(module, ddp_config) if coat_layout else None
     if cut_groups:
         layout = _stock_layout_cutting_a_group(module, ddp_config)
-    model = DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module, full_param_layout=layout)
+    model = DistributedDataParallel(
+        config=module.config, ddp_config=ddp_config, module=module, full_param_layout=layout
+    )
     module.config.finalize_model_grads_func = finalize_model_grads
     config = OptimizerConfig(
-        optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=clip_grad, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-        use_distributed_optimizer=True, loss_scale=loss_scale,
+        optimizer="adam",
+        lr=1e-2,
+        weight_decay=0.01,
+        clip_grad=clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=True,
+        loss_scale=loss_scale,
     )
-    optimizer = get_coat_optimizer(config, [model], CoatConfig(master_weights=master_weights)) if coat else get_megatron_optimizer(config, [model])
+    optimizer = (
+        get_coat_optimizer(config, [model], CoatConfig(master_weights=master_weights))
+        if coat
+        else get_megatron_optimizer(config, [model])
+    )
     if loss_scale:
         module.config.grad_scale_func = optimizer.scale_loss
     return model, optimizer
@@ -79,7 +110,9 @@ def _load(directory: str, model, optimizer, sharding_type: str = "dp_reshardable
     """Load a dist checkpoint the way megatron.training does. COAT needs nothing else; Megatron's
     own optimizer with torch's Adam needs the step fixes of tiny_gpt.load_checkpoint (see there)
     and one more for fully_reshardable (below)."""
-    adam = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if not isinstance(o, CoatDistributedOptimizer)]
+    adam = [
+        o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if not isinstance(o, CoatDistributedOptimizer)
+    ]
     for opt in adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()
@@ -87,7 +120,9 @@ def _load(directory: str, model, optimizer, sharding_type: str = "dp_reshardable
         # key, 'step' included, from the checkpoint's tensors, which have none (KeyError: 'step');
         # with TE or apex Adam there is no per-param step. Mark it as not a tensor: it is skipped.
         set_states = opt._set_main_param_and_optimizer_states
-        opt._set_main_param_and_optimizer_states = lambda p, tensors, set_states=set_states: set_states(p, {"step": None, **tensors})
+        opt._set_main_param_and_optimizer_states = lambda p, tensors, set_states=set_states: set_states(
+            p, {"step": None, **tensors}
+        )
     state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), directory)
     model.module.load_state_dict(state["model"])
     with torch.no_grad():
@@ -106,7 +141,9 @@ def _shards(optimizer) -> dict[str, dict]:
         state = optimizer.optimizer.state[main]
         tensors = {"param": optimizer._main_fp32(main).detach().clone()}  # joined when the masters are split
         tensors.update({k: state[k].clone() for k in CoatDistributedOptimizer._state_keys(state)})
-        out[optimizer._coat_names()[model_param]] = dict(start=start, end=end, numel=model_param.numel(), tensors=tensors, step=float(state["step"]))
+        out[optimizer._coat_names()[model_param]] = dict(
+            start=start, end=end, numel=model_param.numel(), tensors=tensors, step=float(state["step"])
+        )
     return out
 
 
@@ -161,7 +198,9 @@ def test_states_do_not_depend_on_the_dp_size_and_the_stock_layout_is_refused():
     name = next(n for n in full1 if full1[n]["param"].numel() > G)
     m, _ = _fp32_moments(name, full1[name]["param"].numel())
     ref = quantize_expanded(m, G, "e4m3")
-    assert torch.equal(full1[name]["exp_avg.codes"], ref.codes.view(torch.uint8)) and torch.equal(full1[name]["exp_avg.k"], ref.k)
+    assert torch.equal(full1[name]["exp_avg.codes"], ref.codes.view(torch.uint8)) and torch.equal(
+        full1[name]["exp_avg.k"], ref.k
+    )
     for r in dp2:
         assert r["stock_layout_error"] is not None and "coat_param_layout" in r["stock_layout_error"]
 
@@ -175,7 +214,9 @@ def _train(coat: bool, steps: int, dtype=torch.bfloat16) -> dict:
         # the fused step wrote the BF16 model weights; the all-gather spread them to every rank
         inner = _inner(optimizer)
         for model_param, main, start, end in inner._coat_shards():
-            assert torch.equal(model_param.detach().view(-1)[start:end], main.to(dtype)), inner._coat_names()[model_param]
+            assert torch.equal(model_param.detach().view(-1)[start:end], main.to(dtype)), inner._coat_names()[
+                model_param
+            ]
         out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         out["telemetry"] = coat_telemetry(optimizer)
         out["state_bytes"] = inner.optimizer.state_bytes()
@@ -200,7 +241,9 @@ def test_coat_trains_like_megatron_adam_at_dp2_and_dp1():
     assert 1 / 16 <= t["m_k_min"] <= t["m_k_mean"] <= t["m_k_max"] <= 16 and 1 <= t["v_k_mean"] <= 16
     assert 0 <= t["m_underflow_fraction"] < 0.05 and 0 <= t["v_underflow_fraction"] < 0.05
     for r in coat2:  # each rank holds the states of its shard only: about 2.19 bytes per element
-        assert r["state_bytes"] <= 2.3 * r["shard_numel"] and r["shard_numel"] < 0.6 * sum(p.numel() for p in r["params"].values())
+        assert r["state_bytes"] <= 2.3 * r["shard_numel"] and r["shard_numel"] < 0.6 * sum(
+            p.numel() for p in r["params"].values()
+        )
 
 
 def test_fp32_model_params_are_their_own_main_params():
@@ -236,7 +279,14 @@ def _resume(directory: str) -> dict:
     _load(directory, model, optimizer)
     loaded = _shards(optimizer)
     resumed = [train_step(model, optimizer, batches) for _ in range(3)]
-    return dict(saved=saved, loaded=loaded, expected=expected, resumed=resumed, expected_states=expected_states, resumed_states=_shards(optimizer))
+    return dict(
+        saved=saved,
+        loaded=loaded,
+        expected=expected,
+        resumed=resumed,
+        expected_states=expected_states,
+        resumed_states=_shards(optimizer),
+    )
 
 
 def _assert_same_shards(a: dict, b: dict):
@@ -312,7 +362,14 @@ def _non_finite_step(bad: str) -> dict:
     after = _shards(optimizer)
     unchanged_weights = all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
     next_ok = train_step(model, optimizer, batches)  # raises if skipped
-    return dict(ok=ok, before=before, after=after, unchanged_weights=unchanged_weights, next_loss=next_ok, scale=optimizer.get_loss_scale().item())
+    return dict(
+        ok=ok,
+        before=before,
+        after=after,
+        unchanged_weights=unchanged_weights,
+        next_loss=next_ok,
+        scale=optimizer.get_loss_scale().item(),
+    )
 
 
 @pytest.mark.parametrize("bad", ["inf", "nan"])
@@ -345,7 +402,11 @@ def _export_to_megatron_adam(directory: str, master_weights: str = "fp32") -> di
     loaded = {}
     for model_param, main, _, _ in CoatDistributedOptimizer._coat_shards(adam_inner):
         state = adam_inner.optimizer.state[main]
-        loaded[names[model_param]] = {"param": main.detach().clone(), "exp_avg": state["exp_avg"].clone(), "exp_avg_sq": state["exp_avg_sq"].clone()}
+        loaded[names[model_param]] = {
+            "param": main.detach().clone(),
+            "exp_avg": state["exp_avg"].clone(),
+            "exp_avg_sq": state["exp_avg_sq"].clone(),
+        }
     adam_after = [train_step(model, adam, batches) for _ in range(2)]
     return dict(fp32=fp32, loaded=loaded, coat_after=coat_after, adam_after=adam_after)
 
@@ -378,13 +439,20 @@ def _import_from_megatron_adam(directory: str) -> dict:
     names = CoatDistributedOptimizer._coat_names(adam_inner)
     for model_param, main, start, _ in CoatDistributedOptimizer._coat_shards(adam_inner):
         state = adam_inner.optimizer.state[main]
-        adam_fp32[names[model_param]] = dict(start=start, exp_avg=state["exp_avg"].clone(), exp_avg_sq=state["exp_avg_sq"].clone())
+        adam_fp32[names[model_param]] = dict(
+            start=start, exp_avg=state["exp_avg"].clone(), exp_avg_sq=state["exp_avg_sq"].clone()
+        )
     adam_after = [train_step(model, adam, batches) for _ in range(2)]
 
     model, optimizer = _build(seed=1)
     _load(directory, model, optimizer, "fully_reshardable")
     coat = _shards(optimizer)
-    return dict(adam_fp32=adam_fp32, coat=coat, adam_after=adam_after, coat_after=[train_step(model, optimizer, batches) for _ in range(2)])
+    return dict(
+        adam_fp32=adam_fp32,
+        coat=coat,
+        adam_after=adam_after,
+        coat_after=[train_step(model, optimizer, batches) for _ in range(2)],
+    )
 
 
 def test_fp32_import_from_megatron_adam(tmp_path):
@@ -400,7 +468,9 @@ def test_fp32_import_from_megatron_adam(tmp_path):
             whole = torch.cat([p[moment] for p in pieces])
             ref = quantize_expanded(whole, G, "e4m3", signed)
             assert torch.equal(coat[name][f"{moment}.codes"], ref.codes.view(torch.uint8)), (name, moment)
-            assert torch.equal(coat[name][f"{moment}.scale"], ref.scale) and torch.equal(coat[name][f"{moment}.k"], ref.k)
+            assert torch.equal(coat[name][f"{moment}.scale"], ref.scale) and torch.equal(
+                coat[name][f"{moment}.k"], ref.k
+            )
     assert all(s["step"] == 2 for r in ranks for s in r["coat"].values())
     assert ranks[0]["coat_after"] == pytest.approx(ranks[0]["adam_after"], abs=0.02)
 
@@ -423,7 +493,10 @@ def _train_masters(master_weights: str, grad_fp32: bool, steps: int) -> dict:
         master_bytes=inner.optimizer.master_bytes(),
         shard_numel=sum(end - start for _, _, start, end in inner._coat_shards()),
         # the optimizer's BF16 params are the model's own shards: views of DDP's parameter buffer
-        in_param_buffer=all(p.untyped_storage().data_ptr() == model.buffers[0].param_data.untyped_storage().data_ptr() for p in opt_params),
+        in_param_buffer=all(
+            p.untyped_storage().data_ptr() == model.buffers[0].param_data.untyped_storage().data_ptr()
+            for p in opt_params
+        ),
     )
 
 
@@ -442,7 +515,10 @@ def test_split_master_weights_train_like_fp32_masters_with_2_bytes_per_parameter
     for r in split2:
         assert r["param_dtypes"] == {torch.bfloat16} and r["grad_dtypes"] == {torch.bfloat16} and r["in_param_buffer"]
         # FP8 states (2.19 bytes) and the master's low word (2 bytes) per element of this rank's shard
-        assert 2.1 * r["shard_numel"] <= r["state_bytes"] <= 2.3 * r["shard_numel"] and r["master_bytes"] == 2 * r["shard_numel"]
+        assert (
+            2.1 * r["shard_numel"] <= r["state_bytes"] <= 2.3 * r["shard_numel"]
+            and r["master_bytes"] == 2 * r["shard_numel"]
+        )
     assert standard["param_dtypes"] == {torch.float32}
     for name, p in split2[0]["params"].items():
         assert torch.equal(p, split2[1]["params"][name]), name
@@ -473,7 +549,15 @@ def _split_checkpoint(directory: str) -> dict:
     loaded_fp32 = _shards(optimizer)
     train_step(model, optimizer, batches)
     after_fp32 = _shards(optimizer)
-    return dict(saved=saved, loaded_split=loaded_split, loaded_fp32=loaded_fp32, after_split=after_split, after_fp32=after_fp32, expected=expected, resumed=resumed)
+    return dict(
+        saved=saved,
+        loaded_split=loaded_split,
+        loaded_fp32=loaded_fp32,
+        after_split=after_split,
+        after_fp32=after_fp32,
+        expected=expected,
+        resumed=resumed,
+    )
 
 
 def test_split_masters_checkpoint_resumes_and_steps_bit_exactly_like_fp32_masters(tmp_path):
@@ -483,7 +567,9 @@ def test_split_masters_checkpoint_resumes_and_steps_bit_exactly_like_fp32_master
         _assert_same_shards(r["saved"], r["loaded_fp32"])  # the checkpoint holds FP32 masters either way
         _assert_same_shards(r["after_split"], r["after_fp32"])
         assert r["resumed"] == r["expected"]
-        assert any((s["tensors"]["param"] != s["tensors"]["param"].bfloat16().float()).any() for s in r["saved"].values())
+        assert any(
+            (s["tensors"]["param"] != s["tensors"]["param"].bfloat16().float()).any() for s in r["saved"].values()
+        )
     meta = dist_checkpointing.load_tensors_metadata(str(tmp_path))
     assert all(v.dtype == torch.float32 for k, v in meta.items() if k.endswith(".param") and k.startswith("optimizer."))
 
@@ -500,7 +586,10 @@ def test_split_masters_with_fp32_gradient_buffers_train_like_fp32_masters():
     assert losses == pytest.approx(standard["losses"], abs=0.01), (losses, standard["losses"])
     for r in split:
         assert r["param_dtypes"] == {torch.bfloat16} and r["grad_dtypes"] == {torch.float32} and r["in_param_buffer"]
-        assert 2.1 * r["shard_numel"] <= r["state_bytes"] <= 2.3 * r["shard_numel"] and r["master_bytes"] == 2 * r["shard_numel"]
+        assert (
+            2.1 * r["shard_numel"] <= r["state_bytes"] <= 2.3 * r["shard_numel"]
+            and r["master_bytes"] == 2 * r["shard_numel"]
+        )
 
 
 def _gpu_train_save_resume(directory: str, master_weights: str = "fp32") -> dict:
@@ -512,12 +601,21 @@ def _gpu_train_save_resume(directory: str, master_weights: str = "fp32") -> dict
     expected = [train_step(model, optimizer, batches) for _ in range(2)]
     # the fused step wrote the BF16 weights (split masters: their high halves, nearest with ties away from zero)
     as_bf16 = (lambda x: split_master(x)[0]) if master_weights == "split" else (lambda x: x.to(torch.bfloat16))  # noqa: E731
-    bf16_written = all(torch.equal(p.detach().view(-1)[s:e], as_bf16(inner._main_fp32(main))) for p, main, s, e in inner._coat_shards())
+    bf16_written = all(
+        torch.equal(p.detach().view(-1)[s:e], as_bf16(inner._main_fp32(main))) for p, main, s, e in inner._coat_shards()
+    )
     model, optimizer = _build(seed=1, device="cuda", master_weights=master_weights)
     _load(directory, model, optimizer)
     resumed = [train_step(model, optimizer, batches) for _ in range(2)]
-    return dict(first=first, expected=expected, resumed=resumed, bf16_written=bf16_written, telemetry=coat_telemetry(optimizer),
-                inner_type=type(_inner(optimizer).optimizer).__name__, on_cuda=all(m.is_cuda for _, m, _, _ in _inner(optimizer)._coat_shards()))
+    return dict(
+        first=first,
+        expected=expected,
+        resumed=resumed,
+        bf16_written=bf16_written,
+        telemetry=coat_telemetry(optimizer),
+        inner_type=type(_inner(optimizer).optimizer).__name__,
+        on_cuda=all(m.is_cuda for _, m, _, _ in _inner(optimizer)._coat_shards()),
+    )
 
 
 @pytest.mark.gpu
@@ -527,7 +625,9 @@ def test_on_one_gpu_with_megatrons_gpu_stack(tmp_path, master_weights):
     replaces), the fused Triton step writing BF16 weights into DDP's buffer, and a bit-exact resume."""
     import torch.distributed as dist
 
-    dist.init_process_group("cuda:nccl,cpu:gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     try:
         parallel_state.initialize_model_parallel(1, 1)
         try:

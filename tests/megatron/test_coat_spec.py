@@ -14,7 +14,17 @@ import torch
 from distributed import run_distributed
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings as tp_mappings
-from tiny_gpt import assemble_all, forward_backward, local_layer_spec, local_shards, synthetic_batches, tiny_config, tiny_ddp, tiny_gpt, train_on_text
+from tiny_gpt import (
+    assemble_all,
+    forward_backward,
+    local_layer_spec,
+    local_shards,
+    synthetic_batches,
+    tiny_config,
+    tiny_ddp,
+    tiny_gpt,
+    train_on_text,
+)
 
 from coat_megatron.config import CoatConfig
 from coat_megatron.layers import CoatNorm
@@ -75,7 +85,9 @@ def assert_close_grads(got: dict, want: dict) -> None:
 )
 def test_coat_spec_matches_the_local_spec(world_size, tp, pp, sequence_parallel):
     ref = local_reference()
-    ranks = run_distributed(_run, world_size, args=("coat", sequence_parallel), tensor_parallel=tp, pipeline_parallel=pp)
+    ranks = run_distributed(
+        _run, world_size, args=("coat", sequence_parallel), tensor_parallel=tp, pipeline_parallel=pp
+    )
     for r in ranks:
         assert r["loss"] == pytest.approx(ref["loss"], rel=5e-3)
     assert_close_grads(assemble_all([r["grads"] for r in ranks], atol=1e-6), assemble_all([ref["grads"]]))
@@ -98,7 +110,9 @@ def _run_with_bf16_dy_gather(dtype) -> dict:
     from coat_megatron.layers import linear as coat_linear
 
     real = coat_linear.reduce_scatter_with_fp8_grad
-    coat_linear.reduce_scatter_with_fp8_grad = lambda out, group, fmt: tp_mappings.reduce_scatter_to_sequence_parallel_region(out, group=group)
+    coat_linear.reduce_scatter_with_fp8_grad = lambda out, group, fmt: (
+        tp_mappings.reduce_scatter_to_sequence_parallel_region(out, group=group)
+    )
     try:
         return _run("coat", True, True, dtype)
     finally:
@@ -133,9 +147,18 @@ def _state_dicts():
     missing, unexpected = local.load_state_dict(coat.state_dict(), strict=False)
     round_trip = coat_gpt(config)
     round_trip.load_state_dict(local.state_dict(), strict=False)
-    equal = all(torch.equal(a, b) for a, b in zip(coat.state_dict().values(), round_trip.state_dict().values()) if torch.is_tensor(a))
-    return dict(same_shapes=same_shapes, missing=[k for k in missing if "_extra_state" not in k],
-                unexpected=[k for k in unexpected if "_extra_state" not in k], equal=equal, n=len(coat_sd))
+    equal = all(
+        torch.equal(a, b)
+        for a, b in zip(coat.state_dict().values(), round_trip.state_dict().values())
+        if torch.is_tensor(a)
+    )
+    return dict(
+        same_shapes=same_shapes,
+        missing=[k for k in missing if "_extra_state" not in k],
+        unexpected=[k for k in unexpected if "_extra_state" not in k],
+        equal=equal,
+        n=len(coat_sd),
+    )
 
 
 def test_weights_load_into_the_local_spec_and_back():
@@ -155,7 +178,9 @@ def _bad_ffn():
 
 def test_ffn_width_per_rank_must_be_a_multiple_of_the_group_size():
     msg = run_distributed(_bad_ffn, 2, tensor_parallel=2)[0]
-    assert msg is not None and "FFN width per tensor-parallel rank, 36, is not a multiple of the FP8 group size 16" in msg
+    assert (
+        msg is not None and "FFN width per tensor-parallel rank, 36, is not a multiple of the FP8 group size 16" in msg
+    )
 
 
 def _train_caching(keep_transpose: bool) -> dict:
@@ -164,7 +189,12 @@ def _train_caching(keep_transpose: bool) -> dict:
     losses = train_on_text(model, 3, 4, lr=3e-3, weight_decay=0.01, corpus_bytes=64 << 10)
     caches = [m.weight_cache for m in model.modules() if hasattr(m, "weight_cache")]
     weights = sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache"))
-    return {"losses": losses, "cache_bytes": sum(c.nbytes for c in caches), "n_caches": len(caches), "weight_elements": weights}
+    return {
+        "losses": losses,
+        "cache_bytes": sum(c.nbytes for c in caches),
+        "n_caches": len(caches),
+        "weight_elements": weights,
+    }
 
 
 def test_weight_caches_without_the_transposed_copy_train_identically_on_half_the_bytes():

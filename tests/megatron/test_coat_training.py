@@ -3,8 +3,8 @@ COAT layer spec reaches the local BF16 spec's loss within 2%: same weights, data
 
 import torch
 from distributed import run_distributed
-from tiny_gpt import local_layer_spec, tiny_config, tiny_gpt, train_on_text
 from test_coat_spec import coat_gpt
+from tiny_gpt import local_layer_spec, tiny_config, tiny_gpt, train_on_text
 
 STEPS, BATCH, TAIL = 300, 16, 30
 

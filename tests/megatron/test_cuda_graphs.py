@@ -27,7 +27,9 @@ def megatron_on_one_gpu(tmp_path):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    dist.init_process_group("cuda:nccl,cpu:gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=True, force_reset_rng=True)
     yield
@@ -44,17 +46,33 @@ def coat_layer():
     from coat_megatron.spec import get_gpt_layer_coat_spec
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, gated_linear_unit=True,
-        activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        bf16=True, params_dtype=torch.bfloat16, apply_rope_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
     )
     spec = get_gpt_layer_coat_spec(core_attention=DotProductAttention)
     layer = build_module(spec, config=config, layer_number=1).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, device="cuda", generator=g) * (0.02 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
+            p.copy_(
+                torch.randn(p.shape, device="cuda", generator=g) * (0.02 if p.dim() > 1 else 0.1)
+                + (1.0 if p.dim() == 1 else 0.0)
+            )
     rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0).cuda()(SEQ)
     x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
     dy = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
@@ -136,14 +154,35 @@ def test_coat_compare_trains_alike_with_megatrons_cuda_graphs(tmp_path):
     proc = subprocess.run(
         # seq 256: at the tiny preset's seq 64 Megatron's whole-step graph dies with an illegal memory
         # access in BF16 (TE spec) and COAT alike (H100 and H200; seq 256, and gpt-1b, train)
-        [sys.executable, "-m", "coat_compare", "--preset", "tiny", "--modes", "bf16,coat", "--steps", "12", "--seq", "256",
-         "--cuda-graphs", "none,local,full", "--out", str(tmp_path), "--no-plots"],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "coat_compare",
+            "--preset",
+            "tiny",
+            "--modes",
+            "bf16,coat",
+            "--steps",
+            "12",
+            "--seq",
+            "256",
+            "--cuda-graphs",
+            "none,local,full",
+            "--out",
+            str(tmp_path),
+            "--no-plots",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "tiny.jsonl").read_text().splitlines()]
     train = {(r["mode"], r["graphs"]): r for r in rows if r["kind"] == "train"}
-    assert len(train) == 6 and all(r["status"] == "ok" for r in train.values()), {k: r.get("reason") for k, r in train.items()}
+    assert len(train) == 6 and all(r["status"] == "ok" for r in train.values()), {
+        k: r.get("reason") for k, r in train.items()
+    }
     for mode in ("bf16", "coat"):
         eager = train[(mode, "none")]["losses"]
         for graphs in ("local", "full"):

@@ -36,7 +36,9 @@ def _loss_grads_logits(sequence_parallel: bool) -> dict:
         with torch.no_grad():
             logits = model(batches[0]["tokens"], batches[0]["position_ids"], None)  # (b, s, vocab / TP)
         tp = model.config.tensor_model_parallel_size
-        out["logits"] = Shard(logits.float(), 2 if tp > 1 else None, 1, parallel_state.get_tensor_model_parallel_rank(), tp)
+        out["logits"] = Shard(
+            logits.float(), 2 if tp > 1 else None, 1, parallel_state.get_tensor_model_parallel_rank(), tp
+        )
     return out
 
 
@@ -45,7 +47,12 @@ def _tp1_against_plain_autograd() -> dict:
     no DDP): the mean over all tokens of the micro-batches."""
     out = _loss_grads_logits(sequence_parallel=False)
     plain = tiny_gpt(tiny_config())
-    per_token = torch.cat([plain(b["tokens"], b["position_ids"], None, labels=b["labels"]).flatten() for b in synthetic_batches(MICROBATCHES)])
+    per_token = torch.cat(
+        [
+            plain(b["tokens"], b["position_ids"], None, labels=b["labels"]).flatten()
+            for b in synthetic_batches(MICROBATCHES)
+        ]
+    )
     per_token.mean().backward()
     out.update(plain_loss=per_token.mean().item(), plain_grads=local_shards(plain, "grad"))
     return out
@@ -94,7 +101,9 @@ def test_tensor_parallel_matches_tp1(sequence_parallel):
 )
 def test_pipeline_parallel_matches_tp1(world_size, tp, pp, sequence_parallel):
     ref = tp1_reference()
-    ranks = run_distributed(_loss_grads_logits, world_size, args=(sequence_parallel,), tensor_parallel=tp, pipeline_parallel=pp)
+    ranks = run_distributed(
+        _loss_grads_logits, world_size, args=(sequence_parallel,), tensor_parallel=tp, pipeline_parallel=pp
+    )
     for r in ranks:  # forward_backward shares the last stage's loss with every stage
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
     # Each stage holds its own layers; together they hold every parameter once.

@@ -33,7 +33,9 @@ def _my_micro_batches() -> list[dict]:
 
 
 def _build(seed: int = 0, distributed_optimizer: bool = True):
-    model = tiny_ddp(tiny_gpt(tiny_config(params_dtype=torch.bfloat16), seed=seed), distributed_optimizer=distributed_optimizer)
+    model = tiny_ddp(
+        tiny_gpt(tiny_config(params_dtype=torch.bfloat16), seed=seed), distributed_optimizer=distributed_optimizer
+    )
     return model, tiny_optimizer(model, lr=1e-2)
 
 

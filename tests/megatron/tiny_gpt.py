@@ -32,15 +32,17 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from coat_compare.build import SequenceParallelRMSNorm
-from coat_compare.train import forward_step
 from coat_compare.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: F401 (the tests' helpers)
+from coat_compare.train import forward_step
 
 VOCAB = 128
 SEQ = 32
 MICRO_BATCH = 2
 
 
-def tiny_config(*, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, **overrides) -> TransformerConfig:
+def tiny_config(
+    *, sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32, **overrides
+) -> TransformerConfig:
     """A Llama-shaped 2-layer config: hidden 64, 4 heads, SwiGLU FFN 128, RMSNorm, RoPE, no bias.
 
     TP and PP sizes come from the initialised model-parallel state. Everything that would need CUDA
@@ -88,7 +90,9 @@ def local_layer_spec(sequence_parallel_norms: bool = False) -> ModuleSpec:
     return spec
 
 
-def tiny_gpt(config: TransformerConfig, layer_spec: ModuleSpec | None = None, *, final_norm=None, seed: int = 0) -> MegatronModule:
+def tiny_gpt(
+    config: TransformerConfig, layer_spec: ModuleSpec | None = None, *, final_norm=None, seed: int = 0
+) -> MegatronModule:
     """The GPTModel of this pipeline stage, untied embeddings, RoPE, weights set by ``seed``;
     wrapped in Megatron's ``Float16Module`` (as Megatron's training loop does) when
     ``config.bf16``.
@@ -130,7 +134,7 @@ def global_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     for name, param in model.named_parameters():
         for local, glob in renames.items():
             if name.startswith(local):
-                name = glob + name[len(local):]
+                name = glob + name[len(local) :]
                 break
         out[name] = param
     return out
@@ -226,7 +230,9 @@ def local_shards(model: torch.nn.Module, what: str = "main_grad") -> dict[str, S
     }
 
 
-def synthetic_batches(count: int, *, seed: int = 0, micro_batch_size: int = MICRO_BATCH) -> list[dict[str, torch.Tensor]]:
+def synthetic_batches(
+    count: int, *, seed: int = 0, micro_batch_size: int = MICRO_BATCH
+) -> list[dict[str, torch.Tensor]]:
     """``count`` micro-batches of random tokens: ``tokens`` and ``labels`` (the next tokens) of
     shape (micro_batch_size, SEQ), int64, and ``position_ids``; the same for a given seed."""
     g = torch.Generator().manual_seed(seed)
@@ -308,8 +314,15 @@ def train_step(model: DistributedDataParallel, optimizer, batches: list[dict]) -
     return loss
 
 
-def train_on_text(model: torch.nn.Module, steps: int, batch_size: int, *, lr: float = 3e-3, weight_decay: float = 0.0,
-                  corpus_bytes: int = 256 << 10) -> list[float]:
+def train_on_text(
+    model: torch.nn.Module,
+    steps: int,
+    batch_size: int,
+    *,
+    lr: float = 3e-3,
+    weight_decay: float = 0.0,
+    corpus_bytes: int = 256 << 10,
+) -> list[float]:
     """Train ``model`` (no DDP) with torch's AdamW on byte batches of the standard library's
     docstrings, batches drawn from a fixed generator: the per-step losses."""
     from coat_compare.corpus import ByteBatches, stdlib_docstrings

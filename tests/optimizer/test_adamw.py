@@ -3,8 +3,8 @@ import io
 
 import pytest
 import torch
-from torch import nn
 from tiny_lm import TinyGPT, text_tokens, train
+from torch import nn
 
 from coat_kernels import dequantize_expanded
 from coat_megatron import CoatConfig
@@ -38,7 +38,9 @@ def fit(model, optimizer, x, y, steps, scheduler=None, start=0):
 
 
 def states_equal(a: CoatAdamW, b: CoatAdamW) -> bool:
-    for pa, pb in zip([p for g in a.param_groups for p in g["params"]], [p for g in b.param_groups for p in g["params"]]):
+    for pa, pb in zip(
+        [p for g in a.param_groups for p in g["params"]], [p for g in b.param_groups for p in g["params"]]
+    ):
         sa, sb = a.state[pa], b.state[pb]
         if sa.keys() != sb.keys() or not all(torch.equal(sa[k], sb[k]) for k in sa):
             return False
@@ -158,7 +160,10 @@ def test_checkpoints_move_between_fp32_and_split_masters_and_step_on_bit_exactly
         for mine, theirs in zip(adam_states(opt_loaded, loaded), saved["opt"]["state"].values()):
             assert all(torch.equal(mine[k], theirs[k]) and mine[k].dtype == theirs[k].dtype for k in mine)
         assert same_bits(step_with(opt_loaded, loaded, grads[3]), expected), (saved_as, load_as)
-        assert all(all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(adam_states(opt_loaded, loaded), adam_states(opt, params)))
+        assert all(
+            all(torch.equal(a[k], b[k]) for k in a)
+            for a, b in zip(adam_states(opt_loaded, loaded), adam_states(opt, params))
+        )
 
 
 def test_loading_fp32_masters_into_split_ones_checks_the_masters_given():
@@ -168,7 +173,9 @@ def test_loading_fp32_masters_into_split_ones_checks_the_masters_given():
     with pytest.raises(ValueError, match=r"parameter 1 \(\(64, 130\), bfloat16\) has a split master weight here"):
         opt.load_state_dict(fp32_opt.state_dict(), masters={params[0]: fp32_params[0].detach()})
     with pytest.raises(ValueError, match="pass the saved FP32 parameter of its shape"):
-        opt.load_state_dict(fp32_opt.state_dict(), masters={p: w.detach().bfloat16() for p, w in zip(params, fp32_params)})
+        opt.load_state_dict(
+            fp32_opt.state_dict(), masters={p: w.detach().bfloat16() for p, w in zip(params, fp32_params)}
+        )
     assert all(not opt.state[p]["master_low"].any() for p in params)  # refused before anything was loaded
 
 
@@ -244,7 +251,10 @@ def test_state_bytes_telemetry_and_model_copy():
     for p, w in opt.model_params.items():
         assert torch.equal(w, p.detach().to(torch.bfloat16))
     t = opt.telemetry()
-    assert set(t) == {f"{m}_{s}" for m in "mv" for s in ("k_mean", "k_min", "k_max", "underflow_fraction")}
+    assert set(t) == {f"{m}_{s}" for m in "mv" for s in ("k_mean", "k_min", "k_max", "underflow_fraction")} | {
+        "skipped_steps"
+    }
+    assert t["skipped_steps"] == 0
     assert 1 / 16 <= t["m_k_min"] <= t["m_k_mean"] <= t["m_k_max"] <= 16 and t["v_k_mean"] >= 1
     assert 0 <= t["m_underflow_fraction"] < 0.01 and 0 <= t["v_underflow_fraction"] < 0.01
     plain = CoatAdamW([nn.Parameter(torch.randn(1280))], config=CoatConfig(m_expansion=False, v_expansion=False))
@@ -280,7 +290,9 @@ def test_non_finite_grads_are_skipped_by_the_grad_scaler(seed):
     assert scaler.get_scale() == 2.0**9
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     after = opt.state_dict()
-    assert all(torch.equal(before["state"][i][k], after["state"][i][k]) for i in before["state"] for k in before["state"][i])
+    assert all(
+        torch.equal(before["state"][i][k], after["state"][i][k]) for i in before["state"] for k in before["state"][i]
+    )
 
 
 def test_errors_name_the_fix():
@@ -288,7 +300,9 @@ def test_errors_name_the_fix():
         p = nn.Parameter(torch.randn(10, dtype=torch.bfloat16))
         p.grad = torch.randn_like(p)
         CoatAdamW([p], config=CoatConfig(master_weights="fp32")).step()
-    with pytest.raises(TypeError, match=r"got torch.float16 of shape \(10,\): convert the model with .float\(\) or .bfloat16\(\)"):
+    with pytest.raises(
+        TypeError, match=r"got torch.float16 of shape \(10,\): convert the model with .float\(\) or .bfloat16\(\)"
+    ):
         p = nn.Parameter(torch.randn(10, dtype=torch.float16))
         p.grad = torch.randn_like(p)
         CoatAdamW([p]).step()

@@ -128,8 +128,11 @@ def test_raise_mode_raises_names_the_first_bad_gradient_and_changes_nothing(seed
     set_grads(params, with_bad(with_bad(clean[2], 2, math.inf), 1, math.nan))  # parameter 1 comes first
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(FloatingPointError, match=r"parameter 1 \(\(64, 130\), bfloat16\) holds inf or NaN: "
-                           r"CoatAdamW.step\(\) updated nothing .*nonfinite_grads='skip'"):
+        with pytest.raises(
+            FloatingPointError,
+            match=r"parameter 1 \(\(64, 130\), bfloat16\) holds inf or NaN: "
+            r"CoatAdamW.step\(\) updated nothing .*nonfinite_grads='skip'",
+        ):
             opt.step()
     assert_same(snapshot(opt, params), before)
     assert opt.skipped_steps == 0 and opt.telemetry()["skipped_steps"] == 0
@@ -196,8 +199,10 @@ def test_skipping_on_gpu_with_the_fused_step(seed, bad):
     # end of 3M elements, so the check's reduction must carry NaN across the blocks of one tensor
     def build():
         g = torch.Generator().manual_seed(seed)
-        params = [nn.Parameter(torch.randn(2048, 1536, generator=g).cuda() * 0.1),
-                  nn.Parameter((torch.randn(1000, generator=g) * 0.1).bfloat16().cuda())]
+        params = [
+            nn.Parameter(torch.randn(2048, 1536, generator=g).cuda() * 0.1),
+            nn.Parameter((torch.randn(1000, generator=g) * 0.1).bfloat16().cuda()),
+        ]
         opt = CoatAdamW(params, **HYPER)
         opt.model_params = {params[0]: torch.empty(params[0].shape, dtype=torch.bfloat16, device="cuda")}
         return params, opt
@@ -243,12 +248,14 @@ def saved_state(seed: int, config: CoatConfig | None = None) -> tuple[dict, list
 def _set(index, key, value):
     def edit(state):
         state[index][key] = value(state[index][key])
+
     return edit
 
 
 def _poke(index, key, at, value):
     def edit(state):
         state[index][key].view(-1)[at] = value
+
     return edit
 
 

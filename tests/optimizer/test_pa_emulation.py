@@ -11,7 +11,9 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("pa_optimizer_emulation", os.path.join(ROOT, "benchmarks", "pa_optimizer_emulation.py"))
+_spec = importlib.util.spec_from_file_location(
+    "pa_optimizer_emulation", os.path.join(ROOT, "benchmarks", "pa_optimizer_emulation.py")
+)
 emulation = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(emulation)
 
@@ -92,7 +94,9 @@ def test_stored_moments_make_updates_exact_adam_cannot():
     steady = [1e-4] * 20
     for fmt, blows_up in (("fp32", False), ("coat", False), ("te-fp8", True)):
         param = torch.nn.Parameter(torch.zeros(2))
-        opt = emulation.EmulatedAdamW([("w", param)], fmt, lr=1.0, weight_decay=0.0, clip_grad=math.inf, betas=BETAS, eps=1e-8)
+        opt = emulation.EmulatedAdamW(
+            [("w", param)], fmt, lr=1.0, weight_decay=0.0, clip_grad=math.inf, betas=BETAS, eps=1e-8
+        )
         largest = 0.0
         for t, small in enumerate(steady + [0.0], start=1):
             before = param.detach().clone()

@@ -43,7 +43,17 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):
         yield x, y
 
 
-def train(model: nn.Module, optimizer, data: torch.Tensor, steps: int, *, batch: int = 8, seq: int = 48, seed: int = 0, scheduler=None) -> list[float]:
+def train(
+    model: nn.Module,
+    optimizer,
+    data: torch.Tensor,
+    steps: int,
+    *,
+    batch: int = 8,
+    seq: int = 48,
+    seed: int = 0,
+    scheduler=None,
+) -> list[float]:
     losses = []
     for x, y in batches(data, steps, batch, seq, seed):
         loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())

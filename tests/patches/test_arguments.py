@@ -13,10 +13,35 @@ from coat_patches.install import coat_megatron_patches
 
 # A Llama-shaped model every COAT check accepts.
 LLAMA = [
-    "--num-layers", "2", "--hidden-size", "128", "--ffn-hidden-size", "352", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "4",
-    "--lr", "1e-3", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--bf16",
-    "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "352",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "4",
+    "--lr",
+    "1e-3",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--bf16",
+    "--use-distributed-optimizer",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "256",
+    "--mock-data",
 ]
 
 
@@ -41,8 +66,21 @@ def without(argv: list[str], *drop: str) -> list[str]:
 
 def test_knobs_map_onto_coat_config(monkeypatch):
     args = parse(
-        monkeypatch, *LLAMA, "--coat-fp8", "--coat-group-size", "32", "--coat-v-format", "e5m2",
-        "--coat-expansion", "off", "--coat-v-expansion", "on", "--coat-k-max", "8", "--coat-optimizer-group-size", "64",
+        monkeypatch,
+        *LLAMA,
+        "--coat-fp8",
+        "--coat-group-size",
+        "32",
+        "--coat-v-format",
+        "e5m2",
+        "--coat-expansion",
+        "off",
+        "--coat-v-expansion",
+        "on",
+        "--coat-k-max",
+        "8",
+        "--coat-optimizer-group-size",
+        "64",
     )
     assert coat_config_from_args(args) == CoatConfig(
         group_size=32, v_format="e5m2", m_expansion=False, v_expansion=True, k_max=8.0, optimizer_group_size=64
@@ -60,24 +98,32 @@ def test_every_coat_config_field_has_a_flag():
 
 
 def test_memory_switches_reach_the_config(monkeypatch):
-    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight-transpose", "on", "--coat-recompute-norm-output", "on")
+    args = parse(
+        monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight-transpose", "on", "--coat-recompute-norm-output", "on"
+    )
     assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=True, recompute_norm_output=True)
 
 
 def test_coat_fp8_alone_selects_bf16_gradient_buffers_and_fp32_is_one_flag_away(monkeypatch):
     args = parse(monkeypatch, *LLAMA, "--coat-fp8")
     assert coat_config_from_args(args).grad_buffers == "bf16"
-    assert not args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16  # what megatron.training builds DDP with
+    assert (
+        not args.accumulate_allreduce_grads_in_fp32 and args.grad_reduce_in_bf16
+    )  # what megatron.training builds DDP with
     args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-grad-buffers", "fp32")
     assert args.accumulate_allreduce_grads_in_fp32 and not args.grad_reduce_in_bf16
-    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-optimizer", "off")  # Megatron's optimizer: Megatron's default
+    args = parse(
+        monkeypatch, *LLAMA, "--coat-fp8", "--coat-optimizer", "off"
+    )  # Megatron's optimizer: Megatron's default
     assert args.accumulate_allreduce_grads_in_fp32
     args = parse(monkeypatch, *LLAMA)  # without --coat-fp8 nothing changes
     assert args.accumulate_allreduce_grads_in_fp32 and not args.grad_reduce_in_bf16
 
 
 def test_contradictory_gradient_buffer_flags_name_both(monkeypatch):
-    with pytest.raises(CoatArgumentError, match="--grad-reduce-in-bf16 asks for BF16 gradient buffers and --coat-grad-buffers fp32"):
+    with pytest.raises(
+        CoatArgumentError, match="--grad-reduce-in-bf16 asks for BF16 gradient buffers and --coat-grad-buffers fp32"
+    ):
         parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-grad-buffers", "fp32", "--grad-reduce-in-bf16")
 
 
@@ -95,8 +141,20 @@ def test_optimizer_off_ignores_the_split_default_and_refuses_an_explicit_split(m
     # Megatron's optimizer keeps FP32 masters: the run's config says so, whether or not fp32 is named
     for explicit in ([], ["--coat-master-weights", "fp32"]):
         args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-optimizer", "off", *explicit)
-        assert coat_config_from_args(args) == CoatConfig(optimizer=False) and coat_config_from_args(args).master_weights == "fp32"
-    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--coat-master-weights", "split", "--grad-reduce-in-bf16", "--coat-optimizer", "off")
+        assert (
+            coat_config_from_args(args) == CoatConfig(optimizer=False)
+            and coat_config_from_args(args).master_weights == "fp32"
+        )
+    text = problems(
+        monkeypatch,
+        *LLAMA,
+        "--coat-fp8",
+        "--coat-master-weights",
+        "split",
+        "--grad-reduce-in-bf16",
+        "--coat-optimizer",
+        "off",
+    )
     assert text == (
         "--coat-fp8: --coat-master-weights split keeps the masters' low words in COAT's optimizer, and --coat-optimizer off uses "
         "Megatron's, whose masters are FP32: drop --coat-master-weights split (or set --coat-master-weights fp32), or set --coat-optimizer on"
@@ -122,15 +180,22 @@ def test_needs_bf16(monkeypatch):
 
 def test_needs_swiglu_unless_activations_are_off(monkeypatch):
     llama = without(LLAMA, "--swiglu")
-    assert "COAT's FP8 MLP is SwiGLU: add --swiglu; or add --coat-activations off" in problems(monkeypatch, *llama, "--coat-fp8")
-    assert coat_config_from_args(parse(monkeypatch, *llama, "--coat-fp8", "--coat-activations", "off")).activations is False
+    assert "COAT's FP8 MLP is SwiGLU: add --swiglu; or add --coat-activations off" in problems(
+        monkeypatch, *llama, "--coat-fp8"
+    )
+    assert (
+        coat_config_from_args(parse(monkeypatch, *llama, "--coat-fp8", "--coat-activations", "off")).activations
+        is False
+    )
 
 
 def test_hidden_size_not_a_multiple_of_the_group_size(monkeypatch):
     llama = LLAMA[:]
     llama[llama.index("--hidden-size") + 1] = "96"
     text = problems(monkeypatch, *llama, "--coat-fp8", "--coat-group-size", "64")
-    assert "hidden size 96 is not a multiple of the FP8 group size 64; use --coat-group-size 32 or pad the model" in text
+    assert (
+        "hidden size 96 is not a multiple of the FP8 group size 64; use --coat-group-size 32 or pad the model" in text
+    )
 
 
 def test_ffn_width_per_tensor_parallel_rank(monkeypatch):
@@ -138,19 +203,27 @@ def test_ffn_width_per_tensor_parallel_rank(monkeypatch):
     llama[llama.index("--ffn-hidden-size") + 1] = "344"  # 172 per rank at TP=2
     monkeypatch.setenv("WORLD_SIZE", "2")
     text = problems(monkeypatch, *llama, "--tensor-model-parallel-size", "2", "--coat-fp8")
-    assert "--ffn-hidden-size 344 / --tensor-model-parallel-size 2 = 172, is not a multiple of the FP8 group size 16" in text
+    assert (
+        "--ffn-hidden-size 344 / --tensor-model-parallel-size 2 = 172, is not a multiple of the FP8 group size 16"
+        in text
+    )
     assert "choose --ffn-hidden-size divisible by 32" in text
 
 
 def test_all_problems_are_reported_at_once(monkeypatch):
-    text = problems(monkeypatch, *without(LLAMA, "--bf16", "--use-distributed-optimizer"), "--coat-fp8", "--spec", "my.spec")
+    text = problems(
+        monkeypatch, *without(LLAMA, "--bf16", "--use-distributed-optimizer"), "--coat-fp8", "--spec", "my.spec"
+    )
     assert text.count("\n  - ") == 3
     assert "add --bf16" in text and "add --use-distributed-optimizer" in text and "drop --spec" in text
 
 
 def test_knobs_without_coat_fp8_are_refused(monkeypatch):
     text = problems(monkeypatch, *LLAMA, "--coat-group-size", "32", "--coat-m-format", "e5m2")
-    assert text == "--coat-group-size, --coat-m-format have no effect without --coat-fp8: add --coat-fp8, or drop --coat-group-size, --coat-m-format"
+    assert (
+        text
+        == "--coat-group-size, --coat-m-format have no effect without --coat-fp8: add --coat-fp8, or drop --coat-group-size, --coat-m-format"
+    )
 
 
 def test_coat_config_errors_name_the_flag(monkeypatch):
@@ -161,7 +234,10 @@ def test_coat_config_errors_name_the_flag(monkeypatch):
 def test_switches_are_parsed_strictly(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-expansion", "expand")
-    assert "--coat-expansion: 'expand' is not a switch value: use one of true, on, yes, 1, false, off, no, 0" in capsys.readouterr().err
+    assert (
+        "--coat-expansion: 'expand' is not a switch value: use one of true, on, yes, 1, false, off, no, 0"
+        in capsys.readouterr().err
+    )
 
 
 def test_flags_are_named_after_the_fields():
@@ -174,7 +250,10 @@ def test_patches_are_removed_on_exit_and_refuse_other_versions(monkeypatch):
         assert arguments.add_megatron_arguments is not originals[0]
     assert (arguments.add_megatron_arguments, arguments.validate_args) == originals
     monkeypatch.setattr(megatron.core.package_info, "MINOR", 20)
-    with pytest.raises(RuntimeError, match=r"coat_patches\.\w+ was written for megatron-core 0\.19\.x, but megatron-core 0\.20\.\d+ is installed"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"coat_patches\.\w+ was written for megatron-core 0\.19\.x, but megatron-core 0\.20\.\d+ is installed",
+    ):
         with coat_megatron_patches():
             pass
     assert (arguments.add_megatron_arguments, arguments.validate_args) == originals

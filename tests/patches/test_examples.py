@@ -20,7 +20,14 @@ def _cpu_env(**extra: str) -> dict:
 
 
 def test_layer_spec_example_trains(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "layer_spec.py")], capture_output=True, text=True, timeout=240, env=_cpu_env(), cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "layer_spec.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_cpu_env(),
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"step +\d+ +loss ([\d.]+)", done.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0] < math.log(256)
@@ -32,7 +39,9 @@ def test_layer_spec_example_trains(tmp_path):
 
 def test_gpu_pretrain_script_smoke_runs_tiny(tmp_path):
     env = _cpu_env(SIZE="tiny", ITERS="5", OUT=str(tmp_path), PYTHON=sys.executable)
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_pretrain.sh")], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_pretrain.sh")], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reports = {mode: json.loads((tmp_path / f"{mode}.json").read_text()) for mode in ("bf16", "coat")}
     assert reports["bf16"]["mode"] == "bf16" and reports["coat"]["mode"] == "coat"

@@ -6,10 +6,19 @@ import sys
 
 import pytest
 from distributed import run_distributed
-
 from test_arguments import LLAMA
 
-ARGV = [*LLAMA, "--transformer-impl", "local", "--global-batch-size", "4", "--attention-dropout", "0", "--hidden-dropout", "0"]
+ARGV = [
+    *LLAMA,
+    "--transformer-impl",
+    "local",
+    "--global-batch-size",
+    "4",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
 
 
 def _setup(argv: list[str], path: str) -> dict:
@@ -35,10 +44,15 @@ def _setup(argv: list[str], path: str) -> dict:
         args = get_args()
         config = core_transformer_config_from_args(args)
         return GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-            pre_process=pre_process, post_process=post_process, position_embedding_type="rope",
-            pg_collection=pg_collection, vp_stage=vp_stage,
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            position_embedding_type="rope",
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
         )
 
     sys.argv = ["pretrain_gpt.py", *argv]
@@ -48,10 +62,14 @@ def _setup(argv: list[str], path: str) -> dict:
         groups = ProcessGroupCollection.use_mpu_process_groups()  # what pretrain() passes
         if path == "model_config":
             cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-            model, optimizer, _ = setup_model_and_optimizer(ModelType.encoder_or_decoder, cfg_container=cfg, pg_collection=groups)
+            model, optimizer, _ = setup_model_and_optimizer(
+                ModelType.encoder_or_decoder, cfg_container=cfg, pg_collection=groups
+            )
         else:
             cfg = pretrain_cfg_container_from_args(args, None)
-            model, optimizer, _ = setup_model_and_optimizer(ModelType.encoder_or_decoder, model_provider, cfg_container=cfg, pg_collection=groups)
+            model, optimizer, _ = setup_model_and_optimizer(
+                ModelType.encoder_or_decoder, model_provider, cfg_container=cfg, pg_collection=groups
+            )
         ddp = model[0]
         layer = next(m for m in ddp.modules() if isinstance(m, TransformerLayer))
         starts = [start for buffer in ddp.buffers for start, _, _ in buffer.param_index_map.values()]
@@ -82,7 +100,11 @@ def test_coat_fp8_builds_coat_layers_and_optimizer(path):
     for built in ranks:
         assert built["world"] == 2
         assert (built["norm"], built["qkv"], built["proj"], built["mlp"], built["fc1"]) == (
-            "CoatNorm", "CoatColumnParallelLinear", "CoatRowParallelLinear", "CoatMLP", "CoatColumnParallelLinear"
+            "CoatNorm",
+            "CoatColumnParallelLinear",
+            "CoatRowParallelLinear",
+            "CoatMLP",
+            "CoatColumnParallelLinear",
         )
         assert built["final_norm"] == "CoatNorm"
         assert (built["optimizer"], built["inner"]) == ("CoatDistributedOptimizer", "CoatAdamW")

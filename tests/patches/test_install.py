@@ -14,11 +14,21 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from coat_patches.install import coat_megatron_patches
 
 PATCHED = [
-    (arguments, "add_megatron_arguments"), (arguments, "validate_args"), (arguments, "get_device_arch_version"),
-    (GPTModel, "__init__"), (training, "get_megatron_optimizer"), (training, "train_step"),
-    (training, "initialize_megatron"), (training, "set_jit_fusion_options"), (initialize, "_initialize_distributed"),
-    (initialize, "_set_random_seed"), (dataset_utils, "compile_helpers"), (torch.Tensor, "cuda"), (torch.nn.Module, "cuda"),
-    (torch.cuda, "Stream"), (torch.cuda, "stream"),
+    (arguments, "add_megatron_arguments"),
+    (arguments, "validate_args"),
+    (arguments, "get_device_arch_version"),
+    (GPTModel, "__init__"),
+    (training, "get_megatron_optimizer"),
+    (training, "train_step"),
+    (training, "initialize_megatron"),
+    (training, "set_jit_fusion_options"),
+    (initialize, "_initialize_distributed"),
+    (initialize, "_set_random_seed"),
+    (dataset_utils, "compile_helpers"),
+    (torch.Tensor, "cuda"),
+    (torch.nn.Module, "cuda"),
+    (torch.cuda, "Stream"),
+    (torch.cuda, "stream"),
 ]
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply only without CUDA")

@@ -13,13 +13,55 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
 TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--train-iters", "6", "--lr", "1e-3", "--lr-warmup-iters", "1", "--bf16", "--swiglu", "--normalization", "RMSNorm",
-    "--disable-bias-linear", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--use-distributed-optimizer", "--log-interval", "1",
-    "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0", "--vocab-size", "256",
-    "--byte-corpus", "stdlib_docstrings", "--byte-corpus-bytes", str(1 << 18),
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "6",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--bf16",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--position-embedding-type",
+    "rope",
+    "--untie-embeddings-and-output-weights",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--num-workers",
+    "0",
+    "--vocab-size",
+    "256",
+    "--byte-corpus",
+    "stdlib_docstrings",
+    "--byte-corpus-bytes",
+    str(1 << 18),
 ]
 LOGGED = re.compile(r"iteration\s+(\d+)/\s+6 .*lm loss: ([\d.E+-]+)")
 NUMBER = r"([\d.e+-]+)"
@@ -31,8 +73,14 @@ TELEMETRY = re.compile(
 
 def launch(*argv: str, nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
     """``coat-megatron-run --cpu ...`` (under torchrun for ``nproc`` > 1)."""
-    runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else [sys.executable]
-    return subprocess.run([*runner, "-m", "coat_patches.launch", "--cpu", *argv], capture_output=True, text=True, timeout=timeout)
+    runner = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        if nproc > 1
+        else [sys.executable]
+    )
+    return subprocess.run(
+        [*runner, "-m", "coat_patches.launch", "--cpu", *argv], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_pretrain_example_trains_with_coat_on_two_processes(tmp_path):
@@ -77,14 +125,21 @@ def test_incompatible_flags_stop_with_the_fix():
 def test_demo_prints_the_comparison(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "coat_patches.demo", "--cpu", "--iters", "6", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"\[COAT\] iteration\s+6/6\s+lm loss", done.stdout)
     rows = {}
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and cells[0] in ("final loss", "tokens/s", "saved for backward / micro-batch", "optimizer states"):
+        if len(cells) == 4 and cells[0] in (
+            "final loss",
+            "tokens/s",
+            "saved for backward / micro-batch",
+            "optimizer states",
+        ):
             rows[cells[0]] = [float(re.sub(r"[^\d.]", "", c)) for c in cells[1:]]
     assert set(rows) == {"final loss", "tokens/s", "saved for backward / micro-batch", "optimizer states"}
     bf16_loss, coat_loss, _ = rows["final loss"]

@@ -48,7 +48,9 @@ def test_summarize_takes_the_last_tenth_and_the_median_time_after_the_first():
 
 def test_comparison_table_gives_ratios_and_leaves_out_what_is_missing():
     base = summarize(_doc([3.0, 2.0], [1.0, 0.5]))
-    coat = summarize(_doc([3.0, 2.2], [1.0, 1.0], optimizer_state_bytes=2 << 20, saved_for_backward_bytes_per_micro_batch=2 << 20))
+    coat = summarize(
+        _doc([3.0, 2.2], [1.0, 1.0], optimizer_state_bytes=2 << 20, saved_for_backward_bytes_per_micro_batch=2 << 20)
+    )
     table = comparison_table(base, coat).splitlines()
     assert table[0] == "| | BF16 | COAT | COAT / BF16 |"
     assert "| final loss | 2.000 | 2.200 | 1.10 |" in table

@@ -19,10 +19,35 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
 # A model every COAT check accepts, for the cases that reach Megatron's validate_args.
 TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2", "--train-iters", "2",
-    "--lr", "1e-3", "--bf16", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-    "--use-distributed-optimizer", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--mock-data",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+    "--bf16",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--use-distributed-optimizer",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "256",
+    "--mock-data",
 ]
 ARGUMENT_TABLE = "------------------------ arguments ------------------------"
 
@@ -48,7 +73,7 @@ def assert_one_error(done: subprocess.CompletedProcess, *words: str) -> None:
     assert ARGUMENT_TABLE not in done.stdout
     assert len(done.stderr.splitlines()) < 5, done.stderr  # a CPU without a CUDA runtime adds one torch log line
     assert done.stderr.count("error: ") == 1, done.stderr
-    message = done.stderr[done.stderr.index("error: "):]
+    message = done.stderr[done.stderr.index("error: ") :]
     assert all(w in message for w in words), message
 
 
@@ -105,6 +130,7 @@ def test_megatron_help_failure_names_the_flag_whose_help_breaks(monkeypatch):
             parser.add_argument("--fine", type=float, help="a fraction (default %(default)s)")
             parser.add_argument("--broken", type=float, help="headroom (e.g. 1.10 = 10%)." if broken else "headroom")
             return parser
+
         return add
 
     monkeypatch.setattr(arguments, "add_megatron_arguments", megatron_arguments(broken=True))
@@ -199,6 +225,7 @@ def test_held_output_is_let_out_in_order_or_dropped_on_an_argument_error(capsys)
 @pytest.fixture
 def no_training(monkeypatch):
     """The demo must refuse bad values before it starts a run."""
+
     def run(*args, **kwargs):
         raise AssertionError("the demo started a training run")
 
