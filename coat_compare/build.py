@@ -22,11 +22,11 @@ from .modes import Mode
 from .presets import Preset
 
 LR_WARMUP_FRACTION = 0.1
-# ... but never fewer than this many steps (or half of a shorter run): with 10% alone, a 12-step
-# timing run of gpt-1b went to the peak learning rate after one step and every mode's loss spiked
-# (10.5 -> 17.9 at step 3 on an H200, BF16 and TE alike), which also made the DP 1 vs DP 2 loss
-# comparison meaningless (0.36 apart inside a spike).
-LR_WARMUP_MIN_STEPS = 10
+# ... but never fewer than the preset's lr_warmup_min_steps, and with no cap at a fraction of a short
+# run: deep models trained from scratch leave ln(vocab) far behind (a loss spike, in every mode,
+# BF16 included) when Adam's first, sign-like updates come at the peak rate after a few steps. On a
+# CPU, a 12-layer, 1024-wide model at 3e-4 spiked above ln(vocab) with 5 warm-up steps and not with
+# 10 (benchmarks/warmup_spike.py); the GPU presets keep 20.
 # TE's layer spec fuses each norm into the next linear; its weights are the local spec's norms.
 TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -270,9 +270,12 @@ def _ddp_stream(graphs: str):
     torch.cuda.current_stream().wait_stream(stream)
 
 
-def lr_warmup_steps(steps: int) -> int:
-    """10% of the steps, at least LR_WARMUP_MIN_STEPS (at most half of a shorter run), at least 1."""
-    return max(1, int(LR_WARMUP_FRACTION * steps), min(LR_WARMUP_MIN_STEPS, steps // 2))
+def lr_warmup_steps(preset: Preset) -> int:
+    """``preset.lr_warmup_steps`` where given, else 10% of the steps, at least
+    ``preset.lr_warmup_min_steps`` (also where that is more than the run)."""
+    if preset.lr_warmup_steps is not None:
+        return preset.lr_warmup_steps
+    return max(1, int(LR_WARMUP_FRACTION * preset.steps), preset.lr_warmup_min_steps)
 
 
 WEIGHT_DECAY = 0.1
@@ -282,7 +285,7 @@ def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
     """Linear warm-up (``lr_warmup_steps``), then constant; and each group's weight decay as
     Megatron's scheduler sets it (``WEIGHT_DECAY`` x the group's ``wd_mult``: 0 for biases and
     norm weights), which the groups do not hold until a scheduler writes it."""
-    warmup = lr_warmup_steps(preset.steps)
+    warmup = lr_warmup_steps(preset)
     lr = preset.lr * min(1.0, (step + 1) / warmup)
     for group in optimizer.param_groups:
         group["lr"] = lr

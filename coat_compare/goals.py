@@ -16,6 +16,7 @@ backward), which is what the ratios compare.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 COAT = "coat"
@@ -249,6 +250,9 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
                         "fastest COAT",
                     )
                 )
+            start_up = _start_up_goal(train, preset)
+            if start_up is not None:
+                goals.append(start_up)
         search = _ok(rows, group, "search")
         if search:
             fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
@@ -446,3 +450,29 @@ def _fits_one_gpu(
             else f"{(tokens_per_s - top['tokens_per_s']) / tokens_per_s:.1%} below {tokens_per_s:.0f} tokens/s"
         )
     return Goal(goal, preset, target, measured, met, missed, top.get("device", "?"))
+
+
+START_UP_STEPS = 10
+
+
+def _start_up_goal(train: list[dict], preset: str) -> Goal | None:
+    """No mode's training loss above ln(vocab), what uniform guessing scores, after the first
+    ``START_UP_STEPS`` steps: a start-up spike past it means the run is not learning yet, and
+    what it measures says nothing of accuracy. Judged on rows that ran longer than that."""
+    rows = [r for r in train if r.get("vocab") and len(r.get("losses", [])) > START_UP_STEPS]
+    if not rows:
+        return None
+    bound = math.log(rows[0]["vocab"])
+    worst = max(rows, key=lambda r: max(r["losses"][START_UP_STEPS:]))
+    peak = max(worst["losses"][START_UP_STEPS:])
+    met = peak <= bound
+    graphs = "" if worst.get("graphs", "none") == "none" else f" (graphs {worst['graphs']})"
+    return Goal(
+        f"training loss below ln(vocab) after step {START_UP_STEPS}, every mode",
+        preset,
+        f"<= {bound:.2f}",
+        round(peak, 3),
+        met,
+        "" if met else f"{worst['mode']}{graphs} reaches {peak:.2f}",
+        f"highest: {worst['mode']}{graphs}; warm-up {worst.get('lr_warmup_steps', '?')} steps",
+    )

@@ -100,6 +100,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "N / (micro-batch x DP) micro-batches (default: one micro-batch per rank)",
     )
     p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument(
+        "--lr-warmup-steps",
+        type=int,
+        metavar="N",
+        help="linear learning-rate warm-up over N steps (default: 10%% of --steps, at least the preset's minimum: "
+        "20 steps, tiny 10)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
     data = p.add_argument_group("data (end-to-end presets)")
     data.add_argument(
@@ -207,7 +214,17 @@ def warmup_steps_help() -> str:
 
 def preset_of(args) -> Preset:
     """The preset the command line asks for, with its overrides."""
-    names = ("steps", "micro_batch", "global_batch", "seq", "corpus", "corpus_bytes", "eval_every", "eval_windows")
+    names = (
+        "steps",
+        "micro_batch",
+        "global_batch",
+        "seq",
+        "lr_warmup_steps",
+        "corpus",
+        "corpus_bytes",
+        "eval_every",
+        "eval_windows",
+    )
     overrides = {name: getattr(args, name) for name in names}
     return get_preset(args.preset).with_overrides(**overrides)
 
@@ -244,6 +261,7 @@ def check_args(args) -> None:
         "micro_batch",
         "global_batch",
         "seq",
+        "lr_warmup_steps",
         "corpus_bytes",
         "eval_windows",
         "search_start",
@@ -268,6 +286,18 @@ def check_args(args) -> None:
     check_layout(preset, args)
     check_steps(preset, args)
     check_processes(args)
+
+
+def out_of_memory_reason(preset: Preset, mode: Mode, error: str) -> str:
+    """An out-of-memory row's reason: which bytes dominate (``memory.why_it_does_not_fit``), then
+    the allocator's first line."""
+    from .flops import matmul_parameters
+    from .memory import why_it_does_not_fit
+
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+    params = matmul_parameters(preset) + preset.vocab * preset.hidden  # with the input embedding
+    fit = why_it_does_not_fit(mode, params, gpu) if gpu else ""
+    return f"out of memory at micro-batch {preset.micro_batch}: {fit}. {error}"[:500]
 
 
 def check_layout(preset: Preset, args) -> None:
@@ -634,14 +664,10 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             )
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
-        row.update(
-            status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {str(e).splitlines()[0]}"[:300]
-        )
+        row.update(status="oom", reason=out_of_memory_reason(preset, mode, str(e).splitlines()[0]))
     except Exception as e:  # noqa: BLE001 - one mode failing is a row of the report, not the end of the job
         if "out of memory" in str(e).lower():
-            row.update(
-                status="oom", reason=f"out of memory at micro-batch {preset.micro_batch}: {type(e).__name__}: {e}"[:300]
-            )
+            row.update(status="oom", reason=out_of_memory_reason(preset, mode, f"{type(e).__name__}: {e}"))
         else:
             traceback.print_exc(file=sys.stderr)
             row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:300])

@@ -56,3 +56,38 @@ class SavedTensors:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def expected_bytes_per_param(mode) -> dict[str, float]:
+    """What ``mode`` holds between steps per parameter, by part, from its recipe alone (before
+    anything is built): BF16 weights; COAT's FP8 weight copies (W, and W^T where cached; an upper
+    bound: embeddings have none); gradient buffers; master weights; Adam's moments. TE's own FP8
+    weight copies are not counted."""
+    coat = mode.coat_config()
+    uses_coat_layers = mode.spec == "coat"
+    fp8_copies = (2.0 if coat.cache_weight_transpose else 1.0) if uses_coat_layers else 0.0
+    if mode.coat_optimizer:
+        masters, states = (2.0 if coat.master_weights == "split" else 4.0), 2.0 + 6 * 4 / coat.optimizer_group_size
+    else:
+        masters, states = 4.0, (2.0 if mode.precision_aware else 8.0)
+    return {"weights": 2.0, "fp8_copies": fp8_copies, "grads": 4.0 if mode.grad_fp32 else 2.0,
+            "master_weights": masters, "states": states}  # fmt: skip
+
+
+def why_it_does_not_fit(mode, params: int, gpu_bytes: int) -> str:
+    """One sentence for an out-of-memory row: what the mode holds between steps, its largest part,
+    and what COAT's default would hold instead."""
+    from .modes import MODES
+
+    parts = expected_bytes_per_param(mode)
+    total = sum(parts.values())
+    largest = max(parts, key=parts.get)
+    held = total * params
+    names = {"fp8_copies": "FP8 weight copies", "master_weights": "master weights", "states": "optimizer states"}
+    lean_total = sum(expected_bytes_per_param(MODES["coat"]).values())  # COAT's default: its memory mode
+    advice = f"; coat holds {lean_total:.1f} B/param" if lean_total < total else ""
+    return (
+        f"{mode.name} holds about {held / 2**30:.0f} GiB between steps ({total:.1f} B/param x {params / 1e9:.2f} B params) "
+        f"of this GPU's {gpu_bytes / 2**30:.0f} GiB, the most in {names.get(largest, largest)} ({parts[largest]:.1f} B/param), "
+        f"before activations{advice}"
+    )

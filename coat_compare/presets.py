@@ -56,6 +56,8 @@ class Preset:
     steps: int = 200
     warmup_steps: int = 3
     lr: float = 3e-4
+    lr_warmup_steps: int | None = None
+    lr_warmup_min_steps: int = 20
     corpus: str = "packages"
     corpus_bytes: int | None = None
     eval_every: int = 0
@@ -92,7 +94,7 @@ class Preset:
 
     def with_overrides(self, **overrides) -> "Preset":
         """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``,
-        ``--global-batch``, ``--seq``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
+        ``--global-batch``, ``--seq``, ``--lr-warmup-steps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
         ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
@@ -113,6 +115,7 @@ PRESETS: dict[str, Preset] = {
             steps=40,
             warmup_steps=2,
             lr=3e-3,
+            lr_warmup_min_steps=10,
             corpus="docstrings",
             eval_every=20,
             eval_windows=64,

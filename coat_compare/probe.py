@@ -79,7 +79,15 @@ def data_args(args, **overrides) -> list[str]:
     """The data options given on the command line (or in ``overrides``), the global batch among
     them, to pass on to the runs a job starts."""
     given = []
-    for name in ("global_batch", "data_seed", "corpus", "corpus_bytes", "eval_every", "eval_windows"):
+    for name in (
+        "global_batch",
+        "lr_warmup_steps",
+        "data_seed",
+        "corpus",
+        "corpus_bytes",
+        "eval_every",
+        "eval_windows",
+    ):
         value = overrides.get(name, getattr(args, name, None))
         if value is not None:
             given += [f"--{name.replace('_', '-')}", str(value)]

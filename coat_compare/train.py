@@ -29,7 +29,7 @@ from collections import Counter
 import torch
 
 from . import parallel
-from .build import build_gpt, set_learning_rate, unwrap_optimizers
+from .build import build_gpt, lr_warmup_steps, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
 from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
@@ -214,6 +214,9 @@ def train(
         "optimizer_bytes_per_param": parts["optimizer"] * dp / params,
         "bytes_per_param": budget,  # rank 0's parts between steps, per parameter of its model shard
         **all_gather_fields({k: v / len(step_ms) for k, v in gathered.items()}),
+        "vocab": preset.vocab,
+        "lr": preset.lr,
+        "lr_warmup_steps": lr_warmup_steps(preset),
         "losses": losses,
         "data_seed": data_seed,
         **corpus.identity(),

@@ -59,13 +59,12 @@ class CoatConfig:
         optimizer_group_size: consecutive elements of a parameter sharing one optimizer-state scale.
         fprop_fast_accumulation: Hopper's fast FP8 accumulation (no periodic promotion to full
             FP32) in the forward GEMMs, as TE's current-scaling recipe does; dgrad and wgrad
-            always promote. Measured 4% of an MLP block's fwd+bwd time on an H200.
+            always promote.
         recompute_norm_output: do not keep a norm's per-tensor FP8 output for the next linear's
             wgrad (its transposed copy, 1 byte per element per norm); recompute it in backward
             from the norm's saved 1xG input copy. The forward stays exact, but the wgrad operand
-            then carries the 1xG rounding of the norm input as well: measured on the tiny GPT on
-            real text (tests/megatron/test_coat_training.py), 300 steps ended 10% above the BF16
-            loss instead of within 1%, so it is off by default.
+            then carries the 1xG rounding of the norm input as well, which costs accuracy
+            (tests/megatron/test_coat_training.py measures it), so it is off by default.
         cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
             its FP8 copy between micro-batches: 2 bytes per parameter. False (the default, part of
             COAT's memory mode) keeps 1 and transposes the codes in every backward (bit-identical
@@ -74,8 +73,8 @@ class CoatConfig:
         master_weights: how COAT's optimizer keeps the FP32 master weights. "split" (the default
             with ``optimizer`` on): the BF16 model weight is the master's high half and the
             optimizer keeps an int16 low word beside it (``coat_kernels.master``): the same FP32
-            master bit for bit, 2 bytes per parameter instead of 4 (measured free on an H100:
-            1.01x the FP32 masters' tokens/s eager, 1.00x with CUDA graphs). The BF16 weights are
+            master bit for bit, 2 bytes per parameter instead of 4, at the FP32 masters' speed
+            (docs/results.md). The BF16 weights are
             then rounded to nearest with ties away from zero (not to even: they differ from the
             FP32 path's at exact ties, 1 in 65536 values, by one BF16 unit). Under Megatron it
             steps the BF16 shards in DDP's parameter buffer and reads DDP's gradient buffer in

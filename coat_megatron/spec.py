@@ -65,8 +65,8 @@ def get_gpt_layer_coat_spec(
             installed, else Megatron's ``DotProductAttention``. It stays BF16.
         proj_input_saved_by_attention: the core attention keeps its output for its backward
             (flash attention does), so linear_proj saves nothing new; else linear_proj saves its
-            FP8 transposed input. Default: True for TE's attention (measured: 32 MiB less per
-            Llama-2-7B layer at seq 2048 x 4 on an H200), False otherwise.
+            FP8 transposed input. Default: True for TE's attention (it saves its output), False
+            otherwise.
     """
     if num_experts:
         raise ValueError("COAT's layer spec covers dense layers; mixture-of-experts layers are not supported yet")

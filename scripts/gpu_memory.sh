@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The memory issue's GPU runs (issue 14; one GPU with torch 2.11, TransformerEngine 2.20.2 and
+# The memory mode's GPU runs (one GPU with torch 2.11, TransformerEngine 2.20.2 and
 # megatron-core 0.19.2 installed by ../shared/gpu/stage). Everything goes to $RES (default
 # /tmp/memory-results) and is packed into $OUT/memory.tgz.
 #

@@ -195,3 +195,69 @@ def test_progress_writes_a_line_per_tenth_into_a_log():
     lines = stream.getvalue().splitlines()
     assert len(lines) == 11 and lines[-1].startswith("tiny coat [########################] 40/40")
     assert lines[0].startswith("tiny coat [") and "loss 3.25" in lines[0]
+
+
+def test_start_up_goal_judges_every_mode_after_step_10_against_ln_vocab():
+    calm = [10.5, 9.0, 8.0, 7.5, 7.0, 6.5, 6.0, 5.5, 5.0, 4.8, 4.6, 4.5, 4.4]
+    rows = [
+        _row(
+            "train",
+            "g",
+            "bf16",
+            "bf16",
+            vocab=32000,
+            lr_warmup_steps=20,
+            losses=calm,
+            tokens_per_s=1.0,
+            peak_MiB=1.0,
+            micro_batch=1,
+        ),
+        _row(
+            "train",
+            "g",
+            "coat",
+            "coat",
+            vocab=32000,
+            lr_warmup_steps=20,
+            losses=calm,
+            tokens_per_s=1.0,
+            peak_MiB=1.0,
+            micro_batch=1,
+        ),
+    ]
+    goal = {g.goal: g for g in evaluate(rows)}["training loss below ln(vocab) after step 10, every mode"]
+    assert goal.met and goal.measured == 4.6 and goal.target == "<= 10.37"
+    spiky = [rows[0], {**rows[1], "losses": calm[:10] + [16.3, 4.5, 4.4]}]  # a spike at step 11
+    goal = {g.goal: g for g in evaluate(spiky)}["training loss below ln(vocab) after step 10, every mode"]
+    assert goal.met is False and goal.missed_by == "coat reaches 16.30"
+    short = [{**r, "losses": calm[:10]} for r in rows]  # no step after the 10th: not judged
+    assert "training loss below ln(vocab) after step 10, every mode" not in {g.goal for g in evaluate(short)}
+
+
+def test_learning_rate_warm_up_is_10_percent_but_never_shorter_than_the_presets_minimum():
+    from dataclasses import replace
+
+    from coat_compare.build import lr_warmup_steps
+    from coat_compare.presets import get_preset
+
+    gpt = get_preset("gpt-1b")
+    assert lr_warmup_steps(replace(gpt, steps=10)) == 20  # a timing run never reaches the peak
+    assert lr_warmup_steps(replace(gpt, steps=200)) == 20
+    assert lr_warmup_steps(replace(gpt, steps=2000)) == 200
+    assert lr_warmup_steps(replace(get_preset("tiny"), steps=40)) == 10
+    assert lr_warmup_steps(replace(gpt, steps=10, lr_warmup_steps=3)) == 3  # --lr-warmup-steps
+
+
+def test_an_out_of_memory_row_says_which_bytes_dominate():
+    from coat_compare.memory import expected_bytes_per_param, why_it_does_not_fit
+    from coat_compare.modes import MODES
+
+    assert sum(expected_bytes_per_param(MODES["bf16"]).values()) == 18.0  # BF16 + FP32 grads, masters, m, v
+    assert sum(expected_bytes_per_param(MODES["te-fp8-pa"]).values()) == 12.0  # FP8 m and v
+    default = expected_bytes_per_param(MODES["coat"])
+    assert default == {"weights": 2.0, "fp8_copies": 1.0, "grads": 2.0, "master_weights": 2.0, "states": 2.1875}
+    assert expected_bytes_per_param(MODES["coat-cached"])["fp8_copies"] == 2.0
+    text = why_it_does_not_fit(MODES["bf16"], 6_740_000_000, 80 * 2**30)
+    assert text.startswith("bf16 holds about 113 GiB between steps (18.0 B/param x 6.74 B params) of this GPU's 80 GiB")
+    assert "the most in optimizer states (8.0 B/param)" in text and text.endswith("coat holds 9.2 B/param")
+    assert "; coat holds" not in why_it_does_not_fit(MODES["coat"], 13_000_000_000, 80 * 2**30)  # already the leanest

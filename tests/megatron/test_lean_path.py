@@ -1,4 +1,4 @@
-"""The lean hot path (issue 13): what a COAT layer's fwd+bwd costs the host.
+"""The lean hot path: what a COAT layer's fwd+bwd costs the host.
 
 - CPU (real Megatron-Core on gloo): FP8 activations pass between COAT's ops without one call of
   ``Fp8Tensor.__torch_dispatch__`` (no tensor-subclass dispatch on the hot path: the ops unpack the
