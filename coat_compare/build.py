@@ -23,10 +23,10 @@ from .presets import Preset
 
 LR_WARMUP_FRACTION = 0.1
 # ... but never fewer than the preset's lr_warmup_min_steps, and with no cap at a fraction of a short
-# run: deep models trained from scratch leave ln(vocab) far behind (a loss spike, in every mode,
-# BF16 included) when Adam's first, sign-like updates come at the peak rate after a few steps. On a
-# CPU, a 12-layer, 1024-wide model at 3e-4 spiked above ln(vocab) with 5 warm-up steps and not with
-# 10 (benchmarks/warmup_spike.py); the GPU presets keep 20.
+# run. Every mode, BF16 included, starts with a loss spike past ln(vocab) when Adam's first,
+# sign-like updates come at a high rate after a few steps; the harness's initialisation is Megatron's
+# default (N(0, 0.02) embedding and output layer, output projections scaled by 1/sqrt(2 layers)),
+# and a longer warm-up lowers the spike without removing it (benchmarks/results/warmup-spike-*).
 # TE's layer spec fuses each norm into the next linear; its weights are the local spec's norms.
 TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
