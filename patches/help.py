@@ -13,39 +13,57 @@ from fractions import Fraction
 
 from coat_megatron.config import CoatConfig
 
-from .arguments import add_coat_arguments
+from .arguments import add_coat_arguments, flag
 
 
 def coat_flags_help() -> str:
     """Every ``--coat-*`` flag with its meaning and default, as argparse formats a group of options.
     A help text that does not state its default gets the one a run would use appended."""
     parser = add_coat_arguments(argparse.ArgumentParser(usage=argparse.SUPPRESS, add_help=False))
-    recipe = CoatConfig()
     for action in parser._actions:
         if "default" not in action.help:
-            action.help = f"{action.help} (default {_default_word(action, recipe)})"
+            action.help = f"{action.help} (default {flag_default(action)})"
     return parser.format_help().rstrip()
 
 
-def _default_word(action: argparse.Action, recipe: CoatConfig) -> str:
-    """The value a run gets without the flag: the CoatConfig default for a knob (``None`` on the
-    command line means "CoatConfig's default"), else the flag's own default."""
+def flag_default(action: argparse.Action) -> str:
+    """The value a run gets without the flag, as it is typed: the CoatConfig default for a knob
+    (``None`` on the command line means "CoatConfig's default"), else the flag's own default."""
     name = action.dest.removeprefix("coat_")
     if name == "expansion":  # sets m_expansion and v_expansion together
-        m, v = recipe.m_expansion, recipe.v_expansion
-        return _word(m) if m == v else f"m {_word(m)}, v {_word(v)}"
+        m, v = field_default("m_expansion"), field_default("v_expansion")
+        return m if m == v else f"m {m}, v {v}"
     if name in CoatConfig.__dataclass_fields__:
-        return _word(getattr(recipe, name))
-    return _word(action.default)
+        return field_default(name)
+    return render(action.default)
 
 
-def _word(value) -> str:
+def field_default(name: str) -> str:
+    """The default of CoatConfig field ``name``. A field left unset (None) resolves at construction:
+    what ``CoatConfig()`` makes of it and, where switching a part off changes that, that too."""
+    field = CoatConfig.__dataclass_fields__[name]
+    if field.default is not None:
+        return render(field.default)
+    default = getattr(CoatConfig(), name)
+    text = render(default)
+    for part in ("optimizer", "activations"):
+        try:
+            other = getattr(CoatConfig(**{part: False}), name)
+        except ValueError:
+            continue
+        if other != default:
+            text += f" ({render(other)} with {flag(part)} off)"
+    return text
+
+
+def render(value) -> str:
+    """A value as it is typed on the command line: on/off, 1/16, 16, e4m3; none."""
     if isinstance(value, bool):
         return "on" if value else "off"
     if value is None:
         return "none"
-    if isinstance(value, float):  # as typed: 16, 1/16
-        return str(Fraction(value).limit_denominator(1 << 20))
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else str(Fraction(value).limit_denominator(1 << 20))
     return str(value)
 
 

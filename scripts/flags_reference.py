@@ -14,47 +14,18 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import MISSING, fields
-from fractions import Fraction
+from dataclasses import fields
 from pathlib import Path
 
 from coat_megatron.config import SWITCH_VALUES, CoatConfig
-from coat_patches.arguments import EXPANSION_HELP, KNOBS, add_coat_arguments, flag
+from coat_patches.arguments import EXPANSION_HELP, KNOBS, add_coat_arguments
+from coat_patches.help import field_default, flag_default
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "docs" / "flags.md"
 REGENERATE = "python scripts/flags_reference.py"
 # a help text's own "(default X)" / "(default X; ...)" / "(default X: ...)" note
 STATED_DEFAULT = re.compile(r"\s?\(default ([^\s;:)]+)(\)|; |: )")
-
-
-def render(value) -> str:
-    """A default as it is typed on the command line: on/off, 1/16, 16, e4m3."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, float):
-        if value.is_integer():
-            return str(int(value))
-        return str(Fraction(value).limit_denominator(1 << 20))
-    return "-" if value is None else str(value)
-
-
-def field_default(name: str) -> str:
-    """The default of CoatConfig field ``name``; a field left unset (None) resolves at construction,
-    so show what ``CoatConfig()`` makes of it and, where switching a part off changes that, say so."""
-    field = next(f for f in fields(CoatConfig) if f.name == name)
-    if field.default is not MISSING and field.default is not None:
-        return render(field.default)
-    default = getattr(CoatConfig(), name)
-    text = render(default)
-    for part in ("optimizer", "activations"):
-        try:
-            other = getattr(CoatConfig(**{part: False}), name)
-        except ValueError:
-            continue
-        if other != default:
-            text += f" ({render(other)} with {flag(part)} off)"
-    return text
 
 
 def meaning(help_text: str, default: str) -> tuple[str, str | None]:
@@ -102,11 +73,9 @@ def build() -> tuple[str, list[str]]:
         elif name == "fp8":
             field, default, text = "", "off", action.help
         elif name == "expansion":
-            m, v = field_default("m_expansion"), field_default("v_expansion")
-            field, text = "`m_expansion`, `v_expansion`", EXPANSION_HELP
-            default = m if m == v else f"m {m}, v {v}"
+            field, text, default = "`m_expansion`, `v_expansion`", EXPANSION_HELP, flag_default(action)
         else:
-            field, default, text = "", render(action.default), action.help
+            field, default, text = "", flag_default(action), action.help
         shown = f"`{values(action)}`" if values(action) else ""
         rows.append(f"| `{option}` | {shown} | {default} | {field} | {text.replace('|', '/')} |")
     flagged = set(KNOBS) | {"m_expansion", "v_expansion"}
