@@ -251,7 +251,6 @@ def train_step(
 ) -> tuple[float, bool]:
     """One optimizer step on this DP rank's micro-batches (their gradients summed in DDP's
     buffers): (the loss per token over the global batch, whether the optimizer took the step)."""
-    from megatron.core import parallel_state
 
     forward_backward = forward_backward or forward_backward_function()
     model.zero_grad_buffer()
@@ -259,22 +258,31 @@ def train_step(
     if saved is not None:
         saved.__enter__()
     try:
-        outputs = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter(batches),
-            model=[model],
-            num_microbatches=len(batches),
-            seq_length=preset.seq,
-            micro_batch_size=preset.micro_batch,
-            forward_only=False,
-        )
+        total = token_loss_totals(forward_backward, model, batches, preset, forward_only=False)
     finally:
         if saved is not None:
             saved.__exit__(None, None, None)
     ok, _, _ = optimizer.step()
-    total = torch.stack([o["lm loss"] for o in outputs]).sum(0).float()
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return (total[0] / total[1]).item(), bool(ok)
+
+
+def token_loss_totals(schedule, model, batches: list[dict], preset: Preset, forward_only: bool) -> torch.Tensor:
+    """Megatron's forward(-backward) ``schedule`` over ``batches`` (this DP rank's micro-batches):
+    the summed token loss and token count, reduced over DP, in FP64."""
+    from megatron.core import parallel_state
+
+    outputs = schedule(
+        forward_step_func=forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=preset.seq,
+        micro_batch_size=preset.micro_batch,
+        forward_only=forward_only,
+    )
+    total = torch.stack([o["lm loss"] for o in outputs]).double().sum(0)
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total
 
 
 def validation_loss(model, batches: list[dict], preset: Preset) -> float:
@@ -283,25 +291,14 @@ def validation_loss(model, batches: list[dict], preset: Preset) -> float:
     in eval mode and without autograd, then back to training mode. Nothing the next step reads
     changes (COAT's FP8 weight copies follow the weights; TE's delayed scaling, whose amax
     history a forward updates, is the exception)."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.eval()
     try:
         with torch.no_grad():
-            outputs = get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(batches),
-                model=[model],
-                num_microbatches=len(batches),
-                seq_length=preset.seq,
-                micro_batch_size=preset.micro_batch,
-                forward_only=True,
-            )
+            total = token_loss_totals(get_forward_backward_func(), model, batches, preset, forward_only=True)
     finally:
         model.train()
-    total = torch.stack([o["lm loss"] for o in outputs]).double().sum(0)
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return (total[0] / total[1]).item()
 
 

@@ -199,32 +199,8 @@ def test_progress_writes_a_line_per_tenth_into_a_log():
 
 def test_start_up_goal_judges_every_mode_after_step_10_against_ln_vocab():
     calm = [10.5, 9.0, 8.0, 7.5, 7.0, 6.5, 6.0, 5.5, 5.0, 4.8, 4.6, 4.5, 4.4]
-    rows = [
-        _row(
-            "train",
-            "g",
-            "bf16",
-            "bf16",
-            vocab=32000,
-            lr_warmup_steps=20,
-            losses=calm,
-            tokens_per_s=1.0,
-            peak_MiB=1.0,
-            micro_batch=1,
-        ),
-        _row(
-            "train",
-            "g",
-            "coat",
-            "coat",
-            vocab=32000,
-            lr_warmup_steps=20,
-            losses=calm,
-            tokens_per_s=1.0,
-            peak_MiB=1.0,
-            micro_batch=1,
-        ),
-    ]
+    common = dict(vocab=32000, lr_warmup_steps=20, losses=calm, tokens_per_s=1.0, peak_MiB=1.0, micro_batch=1)
+    rows = [_row("train", "g", mode, mode, **common) for mode in ("bf16", "coat")]
     goal = {g.goal: g for g in evaluate(rows)}["training loss below ln(vocab) after step 10, every mode"]
     assert goal.met and goal.measured == 4.6 and goal.target == "<= 10.37"
     spiky = [rows[0], {**rows[1], "losses": calm[:10] + [16.3, 4.5, 4.4]}]  # a spike at step 11
