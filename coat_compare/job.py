@@ -581,12 +581,12 @@ def isolate_runs(preset: Preset, args) -> bool:
     """Whether each (mode, CUDA graph configuration) of this job trains in a fresh process: on one
     GPU, always. Megatron keeps graph state process-wide (capture flags, the whole-step graph's
     memory pool, static buffers), and a graph's private memory pool outlives the model it served:
-    measured on an H100, a mode run after a whole-step-graph mode in the same process started with
-    ~16 GiB still held (its peak memory was the earlier mode's), a second whole-step capture failed
+    on an H100, a mode run after a whole-step-graph mode in the same process started with the
+    earlier mode's pool still held (its peak memory was the earlier mode's), a second whole-step capture failed
     in PyTorch's allocator, and the tiny preset hit an illegal memory access. Eager modes too: an
     out-of-memory mode (BF16 on Llama-2-7B) leaves the allocator fragmented for the next, and what
     one mode leaks (caches, references held by Megatron's globals) counts as the next one's memory.
-    A process per configuration costs a start-up (~20 s) and leaves every row clean."""
+    A process per configuration costs a start-up and leaves every row clean."""
     return (
         preset.kind == "train"
         and torch.cuda.is_available()
