@@ -12,9 +12,22 @@
 #                                         # bf16, coat, te-fp8-delayed (benchmarks/accuracy.py; call
 #                                         # again until it prints "all runs done")
 #
+# Still to run (each part one command; one mode per command where a run is long):
+#   bash scripts/gpu_default.sh acc7b MODE     # H200: Llama-2-7B, 200 steps, global batch 4, validation
+#                                              # every 20 steps on 64 held-out windows; MODE = bf16,
+#                                              # te-fp8-current or coat (~5 min each, same seed and data)
+#   bash scripts/gpu_default.sh llama13b       # H200: Llama-2-13B, default coat, micro-batch 2, 150 steps,
+#                                              # validation every 25 steps (~6 min)
+#   bash scripts/gpu_default.sh speed7b        # H200: Llama-2-7B micro-batch 1, coat and coat-cached with
+#                                              # per-layer graphs (the default vs the fastest COAT) (~5 min)
+#   bash scripts/gpu_default.sh acc1b MODE PART  # gpt-1b, 480 steps at global batch 32 (31M tokens),
+#                                              # validation every 48 steps, in two halves (PART 1: save after
+#                                              # step 240 into $CKPT; PART 2: load and finish); MODE = bf16,
+#                                              # coat or the fastest TE recipe (te-fp8-delayed on gpt-1b)
+#
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|acc1b MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -36,6 +49,32 @@ case $part in
     OUT=$out RES=${RES:-/tmp/coat-default-accuracy} PRESET=gpt-125m STEPS=${STEPS:-1200} SEEDS=${SEEDS:-1,2,3,4} \
       MODES=${MODES:-bf16,coat,te-fp8-delayed} JOBS=${JOBS:-6} TIME_LIMIT=${TIME_LIMIT:-500} \
       EXTRA="--micro-batch 4 --global-batch 16" bash "$(dirname "$0")/gpu_accuracy.sh" ;;
-  *) echo "unknown part $part: quick, llama7b or accuracy" >&2; exit 2 ;;
+  acc7b)
+    mode=${2:?acc7b MODE: bf16, te-fp8-current or coat}
+    PRE="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    run 590 "acc7b-$mode" env $PRE coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
+      --eval-every 20 --eval-windows 64 --modes "$mode" --out "$out" --name "llama2-7b-acc-$mode" --no-plots
+    grep -E "^\| ($mode|training loss)" "$out/llama2-7b-acc-$mode.md" | cut -c1-260 ;;
+  llama13b)
+    run 590 llama13b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-13b \
+      --micro-batch 2 --global-batch 4 --steps 150 --eval-every 25 --eval-windows 64 --modes coat \
+      --out "$out" --name llama2-13b-mb2 --no-plots
+    grep -E "^\| (coat|llama|training loss)" "$out/llama2-13b-mb2.md" | cut -c1-260 ;;
+  speed7b)
+    run 590 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-cached \
+      --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
+    grep -E "^\| (coat|default)" "$out/llama2-7b-default-vs-cached.md" | cut -c1-260 ;;
+  acc1b)
+    mode=${2:?acc1b MODE PART}; half=${3:?acc1b MODE PART: 1 or 2}
+    ckpt=${CKPT:-/root/ckpt-gpt1b}/$mode
+    # the warm-up is given, not derived from --steps, so that both halves follow one schedule
+    common=(--preset gpt-1b --micro-batch 4 --global-batch 32 --lr-warmup-steps 48 --eval-every 48 --modes "$mode" --no-plots)
+    if [ "$half" = 1 ]; then  # 240 steps, saved after the 240th (the 241st step only lets the save happen)
+      run 590 "acc1b-$mode-1" coat-compare "${common[@]}" --steps 241 --save "$ckpt" --save-step 240 --out "$out" \
+        --name "gpt-1b-acc-$mode-1"
+    else
+      run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 480 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
+    fi ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b or acc1b" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
