@@ -6,7 +6,7 @@
 #                                         # optimizer (~2 min); gpt-1b micro-batch 4: bf16, coat,
 #                                         # coat-cached, eager and with per-layer graphs (~4 min)
 #   bash scripts/gpu_default.sh llama7b   # Llama-2-7B, micro-batch 2, global batch 16 (8 micro-batches
-#                                         # per step): coat, and bf16, te-fp8-current, te-fp8-pa (one
+#                                         # per step): coat, coat-cached, and bf16, te-fp8-current, te-fp8-pa (one
 #                                         # 80 GB H100: only coat is expected to fit) (~6 min)
 #   bash scripts/gpu_default.sh accuracy  # gpt-125m, 4 seeds, global batch 16 = 4 micro-batches of 4:
 #                                         # bf16, coat, te-fp8-delayed (benchmarks/accuracy.py; call
@@ -43,7 +43,7 @@ case $part in
     grep -E "^\| (bf16|coat)|^\| (end-to-end|default)" "$out/gpt-1b.md" | cut -c1-240 ;;
   llama7b)
     run 560 llama2-7b coat-compare --preset llama2-7b --micro-batch 2 --global-batch 16 --steps 5 \
-      --modes coat,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-gb16 --no-plots
+      --modes coat,coat-cached,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-gb16 --no-plots
     grep -E "^\| (bf16|te-fp8|coat)|^\| (llama|end-to-end)" "$out/llama2-7b-gb16.md" | cut -c1-260 ;;
   accuracy)
     OUT=$out RES=${RES:-/tmp/coat-default-accuracy} PRESET=gpt-125m STEPS=${STEPS:-1200} SEEDS=${SEEDS:-1,2,3,4} \
