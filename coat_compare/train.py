@@ -258,7 +258,9 @@ def train_step(
     if saved is not None:
         saved.__enter__()
     try:
-        total = token_loss_totals(forward_backward, model, batches, preset, forward_only=False)
+        # FP32, summed in the order a larger micro-batch or DP size would sum it: the reported loss
+        # of one global batch does not depend on how it is split
+        total = token_loss_totals(forward_backward, model, batches, preset, forward_only=False, dtype=torch.float32)
     finally:
         if saved is not None:
             saved.__exit__(None, None, None)
@@ -266,9 +268,11 @@ def train_step(
     return (total[0] / total[1]).item(), bool(ok)
 
 
-def token_loss_totals(schedule, model, batches: list[dict], preset: Preset, forward_only: bool) -> torch.Tensor:
+def token_loss_totals(
+    schedule, model, batches: list[dict], preset: Preset, forward_only: bool, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """Megatron's forward(-backward) ``schedule`` over ``batches`` (this DP rank's micro-batches):
-    the summed token loss and token count, reduced over DP, in FP64."""
+    the summed token loss and token count, reduced over DP, in ``dtype``."""
     from megatron.core import parallel_state
 
     outputs = schedule(
@@ -280,7 +284,7 @@ def token_loss_totals(schedule, model, batches: list[dict], preset: Preset, forw
         micro_batch_size=preset.micro_batch,
         forward_only=forward_only,
     )
-    total = torch.stack([o["lm loss"] for o in outputs]).double().sum(0)
+    total = torch.stack([o["lm loss"] for o in outputs]).to(dtype).sum(0)
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return total
 
