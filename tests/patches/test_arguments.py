@@ -1,57 +1,16 @@
 """--coat-fp8 and the --coat-* knobs through Megatron's real parse_args and validate_args."""
 
-import sys
 from dataclasses import fields
 
 import megatron.core.package_info
 import megatron.training.arguments as arguments
 import pytest
+from megatron_argv import MOCK_MODEL as LLAMA
+from megatron_argv import parse
 
 from coat_megatron import CoatConfig
 from coat_patches.arguments import KNOBS, CoatArgumentError, coat_config_from_args, flag
 from coat_patches.install import coat_megatron_patches
-
-# A Llama-shaped model every COAT check accepts.
-LLAMA = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "128",
-    "--ffn-hidden-size",
-    "352",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "2",
-    "--train-iters",
-    "4",
-    "--lr",
-    "1e-3",
-    "--swiglu",
-    "--normalization",
-    "RMSNorm",
-    "--disable-bias-linear",
-    "--bf16",
-    "--use-distributed-optimizer",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "256",
-    "--mock-data",
-]
-
-
-def parse(monkeypatch, *argv: str):
-    """Megatron's parse_args + validate_args (as parse_and_validate_args calls them) on ``argv``."""
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
-    with coat_megatron_patches():
-        args = arguments.parse_args()
-        arguments.validate_args(args, {})
-    return args
 
 
 def problems(monkeypatch, *argv: str) -> str:

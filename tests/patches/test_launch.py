@@ -12,57 +12,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "4",
-    "--train-iters",
-    "6",
-    "--lr",
-    "1e-3",
-    "--lr-warmup-iters",
-    "1",
-    "--bf16",
-    "--swiglu",
-    "--normalization",
-    "RMSNorm",
-    "--disable-bias-linear",
-    "--position-embedding-type",
-    "rope",
-    "--untie-embeddings-and-output-weights",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--use-distributed-optimizer",
-    "--log-interval",
-    "1",
-    "--eval-iters",
-    "0",
-    "--eval-interval",
-    "1000",
-    "--num-workers",
-    "0",
-    "--vocab-size",
-    "256",
-    "--byte-corpus",
-    "stdlib_docstrings",
-    "--byte-corpus-bytes",
-    str(1 << 18),
-]
+TINY = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 4 --train-iters 6 --lr 1e-3 --lr-warmup-iters 1 "
+    "--bf16 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope "
+    "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 --use-distributed-optimizer "
+    "--log-interval 1 --eval-iters 0 --eval-interval 1000 --num-workers 0 --vocab-size 256 "
+    f"--byte-corpus stdlib_docstrings --byte-corpus-bytes {1 << 18}"
+).split()
 LOGGED = re.compile(r"iteration\s+(\d+)/\s+6 .*lm loss: ([\d.E+-]+)")
 NUMBER = r"([\d.e+-]+)"
 TELEMETRY = re.compile(

@@ -11,44 +11,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from megatron_argv import MOCK_MODEL, parse
 
 from coat_patches import demo, launch
 from coat_patches.arguments import KNOBS, CoatArgumentError, add_coat_arguments, flag
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
-# A model every COAT check accepts, for the cases that reach Megatron's validate_args.
-TINY = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "64",
-    "--ffn-hidden-size",
-    "128",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "64",
-    "--max-position-embeddings",
-    "64",
-    "--micro-batch-size",
-    "2",
-    "--train-iters",
-    "2",
-    "--lr",
-    "1e-3",
-    "--bf16",
-    "--swiglu",
-    "--normalization",
-    "RMSNorm",
-    "--disable-bias-linear",
-    "--use-distributed-optimizer",
-    "--tokenizer-type",
-    "NullTokenizer",
-    "--vocab-size",
-    "256",
-    "--mock-data",
-]
 ARGUMENT_TABLE = "------------------------ arguments ------------------------"
 
 
@@ -177,21 +146,16 @@ def test_no_script_and_unknown_launcher_options():
     ids=["coat-check", "knob-without-coat-fp8", "misspelt-flag", "bad-knob-value", "megatron-check"],
 )
 def test_bad_arguments_end_in_one_line(argv, words):
-    done = run("coat_patches.launch", "--cpu", EXAMPLE, *TINY, *argv)
+    done = run("coat_patches.launch", "--cpu", EXAMPLE, *MOCK_MODEL, *argv)
     assert_one_error(done, *words)
     assert done.stdout == ""  # Megatron's start-up lines and argument table were held back and dropped
 
 
 def test_coat_check_runs_before_megatron_prints_its_arguments(monkeypatch, capsys):
     """In one process: the table comes out when the checks pass, never when COAT's check fails."""
-    import megatron.training.arguments as arguments
-
-    from coat_patches.install import coat_megatron_patches
 
     def parse_and_validate(*argv):
-        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *TINY, *argv])
-        with coat_megatron_patches():
-            arguments.validate_args(arguments.parse_args(), {})
+        parse(monkeypatch, *MOCK_MODEL, *argv)
 
     with pytest.raises(CoatArgumentError, match="drop --fp8-format"):
         parse_and_validate("--coat-fp8", "--fp8-format", "hybrid")
