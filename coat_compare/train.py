@@ -119,16 +119,13 @@ def train(
     device = parallel.device()
     rank = parallel_state.get_data_parallel_rank()
 
-    def local(batch: dict) -> dict:  # this DP rank's slice of a validation batch, on its device
-        return {k: v[rank * preset.micro_batch : (rank + 1) * preset.micro_batch].to(device) for k, v in batch.items()}
-
-    per_rank = preset.micro_batch * micro_batches
-
-    def micro(batch: dict) -> list[dict]:  # this DP rank's slice of a global batch, as its micro-batches, on its device
+    def micro(batch: dict, count: int) -> list[dict]:
+        """This DP rank's contiguous slice of a batch, as ``count`` micro-batches, on its device."""
+        per_rank = preset.micro_batch * count
         mine = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in batch.items()}
         return [
             {k: v[i * preset.micro_batch : (i + 1) * preset.micro_batch].to(device) for k, v in mine.items()}
-            for i in range(micro_batches)
+            for i in range(count)
         ]
 
     cuda = device.type == "cuda"
@@ -137,7 +134,7 @@ def train(
     activations = static = warmup_peak = warmup_reserved = None
     with AllGatherBytes() as counter:
         for step in range(first, preset.steps):
-            batches = micro(data.batch(step))
+            batches = micro(data.batch(step), micro_batches)
             if save is not None and step == save_step:
                 save_checkpoint(save, model, optimizer, step=step)
             set_learning_rate(optimizer, preset, step)
@@ -163,7 +160,7 @@ def train(
             losses.append(loss)
             done = step + 1
             if validation is not None and (done % preset.eval_every == 0 or done == preset.steps):
-                valid_losses.append([done, validation_loss(model, [local(b) for b in validation], preset)])
+                valid_losses.append([done, validation_loss(model, [micro(b, 1)[0] for b in validation], preset)])
             if progress is not None:
                 progress.update(done, loss=loss, **({"valid": valid_losses[-1][1]} if valid_losses else {}))
     if progress is not None:
