@@ -25,6 +25,7 @@ from coat_kernels import (
     quantize_per_group,
     quantize_per_tensor,
     tensor_amax,
+    transpose_codes,
 )
 from coat_kernels import per_group as qg_module
 from coat_kernels import per_tensor as qt_module
@@ -99,6 +100,13 @@ def main() -> None:
         "x is read twice: the bound is 4/6 of copy",
     )
     case("dequantize_per_tensor -> bf16", lambda: dequantize_per_tensor(qt, st, torch.bfloat16), numel * (1 + 2))
+    case("transpose_codes (tiled byte transpose)", lambda: transpose_codes(qt), numel * 2)
+    case(
+        "torch q.view(uint8).t().contiguous()",
+        lambda: qt.view(torch.uint8).t().contiguous(),
+        numel * 2,
+        "what the default's dgrad used for W^T before transpose_codes",
+    )
 
     sweep = []
     if args.sweep:
@@ -137,6 +145,21 @@ def main() -> None:
             with mock.patch.object(qt_module, "_AMAX_BLOCKS", cfg):
                 ms = bench_ms(lambda: tensor_amax(x))
             sweep.append({"kernel": "tensor_amax", "blocks": cfg, "ms": ms, "of_copy": numel * 2 / ms / 1e6 / copy_gbs})
+
+        for cfg in [
+            (64, 64, 4),
+            (128, 128, 8),
+            (128, 128, 4),
+            (64, 128, 4),
+            (128, 64, 4),
+            (256, 128, 8),
+            (128, 256, 8),
+        ]:
+            with mock.patch.object(qt_module, "_TRANSPOSE_BLOCKS", cfg):
+                ms = bench_ms(lambda: transpose_codes(qt))
+            sweep.append(
+                {"kernel": "transpose_codes", "blocks": cfg, "ms": ms, "of_copy": numel * 2 / ms / 1e6 / copy_gbs}
+            )
 
     lines = [
         f"# Quantization kernels vs device copy: {gpu}",

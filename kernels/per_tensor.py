@@ -151,6 +151,10 @@ def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
     return transpose and dtype != torch.float32
 
 
+# (BLOCK_M, BLOCK_N, num_warps) of the byte transpose (``benchmarks/quantize.py --sweep`` times others)
+_TRANSPOSE_BLOCKS = (64, 64, 4)
+
+
 @triton.jit
 def _transpose_codes_kernel(q_ptr, qt_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -165,7 +169,9 @@ def _transpose_codes_kernel(q_ptr, qt_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr
 
 def transpose_codes(q: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """The (N, R) row-major transpose of FP8 codes q (R rows of N; any leading shape), in one
-    1-byte pass (wgrad operands of inputs that were all-gathered or produced without a copy)."""
+    1-byte pass: wgrad operands of inputs that were all-gathered or produced without a copy, and
+    the dgrad's W^T where the weight cache keeps W's codes only. Tiled, so that both the reads and
+    the writes are coalesced (a strided torch copy reads one byte per 32-byte sector)."""
     n_cols = q.shape[-1]
     n_rows = q.numel() // max(n_cols, 1)
     q_t = torch.empty((n_cols, n_rows), dtype=q.dtype, device=q.device)
@@ -182,8 +188,9 @@ def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pas
         return
     n_cols, n_rows = q_t.shape
     codes, codes_t = q.view(torch.uint8), q_t.view(torch.uint8)
-    grid = (triton.cdiv(n_rows, 64), triton.cdiv(n_cols, 64))
-    _transpose_codes_kernel[grid](codes, codes_t, n_rows, n_cols, BLOCK_M=64, BLOCK_N=64, num_warps=4)
+    block_m, block_n, warps = _TRANSPOSE_BLOCKS
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _transpose_codes_kernel[grid](codes, codes_t, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
 
 
 def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -14,12 +14,16 @@
 #
 # Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh acc7b MODE     # H200: Llama-2-7B, 200 steps, global batch 4, validation
-#                                              # every 20 steps on 64 held-out windows; MODE = bf16,
-#                                              # te-fp8-current or coat (~5 min each, same seed and data)
-#   bash scripts/gpu_default.sh llama13b       # H200: Llama-2-13B, default coat, micro-batch 2, 150 steps,
-#                                              # validation every 25 steps (~6 min)
-#   bash scripts/gpu_default.sh speed7b        # H200: Llama-2-7B micro-batch 1, coat and coat-cached with
-#                                              # per-layer graphs (the default vs the fastest COAT) (~5 min)
+#                                              # every 25 steps on 48 held-out windows; MODE = bf16,
+#                                              # te-fp8-current or coat (~5 min each, same seed and data);
+#                                              # GPU_TESTS=1: the GPU tests of the kernels, the COAT ops and
+#                                              # layers run beside it (pytest-gpu.log; accuracy is not timing)
+#   bash scripts/gpu_default.sh llama13b       # H200: Llama-2-13B, default coat, micro-batch 2, global batch 4,
+#                                              # 150 steps, validation every 25 steps (~7 min)
+#   bash scripts/gpu_default.sh speed7b        # H200: the quantization kernels against a device copy (with the
+#                                              # tile sweep: the byte transpose of the default's dgrad W^T);
+#                                              # Llama-2-7B micro-batch 1, coat and coat-cached with per-layer
+#                                              # graphs (the default vs the fastest COAT) (~5 min)
 #   bash scripts/gpu_default.sh acc1b MODE PART  # gpt-1b, 480 steps at global batch 32 (31M tokens),
 #                                              # validation every 48 steps, in two halves (PART 1: save after
 #                                              # step 240 into $CKPT; PART 2: load and finish); MODE = bf16,
@@ -51,17 +55,24 @@ case $part in
       EXTRA="--micro-batch 4 --global-batch 16" bash "$(dirname "$0")/gpu_accuracy.sh" ;;
   acc7b)
     mode=${2:?acc7b MODE: bf16, te-fp8-current or coat}
+    if [ "${GPU_TESTS:-0}" = 1 ]; then
+      timeout 480 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/fp8 tests/megatron/test_cuda_graphs.py \
+        tests/megatron/test_lean_path.py tests/megatron/test_coat_optimizer.py >"$out/pytest-gpu.log" 2>&1 &
+    fi
     PRE="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
-    run 590 "acc7b-$mode" env $PRE coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
-      --eval-every 20 --eval-windows 64 --modes "$mode" --out "$out" --name "llama2-7b-acc-$mode" --no-plots
-    grep -E "^\| ($mode|training loss)" "$out/llama2-7b-acc-$mode.md" | cut -c1-260 ;;
+    run 560 "acc7b-$mode" env $PRE coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
+      --eval-every 25 --eval-windows 48 --modes "$mode" --out "$out" --name "llama2-7b-acc-$mode" --no-plots
+    grep -E "^\| ($mode|training loss)" "$out/llama2-7b-acc-$mode.md" | cut -c1-260
+    if [ "${GPU_TESTS:-0}" = 1 ]; then wait; tail -15 "$out/pytest-gpu.log"; fi ;;
   llama13b)
     run 590 llama13b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-13b \
-      --micro-batch 2 --global-batch 4 --steps 150 --eval-every 25 --eval-windows 64 --modes coat \
+      --micro-batch 2 --global-batch 4 --steps 150 --eval-every 25 --eval-windows 48 --modes coat \
       --out "$out" --name llama2-13b-mb2 --no-plots
     grep -E "^\| (coat|llama|training loss)" "$out/llama2-13b-mb2.md" | cut -c1-260 ;;
   speed7b)
-    run 590 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-cached \
+    run 120 quantize python3 benchmarks/quantize.py --sweep --out "$out"
+    grep -E "transpose|copy" "$out/quantize.md"
+    run 470 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-cached \
       --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
     grep -E "^\| (coat|default)" "$out/llama2-7b-default-vs-cached.md" | cut -c1-260 ;;
   acc1b)

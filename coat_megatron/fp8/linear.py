@@ -20,14 +20,14 @@ import sys
 
 import torch
 
-from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax
+from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax, transpose_codes
 from coat_kernels.formats import fp8_format
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.swiglu import quantize_swiglu_input
 
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
-from .weights import Fp8WeightCache, transpose_codes
+from .weights import Fp8WeightCache
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

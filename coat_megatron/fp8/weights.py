@@ -3,7 +3,8 @@
 A linear's fprop wants W (out, in) row-major and its dgrad wants W^T (in, out) row-major; one
 per-tensor quantizing pass writes both. With ``keep_transpose=False`` the cache keeps W's codes
 only (1 byte per parameter instead of 2) and the dgrad transposes them when it runs
-(``transpose_codes``): one scale serves both layouts, so the codes are the same bytes.
+(``coat_kernels.transpose_codes``, one tiled byte pass): one scale serves both layouts, so the
+codes are the same bytes.
 
 The copies live in fixed buffers, updated in place (``coat_kernels.refresh``), so that a CUDA
 graph that reads them stays valid across optimizer steps. They are remade when the weight
@@ -60,11 +61,6 @@ def device_generation(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def transpose_codes(q: torch.Tensor) -> torch.Tensor:
-    """The per-tensor FP8 codes of W^T (row-major) from those of W: a byte transpose."""
-    return q.view(torch.uint8).t().contiguous().view(q.dtype)
-
-
 class _Buffers(NamedTuple):
     q: torch.Tensor
     q_t: torch.Tensor | None
@@ -78,7 +74,7 @@ class Fp8WeightCache:
 
     ``get`` returns the same tensors every time (their contents change in place).
     ``keep_transpose=False``: the transposed codes are not kept (``get`` returns None for them;
-    take them from ``transpose_codes`` when needed)."""
+    take them from ``coat_kernels.transpose_codes`` when needed)."""
 
     def __init__(self, fmt: str = "e4m3", keep_transpose: bool = True):
         self.fmt = fmt

@@ -2,7 +2,14 @@ import pytest
 import torch
 from kernel_inputs import as_bytes, random_activations
 
-from coat_kernels import NonFiniteInputError, dequantize_per_tensor, fp8_format, quantize_per_tensor, tensor_amax
+from coat_kernels import (
+    NonFiniteInputError,
+    dequantize_per_tensor,
+    fp8_format,
+    quantize_per_tensor,
+    tensor_amax,
+    transpose_codes,
+)
 from coat_kernels.per_tensor import dequantize_per_tensor_reference, quantize_per_tensor_reference
 
 SHAPES = [(50,), (7, 96), (3, 5, 160), (33, 5120), (5, 11008), (2, 3, 13824), (129, 257)]
@@ -81,6 +88,27 @@ def test_every_transposed_code_is_written(device, shape, dtype):
     x.view(-1)[::3] = 1.0
     q, scale, q_t = quantize_on(device, x, "e4m3", transpose=True)
     assert torch.equal(as_bytes(q_t), as_bytes(q).t()) and not (as_bytes(q_t) == 0x7F).any()
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 48), (130, 3), (3, 5, 160), (65, 129), (257, 70)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_transpose_codes_matches_a_byte_transpose(device, shape, fmt):
+    # every byte value, NaN codes included, in a random order: the kernel moves bytes, never values
+    g = torch.Generator().manual_seed(sum(shape))
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    q = codes.view(fp8_format(fmt).dtype)
+    q_t = transpose_codes(q.to(device), backend="triton").cpu()
+    assert q_t.dtype == q.dtype and q_t.shape == (shape[-1], codes.numel() // shape[-1]) and q_t.is_contiguous()
+    assert torch.equal(as_bytes(q_t), codes.reshape(-1, shape[-1]).t())
+    assert torch.equal(as_bytes(transpose_codes(q, backend="reference")), as_bytes(q_t))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 2048), (4096, 11008), (22016, 4096), (4099, 14337)], ids=str)
+def test_transpose_codes_of_weight_shapes_on_gpu(shape):
+    codes = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
+    q_t = transpose_codes(codes.view(torch.float8_e4m3fn))
+    assert torch.equal(q_t.view(torch.uint8), codes.t())
 
 
 def test_zero_constant_outlier_and_subnormal_tensors(device):
