@@ -23,7 +23,7 @@ COAT = "coat"
 # COAT recipes that differ from the default in bytes or speed only (not the ablations): the
 # default is judged against the fastest of them. Rows written before coat-mem became the default
 # ("coat-mem") are the default's recipe.
-CONFIGURATIONS = ("coat", "coat-mem", "coat-cached", "coat-fp32-grads", "coat-fp32")
+CONFIGURATIONS = ("coat", "coat-mem", "coat-cached", "coat-min", "coat-fp32-grads", "coat-fp32")
 DEFAULT_NAMES = ("coat", "coat-mem")
 SPEED_KEYS = ("tokens_per_s", "ms", "step_ms")
 NOT_APPLICABLE = "not applicable"

@@ -60,12 +60,12 @@ class SavedTensors:
 
 def expected_bytes_per_param(mode) -> dict[str, float]:
     """What ``mode`` holds between steps per parameter, by part, from its recipe alone (before
-    anything is built): BF16 weights; COAT's FP8 weight copies (W, and W^T where cached; an upper
+    anything is built): BF16 weights; COAT's FP8 weight copies (W where kept, and W^T where cached; an upper
     bound: embeddings have none); gradient buffers; master weights; Adam's moments. TE's own FP8
     weight copies are not counted."""
     coat = mode.coat_config()
     uses_coat_layers = mode.spec == "coat"
-    fp8_copies = (2.0 if coat.cache_weight_transpose else 1.0) if uses_coat_layers else 0.0
+    fp8_copies = (coat.cache_weight + coat.cache_weight_transpose) * 1.0 if uses_coat_layers else 0.0
     if mode.coat_optimizer:
         masters, states = (2.0 if coat.master_weights == "split" else 4.0), 2.0 + 6 * 4 / coat.optimizer_group_size
     else:

@@ -20,6 +20,8 @@ coat               COAT's default recipe (``CoatConfig()``): the COAT layer spec
                    gradient buffers: COAT's memory mode. ``coat-mem`` is this one
 coat-cached        coat with each weight's transposed FP8 copy kept between micro-batches
                    (``cache_weight_transpose=True``): faster, 1 byte per parameter more
+coat-min           coat keeping no FP8 weight codes between micro-batches (``cache_weight=False``):
+                   W and W^T quantized from the weight where used, 1 byte per parameter less
 coat-fp32-grads    coat with FP32 gradient buffers (``grad_buffers="fp32"``): micro-batch
                    gradients summed in FP32, 2 bytes per parameter more
 coat-fp32          coat with every byte back: an FP32 copy of the master weights
@@ -59,7 +61,7 @@ class Mode:
     precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
     coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
     recompute_norm_output: ``CoatConfig.recompute_norm_output``.
-    cache_weight_transpose, master_weights, grad_buffers: the ``CoatConfig`` fields; None:
+    cache_weight, cache_weight_transpose, master_weights, grad_buffers: the ``CoatConfig`` fields; None:
         CoatConfig's default.
     family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     """
@@ -72,6 +74,7 @@ class Mode:
     precision_aware: bool = False
     coat_optimizer: bool = False
     recompute_norm_output: bool = False
+    cache_weight: bool | None = None
     cache_weight_transpose: bool | None = None
     master_weights: str | None = None
     grad_buffers: str | None = None
@@ -84,8 +87,9 @@ class Mode:
             master_weights=self.master_weights,
             grad_buffers=self.grad_buffers,
         )
-        if self.cache_weight_transpose is not None:
-            fields["cache_weight_transpose"] = self.cache_weight_transpose
+        for name in ("cache_weight", "cache_weight_transpose"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
         return CoatConfig(**fields)
 
     @property
@@ -119,6 +123,7 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
         Mode("coat", "coat", "coat", coat_optimizer=True),
         Mode("coat-cached", "coat", "coat", coat_optimizer=True, cache_weight_transpose=True),
+        Mode("coat-min", "coat", "coat", coat_optimizer=True, cache_weight=False),
         Mode("coat-fp32-grads", "coat", "coat", coat_optimizer=True, grad_buffers="fp32"),
         Mode(
             "coat-fp32",

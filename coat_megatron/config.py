@@ -65,6 +65,12 @@ class CoatConfig:
             from the norm's saved 1xG input copy. The forward stays exact, but the wgrad operand
             then carries the 1xG rounding of the norm input as well, which costs accuracy
             (tests/megatron/test_coat_training.py measures it), so it is off by default.
+        cache_weight: keep each weight's FP8 codes between micro-batches (1 byte per linear
+            parameter), made once per optimizer step. False keeps the weight's amax only and
+            quantizes W in every forward and W^T in every backward from the weight with it:
+            bit-identical results, 1 byte per parameter less, one more pass over each weight per
+            micro-batch's forward and backward (coat-compare's ``coat-min``). Needs
+            ``cache_weight_transpose=False``.
         cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
             its FP8 copy between micro-batches: 2 bytes per parameter. False (the default, part of
             COAT's memory mode) keeps 1 and transposes the codes in every backward (bit-identical
@@ -110,6 +116,7 @@ class CoatConfig:
     optimizer_group_size: int = 128
     fprop_fast_accumulation: bool = True
     recompute_norm_output: bool = False
+    cache_weight: bool = True
     cache_weight_transpose: bool = False
     master_weights: str | None = None
     grad_buffers: str | None = None
@@ -122,9 +129,16 @@ class CoatConfig:
             "v_expansion",
             "fprop_fast_accumulation",
             "recompute_norm_output",
+            "cache_weight",
             "cache_weight_transpose",
         ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
+        if self.cache_weight_transpose and not self.cache_weight:
+            raise ValueError(
+                "cache_weight_transpose=True keeps W^T's FP8 codes between micro-batches, and cache_weight=False keeps "
+                "no codes of the weight: set cache_weight_transpose=False with cache_weight=False "
+                "(--coat-cache-weight-transpose off --coat-cache-weight off), or cache_weight=True"
+            )
         for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
             value = getattr(self, name)
             if value not in FP8_FORMATS:

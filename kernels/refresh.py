@@ -22,6 +22,10 @@ Three launches, no host synchronisation and no allocation:
     finish        ``generation`` <- ``current``; ``amax`` <- 0 for the next refresh
 
 The codes and scale are bit-identical to ``quantize_per_tensor(x, fmt, transpose=...)``.
+
+``refresh_per_tensor_amax`` keeps the amax only (for a cache that holds no codes: the codes are
+made where they are used, ``quantize_per_tensor(x, fmt, amax=kept)``, bit-identical to the kept
+ones): the same gated amax pass into a work scalar, then ``kept`` <- work where stale.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from .per_tensor import (
     quantize_per_tensor_reference,
     transpose_in_pass,
 )
-from .scaling import abs_or_inf, quantize_with_inverse, scale_from_amax
+from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, scale_from_amax
 
 
 @triton.jit
@@ -110,6 +114,14 @@ def _refresh_finish_kernel(amax_ptr, gen_ptr, cur_ptr, HAS_GENERATION: tl.conste
     tl.store(amax_ptr, 0.0)
     if HAS_GENERATION:
         tl.store(gen_ptr, tl.load(cur_ptr))
+
+
+@triton.jit(do_not_specialize=["force"])
+def _refresh_keep_amax_kernel(amax_ptr, kept_ptr, gen_ptr, cur_ptr, force):
+    stale = _is_stale(gen_ptr, cur_ptr, force)
+    tl.store(kept_ptr, tl.load(amax_ptr), mask=stale)
+    tl.store(amax_ptr, 0.0)
+    tl.store(gen_ptr, tl.load(cur_ptr))
 
 
 def _format_name(q: torch.Tensor) -> str:
@@ -245,3 +257,77 @@ def refresh_per_tensor_copy(
     else:
         scale.fill_(1.0)
     _refresh_finish_kernel[(1,)](amax, gen, cur, HAS_GENERATION=generation is not None)
+
+
+def _check_amax_buffers(x, kept, work, generation, current) -> None:
+    for name, t, dtype in (
+        ("kept", kept, torch.float32),
+        ("work", work, torch.float32),
+        ("generation", generation, torch.int64),
+        ("current", current, torch.int64),
+    ):
+        if t.numel() != 1 or t.dtype != dtype or t.device != x.device:
+            raise ValueError(f"{name} must be a {dtype} tensor of one element on {x.device}")
+
+
+def refresh_per_tensor_amax_reference(
+    x: torch.Tensor,
+    kept: torch.Tensor,
+    work: torch.Tensor,
+    *,
+    generation: torch.Tensor,
+    current: torch.Tensor,
+    force: bool = False,
+) -> None:
+    """Torch reference of ``refresh_per_tensor_amax`` (decided with ``torch.where`` on the device)."""
+    new = abs_or_inf_reference(as_rows(x).float()).amax() if x.numel() else torch.zeros((), device=x.device)
+    stale = torch.ones((), dtype=torch.bool, device=x.device) if force else (generation != current).reshape(())
+    kept.copy_(torch.where(stale, new.reshape(kept.shape), kept))
+    work.zero_()
+    generation.copy_(current)
+
+
+def refresh_per_tensor_amax(
+    x: torch.Tensor,
+    kept: torch.Tensor,
+    work: torch.Tensor,
+    *,
+    generation: torch.Tensor,
+    current: torch.Tensor,
+    force: bool = False,
+    backend: str = "auto",
+) -> None:
+    """Remake ``kept`` = max |x| (+inf for inf or NaN), in place, if ``generation`` != ``current``
+    (decided on the device) or ``force``; then ``generation`` <- ``current``.
+
+    Args:
+        x: BF16/FP16/FP32 (a weight), last dim contiguous.
+        kept: 0-d FP32, the amax that ``quantize_per_tensor(x, fmt, amax=kept)`` turns into the
+            scale and codes (bit-identical to ``refresh_per_tensor_copy``'s).
+        work: 0-d FP32 work buffer, 0 on entry (left 0).
+        generation, current: int64 device scalars, as in ``refresh_per_tensor_copy``.
+    Nothing is allocated and nothing synchronises: safe to capture in a CUDA graph.
+    """
+    _check_amax_buffers(x, kept, work, generation, current)
+    if not use_triton(x, backend):
+        refresh_per_tensor_amax_reference(x, kept, work, generation=generation, current=current, force=force)
+        return
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    if rows.numel():
+        block_m, block_n, warps = _AMAX_BLOCKS
+        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        _refresh_amax_kernel[grid](
+            rows,
+            work,
+            generation,
+            current,
+            int(force),
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=warps,
+        )
+    _refresh_keep_amax_kernel[(1,)](work, kept, generation, current, int(force))

@@ -68,6 +68,10 @@ KNOBS: dict[str, tuple[dict, str]] = {
         dict(type=_switch, metavar="on|off"),
         "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)",
     ),
+    "cache_weight": (
+        dict(type=_switch, metavar="on|off"),
+        "keep each weight's FP8 codes between micro-batches (default on); off: keep only its amax and quantize W in every forward and W^T in every backward from it (bit-identical, 1 byte per parameter less, one more pass over each weight per micro-batch; needs --coat-cache-weight-transpose off)",
+    ),
     "cache_weight_transpose": (
         dict(type=_switch, metavar="on|off"),
         "keep each weight's transposed FP8 copy between micro-batches (default off: the codes are transposed in every backward; on: faster, 1 byte per parameter more)",

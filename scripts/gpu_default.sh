@@ -3,8 +3,8 @@
 # backward, BF16 gradient buffers), in parts that each fit one 10-minute device command:
 #
 #   bash scripts/gpu_default.sh quick     # GPU tests of the compare harness and the COAT layers and
-#                                         # optimizer (~2 min); gpt-1b micro-batch 4: bf16, coat,
-#                                         # coat-cached, eager and with per-layer graphs (~4 min)
+#                                         # optimizer (~4 min); gpt-1b micro-batch 4, 40 steps: bf16, coat,
+#                                         # coat-cached, coat-min, eager and with per-layer graphs (~5 min)
 #   bash scripts/gpu_default.sh llama7b   # Llama-2-7B, micro-batch 2, global batch 16 (8 micro-batches
 #                                         # per step): coat, coat-cached, and bf16, te-fp8-current, te-fp8-pa (one
 #                                         # 80 GB H100: only coat is expected to fit) (~6 min)
@@ -24,6 +24,12 @@
 #                                              # tile sweep: the byte transpose of the default's dgrad W^T);
 #                                              # Llama-2-7B micro-batch 1, coat and coat-cached with per-layer
 #                                              # graphs (the default vs the fastest COAT) (~5 min)
+#   bash scripts/gpu_default.sh min7b          # H100: Llama-2-7B, global batch 16, coat-min and coat at
+#                                              # micro-batch 4 (the stretch goal; coat-min keeps no FP8
+#                                              # weight codes: 1 byte per parameter less) (~5 min)
+#   bash scripts/gpu_default.sh spike7b        # Llama-2-7B default coat, 30 steps at global batch 4, warm-up
+#                                              # 20, 50 and 100 steps: which keeps the loss under ln(vocab)
+#                                              # after step 10 (the spike is every mode's) (~5 min)
 #   bash scripts/gpu_default.sh acc1b MODE PART  # gpt-1b, 480 steps at global batch 32 (31M tokens),
 #                                              # validation every 48 steps, in two halves (PART 1: save after
 #                                              # step 240 into $CKPT; PART 2: load and finish); MODE = bf16,
@@ -31,7 +37,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|acc1b MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|acc1b MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -42,7 +48,7 @@ case $part in
     run 240 pytest-gpu python3 -m pytest -q -m gpu -x tests/megatron/test_lean_path.py tests/megatron/test_cuda_graphs.py \
       tests/megatron/test_coat_optimizer.py tests/compare
     tail -3 "$out/pytest-gpu.log"
-    run 330 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 10 --modes bf16,coat,coat-cached \
+    run 360 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-cached,coat-min \
       --cuda-graphs none,local --out "$out" --name gpt-1b --no-plots
     grep -E "^\| (bf16|coat)|^\| (end-to-end|default)" "$out/gpt-1b.md" | cut -c1-240 ;;
   llama7b)
@@ -86,6 +92,16 @@ case $part in
     else
       run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 480 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
     fi ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b or acc1b" >&2; exit 2 ;;
+  min7b)
+    run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
+      --global-batch 16 --steps 5 --modes coat-min,coat --out "$out" --name llama2-7b-mb4 --no-plots
+    grep -E "^\| (coat|llama)" "$out/llama2-7b-mb4.md" | cut -c1-260 ;;
+  spike7b)
+    for w in 20 50 100; do
+      run 180 "spike7b-w$w" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 30 \
+        --lr-warmup-steps "$w" --modes coat --out "$out" --name "llama2-7b-warmup$w" --no-plots
+      grep -E "^\| training loss below" "$out/llama2-7b-warmup$w.md" | cut -c1-200
+    done ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b or acc1b" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

@@ -27,7 +27,7 @@ from coat_kernels.swiglu import quantize_swiglu_input
 
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
-from .weights import Fp8WeightCache
+from .weights import Fp8WeightCache, weight_cache_for
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +51,13 @@ class _Fp8Linear(torch.autograd.Function):
                 x_orig = x
             else:
                 x_q, x_scale, x_t = quantize_per_tensor(x, fmt, transpose=True, check_finite=False)
-        w_q, w_t, w_scale = cache.get(weight)
+        w_amax = None
+        if cache.keep_codes:
+            w_q, w_t, w_scale = cache.get(weight)
+        else:  # codes made here from the cache's amax: the bytes a kept copy would hold
+            w_amax = cache.amax(weight)
+            w_q, w_scale = quantize_per_tensor(weight, config.weight_format, amax=w_amax, check_finite=False)
+            w_t = None
         y = fp8_gemm(
             _rows(x_q),
             x_scale,
@@ -63,7 +69,9 @@ class _Fp8Linear(torch.autograd.Function):
         ).view(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
         ctx.x_t_fn = x_t_fn
-        ctx.w = (w_t, w_q, w_scale)  # w_t None: the cache keeps W's codes only (transposed in backward)
+        # w_t None: transposed in backward from W's kept codes, or (w_amax set: no codes kept)
+        # quantized from the weight with the same amax
+        ctx.w = (w_t, w_q if w_amax is None else None, w_scale, w_amax)
         ctx.meta = (config, bias is not None, x.shape, x.dtype, main_grad)
         if fp8_output == "swiglu":
             y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, fmt)
@@ -77,7 +85,7 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x_t, x_orig, x_amax, x_scale, weight = ctx.saved_tensors
         config, has_bias, x_shape, x_dtype, main_grad = ctx.meta
-        w_t, w_q, w_scale = ctx.w
+        w_t, w_q, w_scale, w_amax = ctx.w
         if isinstance(dy, Fp8Tensor) and dy.group_size is None:
             # already FP8 (a sequence-parallel gather of dY in FP8): its codes and their transpose
             if dy.data_fp8.dtype != fp8_format(config.backward_format).dtype:
@@ -93,8 +101,12 @@ class _Fp8Linear(torch.autograd.Function):
             )
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            if w_t is None:
+            if w_t is None and w_q is not None:
                 w_t = transpose_codes(w_q)
+            elif w_t is None:
+                w_t = quantize_per_tensor(
+                    weight.detach(), config.weight_format, transpose=True, amax=w_amax, check_finite=False
+                )[2]
             dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)
         if ctx.needs_input_grad[1]:
             if x_t is None and x_orig is not None:
@@ -158,7 +170,8 @@ def fp8_linear(
         config: formats (forward_format for X and Y, backward_format for dY, weight_format for W)
             and the 1xG group size of an FP8 output.
         weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent,
-            keeping the transposed copy as ``config.cache_weight_transpose`` says).
+            keeping the codes and their transposed copy as ``config.cache_weight`` and
+            ``config.cache_weight_transpose`` say).
         fp8_output: None for a BF16 y; "1xG" for a 1xG FP8 ``Fp8Tensor``; "swiglu" for fc1 feeding
             SwiGLU: 1xG FP8 that also carries SwiGLU's output amax, found in the same pass.
         save_original_input: x (plain) is kept alive anyway (e.g. attention saves its output):
@@ -169,5 +182,5 @@ def fp8_linear(
     if fp8_output not in (None, "1xG", "swiglu"):
         raise ValueError(f"fp8_output={fp8_output!r}: use None (BF16), '1xG' or 'swiglu'")
     config = config or CoatConfig()
-    cache = weight_cache or Fp8WeightCache(config.weight_format, keep_transpose=config.cache_weight_transpose)
+    cache = weight_cache or weight_cache_for(config)
     return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input, accumulate_into_main_grad)

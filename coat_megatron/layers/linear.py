@@ -20,7 +20,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from ..config import CoatConfig
-from ..fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear, invalidate_weight_caches
+from ..fp8 import Fp8Tensor, fp8_linear, invalidate_weight_caches
+from ..fp8.weights import weight_cache_for
 from .sequence_parallel import gather_fp8_from_sequence_parallel, reduce_scatter_with_fp8_grad
 
 
@@ -41,7 +42,7 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size, output_size, *args, **kwargs):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
-        self.weight_cache = Fp8WeightCache(self.coat.weight_format, keep_transpose=self.coat.cache_weight_transpose)
+        self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)
         self.fp8_output = None
 
@@ -80,7 +81,7 @@ class CoatRowParallelLinear(RowParallelLinear):
     def __init__(self, input_size, output_size, *args, input_saved_by_producer: bool = False, **kwargs):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
-        self.weight_cache = Fp8WeightCache(self.coat.weight_format, keep_transpose=self.coat.cache_weight_transpose)
+        self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)
         self.input_saved_by_producer = input_saved_by_producer
 

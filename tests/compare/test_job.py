@@ -58,11 +58,21 @@ def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
         "te-fp8-pa",
         "coat",
         "coat-cached",
+        "coat-min",
         "coat-fp32-grads",
         "coat-fp32",
         "coat-recompute",
     ]
-    for mode in ("bf16", "bf16-local", "coat", "coat-cached", "coat-fp32-grads", "coat-fp32", "coat-recompute"):
+    for mode in (
+        "bf16",
+        "bf16-local",
+        "coat",
+        "coat-cached",
+        "coat-min",
+        "coat-fp32-grads",
+        "coat-fp32",
+        "coat-recompute",
+    ):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
     if not TE:
@@ -87,6 +97,7 @@ def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     assert abs(sum(coat[-10:]) - sum(bf16[-10:])) / sum(bf16[-10:]) < 0.03
     assert rows["bf16"]["losses"] == rows["bf16-local"]["losses"]  # without TE, bf16 is the local spec
     assert rows["coat-cached"]["losses"] == coat  # W^T kept or transposed per backward: the same bytes
+    assert rows["coat-min"]["losses"] == coat  # no codes kept: W and W^T quantized where used, the same bytes
     # BF16 against FP32 gradient buffers: one micro-batch per step here, so the gradients are
     # rounded to BF16 once per step; the FP32 masters are the same
     fp32_grads = rows["coat-fp32-grads"]["losses"]
@@ -140,6 +151,7 @@ def test_default_coat_holds_under_9_5_bytes_per_parameter_between_steps(tiny):
     assert 2.15 < mem["states"] < 2.25  # FP8 m and v + per-group scale, k, centre
     assert mem["fp8_copies"] == pytest.approx(linear, rel=0.01)  # W only (W^T transposed per backward)
     assert cached["fp8_copies"] == pytest.approx(2 * linear, rel=0.01)  # W and W^T
+    assert rows["coat-min"]["bytes_per_param"]["fp8_copies"] < 0.01  # an amax per weight, no codes
     assert rows["coat-fp32-grads"]["bytes_per_param"]["grads"] == pytest.approx(4.0, abs=0.02)
     assert rows["coat-fp32"]["bytes_per_param"]["master_weights"] == pytest.approx(4.0, abs=0.02)
     total = sum(mem[k] for k in ("weights", "fp8_copies", "grads", "master_weights", "states"))

@@ -233,6 +233,7 @@ def test_an_out_of_memory_row_says_which_bytes_dominate():
     default = expected_bytes_per_param(MODES["coat"])
     assert default == {"weights": 2.0, "fp8_copies": 1.0, "grads": 2.0, "master_weights": 2.0, "states": 2.1875}
     assert expected_bytes_per_param(MODES["coat-cached"])["fp8_copies"] == 2.0
+    assert expected_bytes_per_param(MODES["coat-min"])["fp8_copies"] == 0.0
     text = why_it_does_not_fit(MODES["bf16"], 6_740_000_000, 80 * 2**30)
     assert text.startswith("bf16 holds about 113 GiB between steps (18.0 B/param x 6.74 B params) of this GPU's 80 GiB")
     assert "the most in optimizer states (8.0 B/param)" in text and text.endswith("coat holds 9.2 B/param")

@@ -112,25 +112,45 @@ def test_linear_saving_the_original_input_gives_identical_gradients(seed):
 
 
 @pytest.mark.parametrize("shape", [(16, 320, 64), (3, 5, 48, 80)], ids=str)
-def test_linear_without_a_cached_weight_transpose_gives_identical_results_with_half_the_cache(device, shape, seed):
+def test_linear_keeping_fewer_weight_codes_gives_identical_results(device, shape, seed):
+    """W and W^T kept (2 bytes per parameter), W kept and transposed in backward (1), no codes kept
+    (W and W^T quantized from the weight with its kept amax): the same outputs and gradients."""
     *lead, n_in, n_out = shape
     x, w = activations((*lead, n_in), seed), activations((n_out, n_in), seed + 1)
     dy = activations((*lead, n_out), seed + 2)
     results = []
-    for keep in (True, False):
-        cache = Fp8WeightCache("e4m3", keep_transpose=keep)
+    for codes, transpose in ((True, True), (True, False), (False, False)):
+        config = CoatConfig(cache_weight=codes, cache_weight_transpose=transpose)
+        cache = Fp8WeightCache("e4m3", keep_transpose=transpose, keep_codes=codes)
         xc, wc = leaf(x, device=device), leaf(w, device=device)
-        y = fp8_linear(xc, wc, config=CoatConfig(cache_weight_transpose=keep), weight_cache=cache)
-        y.backward(dy.to(device))
+        for _ in range(2):  # the second micro-batch reuses what the cache kept
+            xc.grad = wc.grad = None
+            y = fp8_linear(xc, wc, config=config, weight_cache=cache)
+            y.backward(dy.to(device))
         results.append((y.detach(), xc.grad, wc.grad, cache.nbytes))
-    for a, b in zip(results[0][:3], results[1][:3]):
-        assert torch.equal(a, b)
-    # + the FP32 scale and amax and the int64 generation
-    assert results[0][3] == 2 * n_in * n_out + 16 and results[1][3] == n_in * n_out + 16
+    for other in results[1:]:
+        for a, b in zip(results[0][:3], other[:3]):
+            assert torch.equal(a, b)
+    # + the FP32 scale and work amax and the int64 generation; without codes, the kept amax instead of the scale
+    assert [r[3] for r in results] == [2 * n_in * n_out + 16, n_in * n_out + 16, 16]
     # the transposed codes are the bytes of quantizing W^T with W's scale
     q, q_t, scale = Fp8WeightCache("e4m3").get(w.to(device))
     assert torch.equal(q.view(torch.uint8).t(), q_t.view(torch.uint8))
     assert Fp8WeightCache("e4m3", keep_transpose=False).get(w.to(device))[1] is None
+    amax = Fp8WeightCache("e4m3", keep_transpose=False, keep_codes=False).amax(w.to(device))
+    assert amax.item() == w.abs().max().item()
+
+
+def test_weight_cache_refuses_contradictions():
+    with pytest.raises(ValueError, match="use keep_codes=False with keep_transpose=False"):
+        Fp8WeightCache("e4m3", keep_transpose=True, keep_codes=False)
+    with pytest.raises(ValueError, match="--coat-cache-weight-transpose off --coat-cache-weight off"):
+        CoatConfig(cache_weight=False, cache_weight_transpose=True)
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="quantize with its amax"):
+        Fp8WeightCache("e4m3", keep_transpose=False, keep_codes=False).get(w)
+    with pytest.raises(RuntimeError, match="take them from get"):
+        Fp8WeightCache("e4m3").amax(w)
 
 
 def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):

@@ -2,8 +2,8 @@ import pytest
 import torch
 from kernel_inputs import as_bytes, random_activations
 
-from coat_kernels.per_tensor import quantize_per_tensor_reference
-from coat_kernels.refresh import refresh_per_tensor_copy
+from coat_kernels.per_tensor import quantize_per_tensor, quantize_per_tensor_reference
+from coat_kernels.refresh import refresh_per_tensor_amax, refresh_per_tensor_copy
 
 SHAPES = [(7, 96), (33, 5120), (129, 257), (1, 16), (300, 48)]
 
@@ -61,6 +61,61 @@ def test_refresh_equals_quantize_per_tensor_and_runs_only_when_stale(device, sha
         x, q, scale, amax, q_t=q_t, generation=generation, current=current, force=True, backend=backend
     )
     check_against_reference(x, fmt, q, q_t, scale)
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (129, 257), (1, 16), (300, 48), (0, 32)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_refresh_amax_keeps_the_amax_only_when_stale(device, shape, dtype, backend, seed):
+    x = (
+        random_activations(shape, dtype, seed=seed).to(device)
+        if shape[0]
+        else torch.zeros(shape, dtype=dtype).to(device)
+    )
+    if shape[0] > 1:
+        x[1, 3] = -7.0e3  # an outlier: the amax is its magnitude, whatever its sign
+    kept = torch.full((), float("nan"), device=device)  # nothing read from it before a refresh
+    work = torch.zeros((), device=device)
+    generation = torch.full((), -1, dtype=torch.int64, device=device)
+    current = torch.zeros((), dtype=torch.int64, device=device)
+    refresh_per_tensor_amax(x, kept, work, generation=generation, current=current, backend=backend)
+    expected = x.float().abs().max().item() if x.numel() else 0.0
+    assert kept.item() == expected and work.item() == 0.0 and generation.item() == 0
+    # codes made from the kept amax are the bytes of a refreshed copy (what the cache used to keep)
+    if x.numel() and not (backend == "reference" and device.type == "cuda"):  # (CUDA torch: see above)
+        q, scale = quantize_per_tensor(x, "e4m3", amax=kept, backend=backend)
+        ref = quantize_per_tensor_reference(x.cpu(), "e4m3")
+        assert torch.equal(as_bytes(q), as_bytes(ref[0])) and torch.equal(scale.cpu(), ref[1])
+    # up to date: untouched, even for a changed weight
+    refresh_per_tensor_amax(x * 3, kept, work, generation=generation, current=current, backend=backend)
+    assert kept.item() == expected and work.item() == 0.0
+    # stale: remade; forced: remade although the generations agree
+    current.add_(1)
+    refresh_per_tensor_amax(x * 2, kept, work, generation=generation, current=current, backend=backend)
+    assert kept.item() == 2 * expected and generation.item() == 1 and work.item() == 0.0
+    refresh_per_tensor_amax(x, kept, work, generation=generation, current=current, force=True, backend=backend)
+    assert kept.item() == expected
+    # a non-finite weight keeps an infinite amax (its scale is then infinite: the step is lost, not silently wrong)
+    if x.numel():
+        x[0, 0] = float("nan")
+        current.add_(1)
+        refresh_per_tensor_amax(x, kept, work, generation=generation, current=current, backend=backend)
+        assert kept.item() == float("inf")
+
+
+def test_refresh_amax_rejects_mismatched_buffers(device):
+    x = torch.randn(4, 16, device=device)
+    ok = dict(
+        generation=torch.zeros((), dtype=torch.int64, device=device),
+        current=torch.zeros((), dtype=torch.int64, device=device),
+    )
+    with pytest.raises(ValueError, match="kept must be a torch.float32 tensor of one element"):
+        refresh_per_tensor_amax(x, torch.zeros(2, device=device), torch.zeros((), device=device), **ok)
+    with pytest.raises(ValueError, match="generation must be a torch.int64"):
+        refresh_per_tensor_amax(
+            x, torch.zeros((), device=device), torch.zeros((), device=device),
+            generation=torch.zeros((), device=device), current=ok["current"],
+        )  # fmt: skip
 
 
 def test_refresh_without_generations_zero_and_outlier_weights(device):

@@ -1,6 +1,6 @@
 """COAT layers under CUDA graphs (GPU only): a graphed layer's outputs and gradients equal the
 eager layer's bit for bit, before and after an optimizer step changes its weights (the FP8 weight
-copies are refreshed inside the replay); an eager fwd+bwd never synchronises with the host; and
+copies, or with no codes kept the weights' amax, are refreshed inside the replay); an eager fwd+bwd never synchronises with the host; and
 coat-compare trains with Megatron's per-layer and whole-step graphs like it does eagerly.
 
 The layer uses Megatron's local (unfused) attention here, whose kernels are deterministic, so
@@ -37,7 +37,7 @@ def megatron_on_one_gpu(tmp_path):
     dist.destroy_process_group()
 
 
-def coat_layer():
+def coat_layer(coat_config=None):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -64,7 +64,7 @@ def coat_layer():
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
     )
-    spec = get_gpt_layer_coat_spec(core_attention=DotProductAttention)
+    spec = get_gpt_layer_coat_spec(coat_config, core_attention=DotProductAttention)
     layer = build_module(spec, config=config, layer_number=1).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
@@ -88,8 +88,12 @@ def eager_step(layer, rope, x, dy):
     return out.detach().clone(), xi.grad.clone(), [p.grad.clone() for p in layer.parameters()]
 
 
-def test_graphed_coat_layer_is_bit_identical_to_eager_across_a_weight_update(megatron_on_one_gpu):
-    layer, rope, x, dy = coat_layer()
+@pytest.mark.parametrize("weight_codes", ["W", "W+WT", "none"], ids=["default", "cached-transpose", "no-codes-kept"])
+def test_graphed_coat_layer_is_bit_identical_to_eager_across_a_weight_update(megatron_on_one_gpu, weight_codes):
+    from coat_megatron.config import CoatConfig
+
+    config = CoatConfig(cache_weight=weight_codes != "none", cache_weight_transpose=weight_codes == "W+WT")
+    layer, rope, x, dy = coat_layer(config)
     static_x = x.clone().requires_grad_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
