@@ -29,7 +29,8 @@ reason than memory or this machine (the report is written first), else 0.
 End-to-end presets train on a byte corpus (``--corpus``: the standard library's docstrings, or
 Python sources of the installed packages; built once into a cache, see ``coat_compare.corpus``),
 each window of text at most once, in the order of ``--data-seed``, and measure the loss on its
-held-out validation windows every ``--eval-every`` steps (eager runs only).
+held-out validation windows every ``--eval-every`` steps (eagerly, also between CUDA-graphed
+steps; graphed runs validate only when ``--eval-every`` is given).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         metavar="N",
         help="validation loss after every N steps and after the last; 0: none (default: the preset's: tiny 20, "
-        "gpt-125m 100, others 0; runs with CUDA graphs 0)",
+        "gpt-125m 100, others 0; runs with CUDA graphs 0 unless given: validation then runs eagerly between the graphed steps)",
     )
     data.add_argument(
         "--eval-windows",
@@ -252,11 +253,6 @@ def check_args(args) -> None:
         raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
     if args.probe and len(args.cuda_graphs) != 1:
         raise ValueError("--probe is one run: give one --cuda-graphs value")
-    if args.eval_every and args.cuda_graphs != ["none"]:
-        raise ValueError(
-            "validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
-            "give --cuda-graphs none, or --eval-every 0"
-        )
     for name in (
         "micro_batch",
         "global_batch",
@@ -461,10 +457,11 @@ def check_directory(path: str, option: str, create: bool = True) -> None:
         raise ValueError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}): {fix}") from None
 
 
-def preset_for(preset: Preset, graphs: str) -> Preset:
-    """``preset`` as one CUDA graph configuration trains it: validation runs eagerly only, so a
-    graphed run leaves out the preset's default validation (an asked-for one is refused above)."""
-    return preset if graphs == "none" else replace(preset, eval_every=0)
+def preset_for(preset: Preset, graphs: str, eval_asked: bool = False) -> Preset:
+    """``preset`` as one CUDA graph configuration trains it: a graphed run is a speed run, so it
+    leaves out the preset's default validation; one asked for with ``--eval-every`` runs (eagerly,
+    between the graphed steps: ``train.validation_loss``)."""
+    return preset if graphs == "none" or eval_asked else replace(preset, eval_every=0)
 
 
 def parse_graphs(text: str) -> list[str]:
@@ -650,7 +647,7 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
             save_step = preset.steps // 2 if args.save_step is None else args.save_step
             result = train(
-                preset_for(preset, graphs),
+                preset_for(preset, graphs, eval_asked=args.eval_every is not None),
                 mode,
                 args.seed,
                 data_seed=args.data_seed,

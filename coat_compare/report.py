@@ -374,7 +374,7 @@ COLUMNS = {
     "gradient buffers (FP32, or BF16 where the mode's CoatConfig says so: the coat default); optimizer: master weights + Adam states as stored; activations: peak during a step minus "
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter; loss: training "
     "loss of the first and last step; valid loss: mean per-token loss on the held-out validation windows after the last step "
-    "(- without validation: --eval-every 0, or CUDA graphs).",
+    "(- without validation: --eval-every 0, or CUDA graphs without --eval-every).",
     "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process); "
     "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
     "resume": "A dist checkpoint (dp_reshardable) written after the step named, by the uninterrupted run; the resumed runs load it at "

@@ -82,8 +82,8 @@ def train(
 
     ``graphs``: "none" (eager), "local" (Megatron's per-layer CUDA graphs, captured at the end of
     the first step) or "full" (the forward+backward of a whole step in one graph, captured at the
-    second step); either way before the timed steps. Validation runs eagerly only: with graphs,
-    ``preset.eval_every`` must be 0.
+    second step); either way before the timed steps. Validation runs eagerly either way
+    (``validation_loss``).
 
     ``save``: write a dist checkpoint into this directory after ``save_step`` steps (and go on).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
@@ -92,11 +92,6 @@ def train(
     """
     from megatron.core import parallel_state
 
-    if graphs != "none" and preset.eval_every:
-        raise ValueError(
-            "validation loss is measured eagerly (Megatron's CUDA graphs capture the training step only): "
-            "use --cuda-graphs none, or --eval-every 0"
-        )
     data_seed = seed if data_seed is None else data_seed
     micro_batches = preset.micro_batches(dp)
     corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
@@ -160,7 +155,9 @@ def train(
             losses.append(loss)
             done = step + 1
             if validation is not None and (done % preset.eval_every == 0 or done == preset.steps):
-                valid_losses.append([done, validation_loss(model, [micro(b, 1)[0] for b in validation], preset)])
+                valid_losses.append(
+                    [done, validation_loss(model, [micro(b, 1)[0] for b in validation], preset, graphs)]
+                )
             if progress is not None:
                 progress.update(done, loss=loss, **({"valid": valid_losses[-1][1]} if valid_losses else {}))
     if progress is not None:
@@ -286,17 +283,22 @@ def token_loss_totals(
     return total
 
 
-def validation_loss(model, batches: list[dict], preset: Preset) -> float:
+def validation_loss(model, batches: list[dict], preset: Preset, graphs: str = "none") -> float:
     """Mean per-token loss of ``model`` on ``batches`` (this DP rank's slices; the sums and token
     counts are reduced over DP): forward only (Megatron's schedule with ``forward_only=True``),
     in eval mode and without autograd, then back to training mode. Nothing the next step reads
     changes (COAT's FP8 weight copies follow the weights; TE's delayed scaling, whose amax
-    history a forward updates, is the exception)."""
+    history a forward updates, is the exception).
+
+    Always eager: with CUDA graphs (``graphs`` other than "none") the forward runs under
+    ``torch.inference_mode()``, in which Megatron's per-layer graph managers step aside and call
+    the layers themselves (what its inference warm-up does), so no forward-only graph is captured
+    beside the training step's; the whole-step graph wraps the training schedule only."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.inference_mode() if graphs != "none" else torch.no_grad():
             total = token_loss_totals(get_forward_backward_func(), model, batches, preset, forward_only=True)
     finally:
         model.train()

@@ -30,14 +30,19 @@
 #   bash scripts/gpu_default.sh spike7b        # Llama-2-7B default coat, 30 steps at global batch 4, warm-up
 #                                              # 20, 50 and 100 steps: which keeps the loss under ln(vocab)
 #                                              # after step 10 (the spike is every mode's) (~5 min)
-#   bash scripts/gpu_default.sh acc1b MODE PART  # gpt-1b, 480 steps at global batch 32 (31M tokens),
-#                                              # validation every 48 steps, in two halves (PART 1: save after
-#                                              # step 240 into $CKPT; PART 2: load and finish); MODE = bf16,
-#                                              # coat or the fastest TE recipe (te-fp8-delayed on gpt-1b)
+#   bash scripts/gpu_default.sh acc1b MODE     # gpt-1b, 460 steps at global batch 32 (30.1M tokens, 8
+#                                              # micro-batches of 4), per-layer CUDA graphs, validation
+#                                              # (eager, between the graphed steps) every 46 steps on 256
+#                                              # held-out windows; MODE = bf16, coat or the fastest TE recipe
+#                                              # (te-fp8-delayed on gpt-1b) (~7-8 min each on an H100). First
+#                                              # run the graphed-validation GPU test (part graphtest, ~2 min)
+#   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
+#                                              # step 230 into $CKPT, PART 2 loads and finishes): where
+#                                              # graphed validation fails its test
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|acc1b MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|graphtest|acc1b MODE|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -81,27 +86,25 @@ case $part in
     run 470 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-cached \
       --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
     grep -E "^\| (coat|default)" "$out/llama2-7b-default-vs-cached.md" | cut -c1-260 ;;
+  graphtest)
+    run 300 pytest-graphs python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_cuda_graphs.py
+    tail -3 "$out/pytest-graphs.log" ;;
   acc1b)
-    mode=${2:?acc1b MODE PART}; half=${3:?acc1b MODE PART: 1 or 2}
+    mode=${2:?acc1b MODE}
+    run 590 "acc1b-$mode" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 \
+      --cuda-graphs local --modes "$mode" --out "$out" --name "gpt-1b-acc-$mode" --no-plots
+    grep -E "^\| ($mode|training loss)" "$out/gpt-1b-acc-$mode.md" | cut -c1-260 ;;
+  acc1b-eager)
+    mode=${2:?acc1b-eager MODE PART}; half=${3:?acc1b-eager MODE PART: 1 or 2}
     ckpt=${CKPT:-/root/ckpt-gpt1b}/$mode
     # the warm-up is given, not derived from --steps, so that both halves follow one schedule
-    common=(--preset gpt-1b --micro-batch 4 --global-batch 32 --lr-warmup-steps 48 --eval-every 48 --modes "$mode" --no-plots)
-    if [ "$half" = 1 ]; then  # 240 steps, saved after the 240th (the 241st step only lets the save happen)
-      run 590 "acc1b-$mode-1" coat-compare "${common[@]}" --steps 241 --save "$ckpt" --save-step 240 --out "$out" \
+    common=(--preset gpt-1b --micro-batch 4 --global-batch 32 --lr-warmup-steps 46 --eval-every 46 --modes "$mode" --no-plots)
+    if [ "$half" = 1 ]; then  # 230 steps, saved after the 230th (the 231st step only lets the save happen)
+      run 590 "acc1b-$mode-1" coat-compare "${common[@]}" --steps 231 --save "$ckpt" --save-step 230 --out "$out" \
         --name "gpt-1b-acc-$mode-1"
     else
-      run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 480 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
+      run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 460 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
     fi ;;
-  min7b)
-    run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
-      --global-batch 16 --steps 5 --modes coat-min,coat --out "$out" --name llama2-7b-mb4 --no-plots
-    grep -E "^\| (coat|llama)" "$out/llama2-7b-mb4.md" | cut -c1-260 ;;
-  spike7b)
-    for w in 20 50 100; do
-      run 180 "spike7b-w$w" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 30 \
-        --lr-warmup-steps "$w" --modes coat --out "$out" --name "llama2-7b-warmup$w" --no-plots
-      grep -E "^\| training loss below" "$out/llama2-7b-warmup$w.md" | cut -c1-200
-    done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b or acc1b" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, graphtest, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

@@ -97,6 +97,7 @@ class Fp8WeightCache:
         self._key = None
         self._buffers: _Buffers | None = None
 
+    @torch.inference_mode(False)  # first made in an inference-mode forward, they still serve training
     def _allocate(self, weight: torch.Tensor) -> _Buffers:
         dtype, dev = fp8_format(self.fmt).dtype, weight.device
         n_cols = weight.shape[-1] if weight.dim() else 1

@@ -108,12 +108,42 @@ def test_a_run_longer_than_its_corpus_is_refused_with_the_fix():
         training_windows(preset.with_overrides(steps=len(data) + 1), 1)
 
 
-def test_validation_with_cuda_graphs_is_refused_and_otherwise_left_out(capsys):
-    with pytest.raises(SystemExit):
-        job.parse_args(["--preset", "tiny", "--cuda-graphs", "none,local", "--eval-every", "5"])
-    assert "give --cuda-graphs none, or --eval-every 0" in capsys.readouterr().err
+def test_graphed_runs_validate_only_when_asked():
+    # (a graphed run is a speed run: the preset's default validation is left out, an asked-for one runs)
+    job.check_args(job.parse_args(["--preset", "tiny", "--cuda-graphs", "none,local", "--eval-every", "5"]))
     preset = get_preset("tiny")
     assert job.preset_for(preset, "none").eval_every == 20 and job.preset_for(preset, "local").eval_every == 0
+    assert job.preset_for(preset, "local", eval_asked=True).eval_every == 20
+
+
+def _validation_loss_both_ways(mode_name: str) -> tuple[float, float, bool]:
+    """The validation loss of a freshly built tiny GPT under no_grad (eager runs) and under
+    inference mode (graphed runs), and whether training afterwards still works."""
+    from coat_compare import parallel
+    from coat_compare.build import build_gpt
+    from coat_compare.modes import MODES
+    from coat_compare.train import train_step, validation_loss, validation_set
+
+    parallel.seed_everything(1234)
+    preset = get_preset("tiny")
+    model, optimizer = build_gpt(preset, MODES[mode_name], 1234, 1)
+    batches, _ = validation_set(preset, load_corpus(preset.corpus, preset.corpus_max_bytes))
+    first = [{k: v[: preset.micro_batch] for k, v in b.items()} for b in batches]
+    eager = validation_loss(model, first, preset, "none")
+    graphed = validation_loss(model, first, preset, "local")  # in inference mode: no graph is involved
+    loss, ok = train_step(model, optimizer, first[:1], preset, None)  # the weight caches still serve training
+    return eager, graphed, ok and math.isfinite(loss)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "coat", "coat-min"])
+def test_validation_beside_graphs_runs_in_inference_mode_with_the_same_loss(mode):
+    from distributed import run_distributed
+
+    eager, graphed, trains = run_distributed(_validation_loss_both_ways, 1, args=(mode,), tensor_parallel=1)[0]
+    assert eager == graphed and math.isfinite(eager) and trains
+
+
+def test_data_args_are_passed_on_to_fresh_processes():
     args = job.parse_args(["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"])
     assert job.data_args(args) == [
         "--data-seed",

@@ -1,7 +1,8 @@
 """COAT layers under CUDA graphs (GPU only): a graphed layer's outputs and gradients equal the
 eager layer's bit for bit, before and after an optimizer step changes its weights (the FP8 weight
-copies, or with no codes kept the weights' amax, are refreshed inside the replay); an eager fwd+bwd never synchronises with the host; and
-coat-compare trains with Megatron's per-layer and whole-step graphs like it does eagerly.
+copies, or with no codes kept the weights' amax, are refreshed inside the replay); an eager
+fwd+bwd never synchronises with the host; and coat-compare trains and validates with Megatron's
+per-layer and whole-step graphs like it does eagerly.
 
 The layer uses Megatron's local (unfused) attention here, whose kernels are deterministic, so
 that eager and replayed runs can be compared bit for bit.
@@ -172,6 +173,8 @@ def test_coat_compare_trains_alike_with_megatrons_cuda_graphs(tmp_path):
             "256",
             "--cuda-graphs",
             "none,local,full",
+            "--eval-every",
+            "6",
             "--out",
             str(tmp_path),
             "--no-plots",
@@ -194,3 +197,7 @@ def test_coat_compare_trains_alike_with_megatrons_cuda_graphs(tmp_path):
             assert graphed[0] == eager[0]  # the first step runs eagerly in every configuration
             worst = max(abs(a - b) for a, b in zip(graphed, eager))
             assert worst < 5e-3 * eager[0], f"{mode} with {graphs} graphs: losses {graphed} against eager {eager}"
+            # validation runs eagerly between the graphed steps (in inference mode), on the same windows
+            valid, valid_eager = train[(mode, graphs)]["valid_losses"], train[(mode, "none")]["valid_losses"]
+            assert [s for s, _ in valid] == [s for s, _ in valid_eager] == [6, 12]
+            assert all(abs(a - b) < 5e-3 * b for (_, a), (_, b) in zip(valid, valid_eager)), (valid, valid_eager)
