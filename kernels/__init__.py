@@ -10,7 +10,13 @@ from .formats import FP8_FORMATS, GROUP_SIZES, Fp8Format, fp8_format
 from .fp8_adamw import fp8_adamw_step
 from .master import join_master, split_master
 from .per_group import dequantize_per_group, quantize_per_group
-from .per_tensor import dequantize_per_tensor, quantize_per_tensor, tensor_amax, transpose_codes
+from .per_tensor import (
+    dequantize_per_tensor,
+    quantize_per_tensor,
+    quantize_per_tensor_transposed,
+    tensor_amax,
+    transpose_codes,
+)
 from .scaling import NonFiniteInputError
 
 __all__ = [
@@ -31,5 +37,6 @@ __all__ = [
     "split_master",
     "tensor_amax",
     "transpose_codes",
+    "quantize_per_tensor_transposed",
     "use_triton",
 ]

@@ -65,17 +65,19 @@ def store_per_tensor_tile(
     n_cols,
     FMAX: tl.constexpr,
     TRANSPOSE: tl.constexpr,
+    STORE_Q: tl.constexpr,
 ):
     """Quantize the FP32 tile y (rows x cols of an n_rows x n_cols tensor) with the scale of the
-    reduced amax at amax_ptr; store its codes, its transposed codes (TRANSPOSE) and, from the
-    first program, the scale. Shared by every kernel that writes a per-tensor FP8 output."""
+    reduced amax at amax_ptr; store its codes (STORE_Q), its transposed codes (TRANSPOSE) and,
+    from the first program, the scale. Shared by every kernel that writes a per-tensor FP8 output."""
     scale = scale_from_amax(tl.load(amax_ptr), FMAX)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
-    q = quantize_with_inverse(y, tl.div_rn(1.0, scale), FMAX).to(q_ptr.dtype.element_ty)
+    q = quantize_with_inverse(y, tl.div_rn(1.0, scale), FMAX).to(qt_ptr.dtype.element_ty)
     rows64 = rows.to(tl.int64)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
+    if STORE_Q:
+        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+        tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
@@ -95,13 +97,14 @@ def _quantize_per_tensor_kernel(
     TRANSPOSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STORE_Q: tl.constexpr = True,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     store_per_tensor_tile(
-        x.to(tl.float32), amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE
+        x.to(tl.float32), amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, STORE_Q
     )
 
 
@@ -298,6 +301,53 @@ def quantize_per_tensor(
     if check_finite:
         raise_if_nonfinite(out[1], "quantize_per_tensor")
     return out
+
+
+def quantize_per_tensor_transposed(
+    x: torch.Tensor,
+    fmt: str = "e4m3",
+    *,
+    amax: torch.Tensor | None = None,
+    check_finite: bool = True,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_t, scale)``: the (N, R) row-major per-tensor FP8 transpose of ``x`` and its scale,
+    bit-identical to ``quantize_per_tensor(x, fmt, transpose=True, amax=amax)``'s, without writing
+    the codes of x itself (for BF16/FP16 input, whose pass writes the transpose from registers; an
+    FP32 x takes the codes' byte pass, as there). What a backward needs of a weight whose codes
+    are not kept: W^T for the dgrad."""
+    rows = as_rows(x)
+    if not use_triton(x, backend) or not transpose_in_pass(True, x.dtype) or rows.numel() == 0:
+        _, scale, q_t = quantize_per_tensor(
+            x, fmt, transpose=True, amax=amax, check_finite=check_finite, backend=backend
+        )
+        return q_t, scale
+    f = fp8_format(fmt)
+    amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
+    n_rows, n_cols = rows.shape
+    q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    block_m, block_n, warps = _quantize_blocks(n_cols, True)
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _quantize_per_tensor_kernel[grid](
+        rows,
+        amax,
+        q_t,  # never written (STORE_Q=False)
+        q_t,
+        scale,
+        n_rows,
+        n_cols,
+        rows.stride(0),
+        FMAX=f.max,
+        TRANSPOSE=True,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+        STORE_Q=False,
+    )
+    if check_finite:
+        raise_if_nonfinite(scale, "quantize_per_tensor_transposed")
+    return q_t, scale
 
 
 def dequantize_per_tensor(

@@ -2,9 +2,11 @@
 # The default recipe's GPU evidence on one GPU (COAT's memory mode: split masters, W^T per
 # backward, BF16 gradient buffers), in parts that each fit one 10-minute device command:
 #
-#   bash scripts/gpu_default.sh quick     # GPU tests of the compare harness and the COAT layers and
-#                                         # optimizer (~4 min); gpt-1b micro-batch 4, 40 steps: bf16, coat,
-#                                         # coat-cached, coat-min, eager and with per-layer graphs (~5 min)
+#   bash scripts/gpu_default.sh gputests  # the GPU tests of the kernels and ops changed since the last GPU
+#                                         # run, the CUDA-graph tests (graphed validation included) and the
+#                                         # lean-path tests (~4 min)
+#   bash scripts/gpu_default.sh quick     # gpt-1b micro-batch 4, 40 steps: bf16, coat, coat-cached, coat-min,
+#                                         # eager and with per-layer graphs (~5 min)
 #   bash scripts/gpu_default.sh llama7b   # Llama-2-7B, micro-batch 2, global batch 16 (8 micro-batches
 #                                         # per step): coat, coat-cached, and bf16, te-fp8-current, te-fp8-pa (one
 #                                         # 80 GB H100: only coat is expected to fit) (~6 min)
@@ -35,14 +37,14 @@
 #                                              # (eager, between the graphed steps) every 46 steps on 256
 #                                              # held-out windows; MODE = bf16, coat or the fastest TE recipe
 #                                              # (te-fp8-delayed on gpt-1b) (~7-8 min each on an H100). First
-#                                              # run the graphed-validation GPU test (part graphtest, ~2 min)
+#                                              # run the graphed-validation GPU test (part gputests)
 #   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
 #                                              # step 230 into $CKPT, PART 2 loads and finishes): where
 #                                              # graphed validation fails its test
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|graphtest|acc1b MODE|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gputests|acc1b MODE|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -50,10 +52,7 @@ gpu_setup
 
 case $part in
   quick)
-    run 240 pytest-gpu python3 -m pytest -q -m gpu -x tests/megatron/test_lean_path.py tests/megatron/test_cuda_graphs.py \
-      tests/megatron/test_coat_optimizer.py tests/compare
-    tail -3 "$out/pytest-gpu.log"
-    run 360 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-cached,coat-min \
+    run 540 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-cached,coat-min \
       --cuda-graphs none,local --out "$out" --name gpt-1b --no-plots
     grep -E "^\| (bf16|coat)|^\| (end-to-end|default)" "$out/gpt-1b.md" | cut -c1-240 ;;
   llama7b)
@@ -86,9 +85,10 @@ case $part in
     run 470 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-cached \
       --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
     grep -E "^\| (coat|default)" "$out/llama2-7b-default-vs-cached.md" | cut -c1-260 ;;
-  graphtest)
-    run 300 pytest-graphs python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_cuda_graphs.py
-    tail -3 "$out/pytest-graphs.log" ;;
+  gputests)
+    run 560 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_per_tensor.py \
+      tests/kernels/test_refresh.py tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
+    tail -3 "$out/pytest-gpu.log" ;;
   acc1b)
     mode=${2:?acc1b MODE}
     run 590 "acc1b-$mode" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 \
@@ -105,6 +105,6 @@ case $part in
     else
       run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 460 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
     fi ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, graphtest, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gputests, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

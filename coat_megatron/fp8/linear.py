@@ -20,7 +20,13 @@ import sys
 
 import torch
 
-from coat_kernels import quantize_per_group, quantize_per_tensor, tensor_amax, transpose_codes
+from coat_kernels import (
+    quantize_per_group,
+    quantize_per_tensor,
+    quantize_per_tensor_transposed,
+    tensor_amax,
+    transpose_codes,
+)
 from coat_kernels.formats import fp8_format
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.swiglu import quantize_swiglu_input
@@ -104,9 +110,9 @@ class _Fp8Linear(torch.autograd.Function):
             if w_t is None and w_q is not None:
                 w_t = transpose_codes(w_q)
             elif w_t is None:
-                w_t = quantize_per_tensor(
-                    weight.detach(), config.weight_format, transpose=True, amax=w_amax, check_finite=False
-                )[2]
+                w_t = quantize_per_tensor_transposed(
+                    weight.detach(), config.weight_format, amax=w_amax, check_finite=False
+                )[0]
             dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)
         if ctx.needs_input_grad[1]:
             if x_t is None and x_orig is not None:

@@ -7,6 +7,7 @@ from coat_kernels import (
     dequantize_per_tensor,
     fp8_format,
     quantize_per_tensor,
+    quantize_per_tensor_transposed,
     tensor_amax,
     transpose_codes,
 )
@@ -101,6 +102,30 @@ def test_transpose_codes_matches_a_byte_transpose(device, shape, fmt):
     assert q_t.dtype == q.dtype and q_t.shape == (shape[-1], codes.numel() // shape[-1]) and q_t.is_contiguous()
     assert torch.equal(as_bytes(q_t), codes.reshape(-1, shape[-1]).t())
     assert torch.equal(as_bytes(transpose_codes(q, backend="reference")), as_bytes(q_t))
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (3, 5, 160), (129, 257), (1, 16), (0, 32)], ids=str)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("given_amax", [False, True], ids=["own-amax", "given-amax"])
+def test_quantize_transposed_only_matches_the_reference(device, shape, fmt, dtype, given_amax, seed):
+    x = random_activations(shape, dtype, seed=seed) if shape[0] else torch.zeros(shape, dtype=dtype)
+    amax = (x.float().abs().amax() * 2).reshape(()) if given_amax and x.numel() else None
+    q_t, scale = quantize_per_tensor_transposed(
+        x.to(device), fmt, amax=None if amax is None else amax.to(device), backend="triton"
+    )
+    ref = quantize_per_tensor_reference(x, fmt, transpose=True, amax=amax)
+    assert q_t.shape == (shape[-1], x.numel() // shape[-1]) and q_t.is_contiguous()
+    assert torch.equal(scale.cpu(), ref[1]) and torch.equal(as_bytes(q_t), as_bytes(ref[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 2048), (4096, 11008), (22016, 4096), (4099, 14337)], ids=str)
+def test_quantize_transposed_only_of_weight_shapes_on_gpu(shape, seed):
+    x = random_activations(shape, torch.bfloat16, seed=seed).cuda()
+    q, scale, q_t = quantize_per_tensor(x, "e4m3", transpose=True)
+    q_t_only, scale_only = quantize_per_tensor_transposed(x, "e4m3")
+    assert torch.equal(scale_only, scale) and torch.equal(q_t_only.view(torch.uint8), q_t.view(torch.uint8))
 
 
 @pytest.mark.gpu
