@@ -13,8 +13,6 @@
 #   bash scripts/gpu_default.sh accuracy  # gpt-125m, 4 seeds, global batch 16 = 4 micro-batches of 4:
 #                                         # bf16, coat, te-fp8-delayed (benchmarks/accuracy.py; call
 #                                         # again until it prints "all runs done")
-#
-# Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh acc7b MODE     # H200: Llama-2-7B, 200 steps, global batch 4, validation
 #                                              # every 25 steps on 48 held-out windows; MODE = bf16,
 #                                              # te-fp8-current or coat (~5 min each, same seed and data);
@@ -26,6 +24,8 @@
 #                                              # tile sweep: the byte transpose of the default's dgrad W^T);
 #                                              # Llama-2-7B micro-batch 1, coat and coat-cached with per-layer
 #                                              # graphs (the default vs the fastest COAT) (~5 min)
+#
+# Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh min7b          # H100: Llama-2-7B, global batch 16, coat-min and coat at
 #                                              # micro-batch 4 (the stretch goal; coat-min keeps no FP8
 #                                              # weight codes: 1 byte per parameter less) (~5 min)
@@ -36,8 +36,9 @@
 #                                              # micro-batches of 4), per-layer CUDA graphs, validation
 #                                              # (eager, between the graphed steps) every 46 steps on 256
 #                                              # held-out windows; MODE = bf16, coat or the fastest TE recipe
-#                                              # (te-fp8-delayed on gpt-1b) (~7-8 min each on an H100). First
-#                                              # run the graphed-validation GPU test (part gputests)
+#                                              # (te-fp8-delayed on gpt-1b) (~7-8 min each on an H100);
+#                                              # GPU_TESTS=1: the gputests part beside it (graphed validation
+#                                              # is among them: check it passed before trusting the run)
 #   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
 #                                              # step 230 into $CKPT, PART 2 loads and finishes): where
 #                                              # graphed validation fails its test
@@ -91,9 +92,14 @@ case $part in
     tail -3 "$out/pytest-gpu.log" ;;
   acc1b)
     mode=${2:?acc1b MODE}
+    if [ "${GPU_TESTS:-0}" = 1 ]; then  # the gputests part beside the run (accuracy is not timing)
+      timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_per_tensor.py tests/kernels/test_refresh.py \
+        tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py >"$out/pytest-gpu.log" 2>&1 &
+    fi
     run 590 "acc1b-$mode" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 \
       --cuda-graphs local --modes "$mode" --out "$out" --name "gpt-1b-acc-$mode" --no-plots
-    grep -E "^\| ($mode|training loss)" "$out/gpt-1b-acc-$mode.md" | cut -c1-260 ;;
+    grep -E "^\| ($mode|training loss)" "$out/gpt-1b-acc-$mode.md" | cut -c1-260
+    if [ "${GPU_TESTS:-0}" = 1 ]; then wait; tail -15 "$out/pytest-gpu.log"; fi ;;
   acc1b-eager)
     mode=${2:?acc1b-eager MODE PART}; half=${3:?acc1b-eager MODE PART: 1 or 2}
     ckpt=${CKPT:-/root/ckpt-gpt1b}/$mode
