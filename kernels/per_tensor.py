@@ -97,7 +97,7 @@ def _quantize_per_tensor_kernel(
     TRANSPOSE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    STORE_Q: tl.constexpr = True,
+    STORE_Q: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,6 +294,7 @@ def quantize_per_tensor(
                 TRANSPOSE=in_pass,
                 BLOCK_M=block_m,
                 BLOCK_N=block_n,
+                STORE_Q=True,
                 num_warps=warps,
             )
             finish_transpose(q, q_t, transpose, in_pass)
