@@ -61,6 +61,15 @@ def test_memory_switches_reach_the_config(monkeypatch):
         monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight-transpose", "on", "--coat-recompute-norm-output", "on"
     )
     assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=True, recompute_norm_output=True)
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight", "off")
+    assert coat_config_from_args(args) == CoatConfig(cache_weight=False)  # coat-min: no FP8 weight codes kept
+
+
+def test_keeping_w_transpose_without_w_is_refused_with_the_fix(monkeypatch):
+    text = problems(
+        monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight", "off", "--coat-cache-weight-transpose", "on"
+    )
+    assert "--coat-cache-weight-transpose off --coat-cache-weight off" in text
 
 
 def test_coat_fp8_alone_selects_bf16_gradient_buffers_and_fp32_is_one_flag_away(monkeypatch):
