@@ -30,8 +30,8 @@
 #                                              # micro-batch 4 (the stretch goal; coat-min keeps no FP8
 #                                              # weight codes: 1 byte per parameter less) (~5 min)
 #   bash scripts/gpu_default.sh spike7b        # Llama-2-7B default coat, 30 steps at global batch 4, warm-up
-#                                              # 20, 50 and 100 steps: which keeps the loss under ln(vocab)
-#                                              # after step 10 (the spike is every mode's) (~5 min)
+#                                              # 50 and 100 steps (20 is acc7b's: above ln(vocab) after step
+#                                              # 10 in every mode): which stays under it (~3 min)
 #   bash scripts/gpu_default.sh acc1b MODE     # gpt-1b, 460 steps at global batch 32 (30.1M tokens, 8
 #                                              # micro-batches of 4), per-layer CUDA graphs, validation
 #                                              # (eager, between the graphed steps) every 46 steps on 256
