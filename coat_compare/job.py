@@ -251,6 +251,7 @@ def check_args(args) -> None:
         raise ValueError("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
     if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
         raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
+    parallel.gc_mode()  # COAT_COMPARE_GC: refused here, before any work, where it is neither manual nor auto
     if args.probe and len(args.cuda_graphs) != 1:
         raise ValueError("--probe is one run: give one --cuda-graphs value")
     for name in (

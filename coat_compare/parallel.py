@@ -12,6 +12,7 @@ this is the one place ``coat_megatron`` reaches into ``coat_patches``, and only 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 
@@ -163,3 +164,31 @@ def free_memory() -> None:
     except Exception:
         return
     FP8GlobalStateManager.reset()
+
+
+GC_INTERVAL = 50  # steps between garbage collections while training (Megatron's --manual-gc-interval)
+
+
+def gc_mode() -> str:
+    """The garbage collection while training: "manual" (the default, as Megatron's ``--manual-gc``:
+    a collection every ``GC_INTERVAL`` steps and none in between, so that no collection pause
+    lands inside a step at random) or "auto" (Python's own, ``COAT_COMPARE_GC=auto``: to compare
+    the two)."""
+    value = os.environ.get("COAT_COMPARE_GC", "manual")
+    if value not in ("manual", "auto"):
+        raise ValueError(f"COAT_COMPARE_GC={value!r}: use manual (the default) or auto")
+    return value
+
+
+@contextlib.contextmanager
+def manual_gc(enabled: bool):
+    """Python's automatic collection off for the block (after one collection), back on after it."""
+    was_enabled = gc.isenabled()
+    if enabled:
+        gc.collect()
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled and was_enabled:
+            gc.enable()

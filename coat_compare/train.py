@@ -20,6 +20,7 @@ step (``comm``) are rank 0's.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import statistics
@@ -127,7 +128,8 @@ def train(
     losses, step_ms, skipped, valid_losses = [], [], 0, []
     gathered = Counter()
     activations = static = warmup_peak = warmup_reserved = None
-    with AllGatherBytes() as counter:
+    collect = parallel.gc_mode() == "manual"
+    with AllGatherBytes() as counter, parallel.manual_gc(collect):
         for step in range(first, preset.steps):
             batches = micro(data.batch(step), micro_batches)
             if save is not None and step == save_step:
@@ -144,6 +146,8 @@ def train(
             before = counter.snapshot()
             parallel.synchronize()
             start = time.perf_counter()
+            if collect and step > first and (step - first) % parallel.GC_INTERVAL == 0:
+                gc.collect()  # inside the step's time, as Megatron's manual collection is in its iteration's
             loss, ok = train_step(model, optimizer, batches, preset, saved, forward_backward)
             parallel.synchronize()
             if step >= first + preset.warmup_steps:
@@ -187,6 +191,7 @@ def train(
         "micro_batches": micro_batches,
         "seq": preset.seq,
         "graphs": graphs,
+        "gc": parallel.gc_mode(),
         "steps": preset.steps,
         "first_step": first,
         "tp": tp,

@@ -403,3 +403,27 @@ def test_a_cpu_run_shows_speed_goals_not_applicable(tmp_path):
     assert "| tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration | tiny | >= 1.1 |" in md
     assert " | n/a |  | not applicable: speed goals are judged on a GPU" in md
     assert not (tmp_path / "tiny.partial.jsonl").exists()
+
+
+def test_a_bad_garbage_collection_mode_is_refused_before_any_work(tmp_path, capsys, no_work, monkeypatch):
+    monkeypatch.setenv("COAT_COMPARE_GC", "sometimes")
+    line = refused(["--out", str(tmp_path / "out")], capsys)
+    assert "COAT_COMPARE_GC='sometimes': use manual (the default) or auto" in line
+
+
+def test_manual_collection_is_off_inside_the_block_and_restored_after():
+    import gc
+
+    assert gc.isenabled()
+    with parallel.manual_gc(True):
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with parallel.manual_gc(False):
+        assert gc.isenabled()
+    gc.disable()
+    try:
+        with parallel.manual_gc(True):
+            pass
+        assert not gc.isenabled()  # what was off before stays off
+    finally:
+        gc.enable()

@@ -154,3 +154,30 @@ def test_data_args_are_passed_on_to_fresh_processes():
         "5",
     ]  # passed on to fresh processes
     json.dumps(job.data_args(args))
+
+
+def _collections_while_training(interval: int) -> tuple[int, bool, str]:
+    import gc
+
+    from coat_compare import parallel
+    from coat_compare.modes import MODES
+    from coat_compare.train import train
+
+    parallel.seed_everything(1234)
+    parallel.GC_INTERVAL = interval
+    calls = []
+    real = gc.collect
+    gc.collect = lambda *a: calls.append(1) or real(*a)
+    try:
+        row = train(get_preset("tiny").with_overrides(steps=10, eval_every=0), MODES["coat"], 1234)
+    finally:
+        gc.collect = real
+    return len(calls), gc.isenabled(), row["gc"]
+
+
+def test_training_collects_garbage_every_interval_and_nowhere_else():
+    from distributed import run_distributed
+
+    count, enabled_after, mode = run_distributed(_collections_while_training, 1, args=(3,), tensor_parallel=1)[0]
+    assert count == 1 + 3  # once before the first step, then before steps 3, 6 and 9 (of 0..9)
+    assert enabled_after and mode == "manual"

@@ -75,6 +75,7 @@ def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     ):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
+        assert rows[mode]["gc"] == "manual"  # as Megatron's --manual-gc: no collection at random inside a step
     if not TE:
         for mode in ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa"):
             assert rows[mode]["status"] == "skipped"
