@@ -32,6 +32,10 @@
 #   bash scripts/gpu_default.sh spike7b        # Llama-2-7B default coat, 30 steps at global batch 4, warm-up
 #                                              # 50 and 100 steps (20 is acc7b's: above ln(vocab) after step
 #                                              # 10 in every mode): which stays under it (~3 min)
+#   bash scripts/gpu_default.sh gc             # gpt-1b micro-batch 4, eager, 40 steps: bf16 and coat with
+#                                              # manual garbage collection (the default now) and with Python's
+#                                              # (COAT_COMPARE_GC=auto): whether collection pauses made the eager
+#                                              # COAT steps' spread (104-166 ms on the H200, BF16 109-117) (~3 min)
 #   bash scripts/gpu_default.sh acc1b MODE     # gpt-1b, 460 steps at global batch 32 (30.1M tokens, 8
 #                                              # micro-batches of 4), per-layer CUDA graphs, validation
 #                                              # (eager, between the graphed steps) every 46 steps on 256
@@ -45,7 +49,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gputests|acc1b MODE|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|acc1b MODE|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -111,6 +115,22 @@ case $part in
     else
       run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 460 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
     fi ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gputests, acc1b or acc1b-eager" >&2; exit 2 ;;
+  min7b)
+    run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
+      --global-batch 16 --steps 5 --modes coat-min,coat --out "$out" --name llama2-7b-mb4 --no-plots
+    grep -E "^\| (coat|llama)" "$out/llama2-7b-mb4.md" | cut -c1-260 ;;
+  spike7b)
+    for w in 50 100; do
+      run 180 "spike7b-w$w" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 30 \
+        --lr-warmup-steps "$w" --modes coat --out "$out" --name "llama2-7b-warmup$w" --no-plots
+      grep -E "^\| training loss below" "$out/llama2-7b-warmup$w.md" | cut -c1-200
+    done ;;
+  gc)
+    for how in manual auto; do
+      run 280 "gc-$how" env COAT_COMPARE_GC=$how coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat \
+        --out "$out" --name "gpt-1b-gc-$how" --no-plots
+      grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
+    done ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
