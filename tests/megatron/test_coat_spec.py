@@ -183,9 +183,10 @@ def test_ffn_width_per_rank_must_be_a_multiple_of_the_group_size():
     )
 
 
-def _train_caching(keep_transpose: bool) -> dict:
+def _train_caching(keep_codes: bool, keep_transpose: bool) -> dict:
     torch.manual_seed(0)
-    model = coat_gpt(tiny_config(), coat_config=CoatConfig(cache_weight_transpose=keep_transpose))
+    config = CoatConfig(cache_weight=keep_codes, cache_weight_transpose=keep_transpose)
+    model = coat_gpt(tiny_config(), coat_config=config)
     losses = train_on_text(model, 3, 4, lr=3e-3, weight_decay=0.01, corpus_bytes=64 << 10)
     caches = [m.weight_cache for m in model.modules() if hasattr(m, "weight_cache")]
     weights = sum(m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache"))
@@ -197,11 +198,15 @@ def _train_caching(keep_transpose: bool) -> dict:
     }
 
 
-def test_weight_caches_without_the_transposed_copy_train_identically_on_half_the_bytes():
-    kept = run_distributed(_train_caching, 2, args=(True,), tensor_parallel=2)
-    dropped = run_distributed(_train_caching, 2, args=(False,), tensor_parallel=2)
-    for a, b in zip(kept, dropped):
-        assert a["losses"] == b["losses"]  # bit for bit, on each rank
-        scalars = 16 * a["n_caches"]  # per weight: FP32 scale and amax, int64 generation
+def test_weight_caches_keeping_fewer_codes_train_identically_on_fewer_bytes():
+    """Under TP 2: W and W^T kept, W kept (W^T transposed per backward), no codes kept (W and W^T
+    quantized where used from the weight's amax): the same losses bit for bit on each rank."""
+    kept = run_distributed(_train_caching, 2, args=(True, True), tensor_parallel=2)
+    dropped = run_distributed(_train_caching, 2, args=(True, False), tensor_parallel=2)
+    none = run_distributed(_train_caching, 2, args=(False, False), tensor_parallel=2)
+    for a, b, c in zip(kept, dropped, none):
+        assert a["losses"] == b["losses"] == c["losses"]  # bit for bit, on each rank
+        scalars = 16 * a["n_caches"]  # per weight: FP32 scale (or kept amax) and amax, int64 generation
         assert a["cache_bytes"] == 2 * a["weight_elements"] + scalars
         assert b["cache_bytes"] == a["weight_elements"] + scalars
+        assert c["cache_bytes"] == scalars
