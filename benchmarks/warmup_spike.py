@@ -1,10 +1,11 @@
 """Whether a short learning-rate warm-up makes the first steps' loss spike past ln(vocab).
 
     python benchmarks/warmup_spike.py [--layers 12] [--hidden 1024] [--vocab 256] [--lr 3e-4]
-                                      [--warmups 5,10] [--steps 30] [--modes bf16] [--out DIR]
+                                      [--seq 64] [--micro-batch 8] [--warmups 5,10] [--steps 30]
+                                      [--modes bf16] [--out DIR]
 
 Trains a Llama-shaped GPT (coat-compare's harness: ``build_gpt``, the docstrings corpus of byte
-tokens, seq 64 x micro-batch 8) from the same initial weights once per warm-up length, and
+tokens, seq 64 x micro-batch 8 unless given) from the same initial weights once per warm-up length, and
 reports each run's highest training loss after step 1 against ln(vocab), what uniform guessing
 scores. Small enough for a CPU at the default shape; any shape on a GPU.
 """
@@ -30,6 +31,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per step (one micro-batch)")
     p.add_argument("--warmups", default="5,10", help="warm-up lengths in steps, comma-separated")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--modes", default="bf16")
@@ -42,7 +45,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     base = replace(
         get_preset("tiny"), layers=args.layers, hidden=args.hidden, ffn=2 * args.hidden, heads=max(1, args.hidden // 64),
-        vocab=args.vocab, seq=64, micro_batch=8, steps=args.steps, lr=args.lr, eval_every=0,
+        vocab=args.vocab, seq=args.seq, micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, eval_every=0,
     )  # fmt: skip
     rows = []
     with contextlib.ExitStack() as stack:
@@ -60,9 +63,10 @@ def main(argv=None) -> int:
             f.write(json.dumps(r) + "\n")
     lines = [
         f"# Start-up loss by warm-up length: {args.layers} layers x {args.hidden}, vocab {args.vocab}, lr {args.lr:g}, "
-        f"{args.steps} steps, seq 64 x micro-batch 8, on {rows[0]['device']}",
+        f"{args.steps} steps, seq {args.seq} x micro-batch {args.micro_batch}, on {rows[0]['device']}",
         "",
         f"`python benchmarks/warmup_spike.py --layers {args.layers} --hidden {args.hidden} --vocab {args.vocab} --lr {args.lr:g} "
+        f"--seq {args.seq} --micro-batch {args.micro_batch} "
         f"--warmups {args.warmups} --steps {args.steps} --modes {args.modes}`",
         "",
         "| mode | warm-up steps | first loss | highest loss after step 1 | ln(vocab) | spike past ln(vocab) | losses, first 12 |",
