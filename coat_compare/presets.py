@@ -37,8 +37,9 @@ class Preset:
         global batch).
     steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
         left out of the timing and memory statistics (allocation, FP8 scale start-up).
-    lr: peak learning rate (linear warm-up over 10% of the steps, at least 10 or half of a
-        shorter run: ``build.lr_warmup_steps``).
+    lr: peak learning rate, reached by a linear warm-up (``build.lr_warmup_steps``), then constant.
+    lr_warmup_steps: the warm-up's length in steps; None: 10% of the steps, at least
+        ``lr_warmup_min_steps`` (20; the tiny presets 10), also where that is longer than the run.
     needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """
 
