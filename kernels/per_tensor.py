@@ -269,39 +269,10 @@ def quantize_per_tensor(
         ``(q, scale)`` or ``(q, scale, q_t)``: FP8 codes of x's shape, a 0-d FP32 scale, and the
         per-tensor FP8 transpose.
     """
-    f = fp8_format(fmt)
-    rows = as_rows(x)
-    if not use_triton(x, backend):
-        out = quantize_per_tensor_reference(x, fmt, transpose=transpose, amax=amax)
-    else:
-        amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
-        n_rows, n_cols = rows.shape
-        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
-        if rows.numel():
-            block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
-            grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-            in_pass = transpose_in_pass(transpose, x.dtype)
-            _quantize_per_tensor_kernel[grid](
-                rows,
-                amax,
-                q,
-                q_t,
-                scale,
-                n_rows,
-                n_cols,
-                rows.stride(0),
-                FMAX=f.max,
-                TRANSPOSE=in_pass,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                STORE_Q=True,
-                num_warps=warps,
-            )
-            finish_transpose(q, q_t, transpose, in_pass)
-        out = (q, scale, q_t) if transpose else (q, scale)
+    q, scale, q_t = _quantize(x, fmt, transpose, amax, backend, codes=True)
     if check_finite:
-        raise_if_nonfinite(out[1], "quantize_per_tensor")
-    return out
+        raise_if_nonfinite(scale, "quantize_per_tensor")
+    return (q, scale, q_t) if transpose else (q, scale)
 
 
 def quantize_per_tensor_transposed(
@@ -317,38 +288,50 @@ def quantize_per_tensor_transposed(
     the codes of x itself (for BF16/FP16 input, whose pass writes the transpose from registers; an
     FP32 x takes the codes' byte pass, as there). What a backward needs of a weight whose codes
     are not kept: W^T for the dgrad."""
-    rows = as_rows(x)
-    if not use_triton(x, backend) or not transpose_in_pass(True, x.dtype) or rows.numel() == 0:
-        _, scale, q_t = quantize_per_tensor(
-            x, fmt, transpose=True, amax=amax, check_finite=check_finite, backend=backend
-        )
-        return q_t, scale
-    f = fp8_format(fmt)
-    amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
-    n_rows, n_cols = rows.shape
-    q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=x.device)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
-    block_m, block_n, warps = _quantize_blocks(n_cols, True)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-    _quantize_per_tensor_kernel[grid](
-        rows,
-        amax,
-        q_t,  # never written (STORE_Q=False)
-        q_t,
-        scale,
-        n_rows,
-        n_cols,
-        rows.stride(0),
-        FMAX=f.max,
-        TRANSPOSE=True,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=warps,
-        STORE_Q=False,
-    )
+    _, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False)
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor_transposed")
     return q_t, scale
+
+
+def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool):
+    """(q, scale, q_t) of the per-tensor quantization: q_t None without ``transpose``; q None
+    where ``codes`` is False and the pass writes q_t from its registers (the codes then unwritten)."""
+    if not use_triton(x, backend):
+        out = quantize_per_tensor_reference(x, fmt, transpose=transpose, amax=amax)
+        return out[0], out[1], out[2] if transpose else None
+    f = fp8_format(fmt)
+    rows = as_rows(x)
+    amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
+    n_rows, n_cols = rows.shape
+    in_pass = transpose_in_pass(transpose, x.dtype)
+    store_q = codes or not in_pass
+    if store_q:
+        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
+    else:  # q_t alone; it also stands in for the codes' pointer, which the kernel never writes
+        q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device)
+        q = q_t
+    if rows.numel():
+        block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
+        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        _quantize_per_tensor_kernel[grid](
+            rows,
+            amax,
+            q,
+            q_t,
+            scale,
+            n_rows,
+            n_cols,
+            rows.stride(0),
+            FMAX=f.max,
+            TRANSPOSE=in_pass,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            STORE_Q=store_q,
+            num_warps=warps,
+        )
+        finish_transpose(q, q_t, transpose, in_pass)
+    return (q if store_q else None), scale, (q_t if transpose else None)
 
 
 def dequantize_per_tensor(

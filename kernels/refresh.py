@@ -41,9 +41,10 @@ from .per_tensor import (
     _quantize_blocks,
     finish_transpose,
     quantize_per_tensor_reference,
+    tensor_amax,
     transpose_in_pass,
 )
-from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, scale_from_amax
+from .scaling import abs_or_inf, quantize_with_inverse, scale_from_amax
 
 
 @triton.jit
@@ -140,14 +141,29 @@ def _check(x, q, scale, amax, q_t, generation, current) -> None:
         raise ValueError(
             f"q_t must be contiguous {q.dtype} of shape {(n_cols, x.numel() // max(n_cols, 1))}, got {q_t.dtype} {tuple(q_t.shape)}"
         )
-    for name, t in (("scale", scale), ("amax", amax)):
-        if t.numel() != 1 or t.dtype != torch.float32 or t.device != x.device:
-            raise ValueError(f"{name} must be a float32 tensor of one element on {x.device}")
     if (generation is None) != (current is None):
         raise ValueError("give both generation and current (int64 device scalars), or neither")
-    for name, t in (("generation", generation), ("current", current)):
-        if t is not None and (t.numel() != 1 or t.dtype != torch.int64 or t.device != x.device):
-            raise ValueError(f"{name} must be an int64 tensor of one element on {x.device}")
+    _check_scalars(x, scale=scale, amax=amax, generation=generation, current=current)
+
+
+def _check_scalars(x: torch.Tensor, **scalars: torch.Tensor | None) -> None:
+    """Each given scalar is one element on x's device: FP32, or int64 for the generations."""
+    for name, t in scalars.items():
+        dtype = torch.int64 if name in ("generation", "current") else torch.float32
+        if t is not None and (t.numel() != 1 or t.dtype != dtype or t.device != x.device):
+            raise ValueError(f"{name} must be a {dtype} tensor of one element on {x.device}")
+
+
+def _gated_amax(rows: torch.Tensor, amax, gen, cur, forced: int) -> None:
+    """The amax pass of a refresh: max |rows| atomically into ``amax`` (0 on entry), where stale."""
+    if rows.numel() == 0:
+        return
+    n_rows, n_cols = rows.shape
+    block_m, block_n, warps = _AMAX_BLOCKS
+    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    _refresh_amax_kernel[grid](
+        rows, amax, gen, cur, forced, n_rows, n_cols, rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
+    )
 
 
 def refresh_per_tensor_copy_reference(
@@ -214,21 +230,7 @@ def refresh_per_tensor_copy(
     gen = generation if generation is not None else placeholder  # read, but ``forced`` decides
     cur = current if current is not None else placeholder
     if rows.numel():
-        block_m, block_n, warps = _AMAX_BLOCKS
-        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-        _refresh_amax_kernel[grid](
-            rows,
-            amax,
-            gen,
-            cur,
-            forced,
-            n_rows,
-            n_cols,
-            rows.stride(0),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-        )
+        _gated_amax(rows, amax, gen, cur, forced)
         in_pass = transpose_in_pass(q_t is not None, x.dtype)
         block_m, block_n, warps = _quantize_blocks(n_cols, q_t is not None)
         grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
@@ -259,17 +261,6 @@ def refresh_per_tensor_copy(
     _refresh_finish_kernel[(1,)](amax, gen, cur, HAS_GENERATION=generation is not None)
 
 
-def _check_amax_buffers(x, kept, work, generation, current) -> None:
-    for name, t, dtype in (
-        ("kept", kept, torch.float32),
-        ("work", work, torch.float32),
-        ("generation", generation, torch.int64),
-        ("current", current, torch.int64),
-    ):
-        if t.numel() != 1 or t.dtype != dtype or t.device != x.device:
-            raise ValueError(f"{name} must be a {dtype} tensor of one element on {x.device}")
-
-
 def refresh_per_tensor_amax_reference(
     x: torch.Tensor,
     kept: torch.Tensor,
@@ -280,7 +271,7 @@ def refresh_per_tensor_amax_reference(
     force: bool = False,
 ) -> None:
     """Torch reference of ``refresh_per_tensor_amax`` (decided with ``torch.where`` on the device)."""
-    new = abs_or_inf_reference(as_rows(x).float()).amax() if x.numel() else torch.zeros((), device=x.device)
+    new = tensor_amax(x, backend="reference")
     stale = torch.ones((), dtype=torch.bool, device=x.device) if force else (generation != current).reshape(())
     kept.copy_(torch.where(stale, new.reshape(kept.shape), kept))
     work.zero_()
@@ -308,26 +299,9 @@ def refresh_per_tensor_amax(
         generation, current: int64 device scalars, as in ``refresh_per_tensor_copy``.
     Nothing is allocated and nothing synchronises: safe to capture in a CUDA graph.
     """
-    _check_amax_buffers(x, kept, work, generation, current)
+    _check_scalars(x, kept=kept, work=work, generation=generation, current=current)
     if not use_triton(x, backend):
         refresh_per_tensor_amax_reference(x, kept, work, generation=generation, current=current, force=force)
         return
-    rows = as_rows(x)
-    n_rows, n_cols = rows.shape
-    if rows.numel():
-        block_m, block_n, warps = _AMAX_BLOCKS
-        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
-        _refresh_amax_kernel[grid](
-            rows,
-            work,
-            generation,
-            current,
-            int(force),
-            n_rows,
-            n_cols,
-            rows.stride(0),
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-        )
+    _gated_amax(as_rows(x), work, generation, current, int(force))
     _refresh_keep_amax_kernel[(1,)](work, kept, generation, current, int(force))
