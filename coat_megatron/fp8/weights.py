@@ -121,25 +121,24 @@ class Fp8WeightCache:
         if b is None or b.shape != w.shape or b.device != w.device:
             b = self._buffers = self._allocate(w)
             self._key = None
-        current = device_generation(w.device)
-
-        def refresh(force: bool) -> None:
-            if self.keep_codes:
-                refresh_per_tensor_copy(
-                    w, b.q, b.scale, b.amax, q_t=b.q_t, generation=b.generation, current=current, force=force
-                )
-            else:
-                refresh_per_tensor_amax(w, b.kept_amax, b.amax, generation=b.generation, current=current, force=force)
-
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             # recorded, not run: each replay refreshes the copy iff the device's generation moved
-            refresh(force=False)
+            self._refresh(w, b, force=False)
         else:
             key = (_generation, w.data_ptr(), weight._version)
             if key != self._key:
-                refresh(force=True)
+                self._refresh(w, b, force=True)
                 self._key = key
         return b
+
+    def _refresh(self, w: torch.Tensor, b: _Buffers, force: bool) -> None:
+        current = device_generation(w.device)
+        if self.keep_codes:
+            refresh_per_tensor_copy(
+                w, b.q, b.scale, b.amax, q_t=b.q_t, generation=b.generation, current=current, force=force
+            )
+        else:
+            refresh_per_tensor_amax(w, b.kept_amax, b.amax, generation=b.generation, current=current, force=force)
 
     def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(w_q (out, in), w_q_t (in, out) or None, scale): per-tensor FP8 of ``weight``."""
