@@ -4,7 +4,7 @@
 gpu_setup() {  # folders, unbuffered Python, the project installed, the GPU's name in $out/gpu.txt
   mkdir -p "$out" "$dest"
   export PYTHONUNBUFFERED=1
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+  [ "${COAT_GPU_INSTALLED:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 }
 
