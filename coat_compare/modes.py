@@ -16,12 +16,14 @@ te-fp8-pa          te-fp8-current + Megatron's precision-aware optimizer with FP
                    params)
 coat               COAT's default recipe (``CoatConfig()``): the COAT layer spec and COAT's FP8
                    AdamW (``get_coat_optimizer``) with split master weights (the BF16 weight + an
-                   int16 low word), each weight's transposed FP8 copy made per backward, and BF16
-                   gradient buffers: COAT's memory mode. ``coat-mem`` is this one
-coat-cached        coat with each weight's transposed FP8 copy kept between micro-batches
-                   (``cache_weight_transpose=True``): faster, 1 byte per parameter more
-coat-min           coat keeping no FP8 weight codes between micro-batches (``cache_weight=False``):
-                   W and W^T quantized from the weight where used, 1 byte per parameter less
+                   int16 low word), BF16 gradient buffers, and no FP8 weight codes kept between
+                   micro-batches (each weight's amax only: W quantized in every forward, W^T in
+                   every backward): COAT's memory mode. ``coat-mem`` and ``coat-min`` are this one
+coat-codes         coat keeping each weight's FP8 codes between micro-batches (``cache_weight=True``;
+                   W^T transposed from them per backward): 1 byte per parameter more (the default
+                   before the two-H100 run in benchmarks/results/default-h100x2)
+coat-cached        coat keeping W's and W^T's FP8 codes between micro-batches
+                   (``cache_weight_transpose=True``): the fastest, 2 bytes per parameter more
 coat-fp32-grads    coat with FP32 gradient buffers (``grad_buffers="fp32"``): micro-batch
                    gradients summed in FP32, 2 bytes per parameter more
 coat-fp32          coat with every byte back: an FP32 copy of the master weights
@@ -122,8 +124,8 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-store", "te", "te-fp8", fp8_recipe="tensorwise", fp8_input_store=True),
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
         Mode("coat", "coat", "coat", coat_optimizer=True),
+        Mode("coat-codes", "coat", "coat", coat_optimizer=True, cache_weight=True),
         Mode("coat-cached", "coat", "coat", coat_optimizer=True, cache_weight_transpose=True),
-        Mode("coat-min", "coat", "coat", coat_optimizer=True, cache_weight=False),
         Mode("coat-fp32-grads", "coat", "coat", coat_optimizer=True, grad_buffers="fp32"),
         Mode(
             "coat-fp32",
@@ -139,7 +141,7 @@ MODES: dict[str, Mode] = {
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
     ]
 }
-ALIASES = {"te-fp8": "te-fp8-current", "coat-mem": "coat"}
+ALIASES = {"te-fp8": "te-fp8-current", "coat-mem": "coat", "coat-min": "coat"}
 # former mode names whose recipe changed meaning: refused, naming what to use now
 RETIRED = {
     "coat-lean": "coat-lean (the weight's transposed FP8 copy made per backward) is part of the default now: use coat "

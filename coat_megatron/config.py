@@ -66,16 +66,19 @@ class CoatConfig:
             then carries the 1xG rounding of the norm input as well, which costs accuracy
             (tests/megatron/test_coat_training.py measures it), so it is off by default.
         cache_weight: keep each weight's FP8 codes between micro-batches (1 byte per linear
-            parameter), made once per optimizer step. False keeps the weight's amax only and
-            quantizes W in every forward and W^T in every backward from the weight with it:
-            bit-identical results, 1 byte per parameter less, one more pass over each weight per
-            micro-batch's forward and backward (coat-compare's ``coat-min``). Needs
-            ``cache_weight_transpose=False``.
+            parameter), made once per optimizer step. False (the default, part of COAT's memory
+            mode) keeps each weight's amax only and quantizes W in every forward and W^T in every
+            backward from the weight with it: bit-identical results, 1 byte per parameter less,
+            one more pass over each weight per micro-batch's forward and backward (0.99x the
+            speed of the cached configuration on gpt-1b, docs/results.md). Left unset (None) it
+            resolves at construction: True with ``cache_weight_transpose`` on (W^T's codes are
+            kept, so W's are), else False; False with ``cache_weight_transpose`` on is an error.
         cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
             its FP8 copy between micro-batches: 2 bytes per parameter. False (the default, part of
             COAT's memory mode) keeps 1 and transposes the codes in every backward (bit-identical
             gradients: one per-tensor scale serves both layouts), a byte-transpose of each weight
-            per micro-batch. True is the faster configuration where memory allows.
+            per micro-batch. True is the faster configuration where memory allows; it keeps W's
+            codes too (``cache_weight`` resolves to True).
         master_weights: how COAT's optimizer keeps the FP32 master weights. "split" (the default
             with ``optimizer`` on): the BF16 model weight is the master's high half and the
             optimizer keeps an int16 low word beside it (``coat_kernels.master``): the same FP32
@@ -116,7 +119,7 @@ class CoatConfig:
     optimizer_group_size: int = 128
     fprop_fast_accumulation: bool = True
     recompute_norm_output: bool = False
-    cache_weight: bool = True
+    cache_weight: bool | None = None
     cache_weight_transpose: bool = False
     master_weights: str | None = None
     grad_buffers: str | None = None
@@ -129,10 +132,12 @@ class CoatConfig:
             "v_expansion",
             "fprop_fast_accumulation",
             "recompute_norm_output",
-            "cache_weight",
             "cache_weight_transpose",
         ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
+        # unset: W's codes are kept exactly where W^T's are (the cached configuration)
+        cache_weight = self.cache_weight_transpose if self.cache_weight is None else self.cache_weight
+        object.__setattr__(self, "cache_weight", parse_switch(cache_weight, "cache_weight"))
         if self.cache_weight_transpose and not self.cache_weight:
             raise ValueError(
                 "cache_weight_transpose=True keeps W^T's FP8 codes between micro-batches, and cache_weight=False keeps "

@@ -70,11 +70,11 @@ KNOBS: dict[str, tuple[dict, str]] = {
     ),
     "cache_weight": (
         dict(type=_switch, metavar="on|off"),
-        "keep each weight's FP8 codes between micro-batches (default on); off: keep only its amax and quantize W in every forward and W^T in every backward from it (bit-identical, 1 byte per parameter less, one more pass over each weight per micro-batch; needs --coat-cache-weight-transpose off)",
+        "keep each weight's FP8 codes between micro-batches (on: 1 byte per parameter more, W quantized once per step). Default off (on with --coat-cache-weight-transpose on): keep only each weight's amax and quantize W in every forward and W^T in every backward from the weight (bit-identical results, one more pass over each weight per micro-batch)",
     ),
     "cache_weight_transpose": (
         dict(type=_switch, metavar="on|off"),
-        "keep each weight's transposed FP8 copy between micro-batches (default off: the codes are transposed in every backward; on: faster, 1 byte per parameter more)",
+        "keep each weight's transposed FP8 copy between micro-batches (default off: W^T made in every backward; on: the fastest configuration, W's and W^T's codes kept, 2 bytes per parameter more than the default)",
     ),
     "master_weights": (
         dict(choices=MASTER_WEIGHTS),

@@ -5,7 +5,7 @@
 #   bash scripts/gpu_default.sh gputests  # the GPU tests of the kernels and ops changed since the last GPU
 #                                         # run, the CUDA-graph tests (graphed validation included) and the
 #                                         # lean-path tests (~4 min)
-#   bash scripts/gpu_default.sh quick     # gpt-1b micro-batch 4, 40 steps: bf16, coat, coat-cached, coat-min,
+#   bash scripts/gpu_default.sh quick     # gpt-1b micro-batch 4, 40 steps: bf16, coat, coat-codes, coat-cached,
 #                                         # eager and with per-layer graphs (~5 min)
 #   bash scripts/gpu_default.sh llama7b   # Llama-2-7B, micro-batch 2, global batch 16 (8 micro-batches
 #                                         # per step): coat, coat-cached, and bf16, te-fp8-current, te-fp8-pa (one
@@ -20,23 +20,23 @@
 #                                              # layers run beside it (pytest-gpu.log; accuracy is not timing)
 #   bash scripts/gpu_default.sh llama13b       # H200: Llama-2-13B, default coat, micro-batch 2, global batch 4,
 #                                              # 150 steps, validation every 25 steps (~7 min)
-#   bash scripts/gpu_default.sh speed7b        # H200: the quantization kernels against a device copy (with the
-#                                              # tile sweep: the byte transpose of the default's dgrad W^T);
-#                                              # Llama-2-7B micro-batch 1, coat and coat-cached with per-layer
-#                                              # graphs (the default vs the fastest COAT) (~5 min)
-#
-# Still to run (each part one command; one mode per command where a run is long):
-#   bash scripts/gpu_default.sh min7b          # H100: Llama-2-7B, global batch 16, coat-min and coat at
-#                                              # micro-batch 4 (the stretch goal; coat-min keeps no FP8
-#                                              # weight codes: 1 byte per parameter less) (~5 min)
+#   bash scripts/gpu_default.sh min7b          # H100: Llama-2-7B, global batch 16, micro-batch 4: coat (the
+#                                              # default: no FP8 weight codes kept) and coat-codes (~3 min)
 #   bash scripts/gpu_default.sh spike7b        # Llama-2-7B default coat, 30 steps at global batch 4, warm-up
-#                                              # 50 and 100 steps (20 is acc7b's: above ln(vocab) after step
+#                                              # 50 and 100 steps (20 was acc7b's: above ln(vocab) after step
 #                                              # 10 in every mode): which stays under it (~3 min)
 #   bash scripts/gpu_default.sh gc             # gpt-1b micro-batch 4, eager, 40 steps: bf16 and coat with
 #                                              # manual garbage collection (the default now) and with Python's
-#                                              # (COAT_COMPARE_GC=auto): whether collection pauses made the eager
-#                                              # COAT steps' spread (104-166 ms on the H200, BF16 109-117) (~3 min)
-#   bash scripts/gpu_default.sh acc1b MODE     # gpt-1b, 460 steps at global batch 32 (30.1M tokens, 8
+#                                              # (COAT_COMPARE_GC=auto) (~3 min)
+#   bash scripts/gpu_two.sh "PART" "PART"      # on a two-GPU machine: two parts at once, one per GPU
+#
+# Still to run (each part one command; one mode per command where a run is long):
+#   bash scripts/gpu_default.sh speed7b        # H200: the quantization kernels against a device copy (with the
+#                                              # tile sweep: the byte transpose of W^T);
+#                                              # Llama-2-7B micro-batch 1, coat, coat-codes and coat-cached with
+#                                              # per-layer graphs (the default vs the fastest COAT) (~6 min)
+#   bash scripts/gpu_default.sh llama13b       # again with the default and 13B's 100-step warm-up floor
+#   bash scripts/gpu_default.sh acc1b MODE [SEED]  # gpt-1b, 460 steps at global batch 32 (30.1M tokens, 8
 #                                              # micro-batches of 4), per-layer CUDA graphs, validation
 #                                              # (eager, between the graphed steps) every 46 steps on 256
 #                                              # held-out windows; MODE = bf16, coat or the fastest TE recipe
@@ -57,7 +57,7 @@ gpu_setup
 
 case $part in
   quick)
-    run 540 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-cached,coat-min \
+    run 540 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-codes,coat-cached \
       --cuda-graphs none,local --out "$out" --name gpt-1b --no-plots
     grep -E "^\| (bf16|coat)|^\| (end-to-end|default)" "$out/gpt-1b.md" | cut -c1-240 ;;
   llama7b)
@@ -87,7 +87,7 @@ case $part in
   speed7b)
     run 120 quantize python3 benchmarks/quantize.py --sweep --out "$out"
     grep -E "transpose|copy" "$out/quantize.md"
-    run 470 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-cached \
+    run 470 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-codes,coat-cached \
       --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
     grep -E "^\| (coat|default)" "$out/llama2-7b-default-vs-cached.md" | cut -c1-260 ;;
   gputests)
@@ -95,14 +95,14 @@ case $part in
       tests/kernels/test_refresh.py tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
     tail -3 "$out/pytest-gpu.log" ;;
   acc1b)
-    mode=${2:?acc1b MODE}
+    mode=${2:?acc1b MODE [SEED]}; seed=${3:-1234}
     if [ "${GPU_TESTS:-0}" = 1 ]; then  # the gputests part beside the run (accuracy is not timing)
       timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_per_tensor.py tests/kernels/test_refresh.py \
         tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py >"$out/pytest-gpu.log" 2>&1 &
     fi
-    run 590 "acc1b-$mode" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 \
-      --cuda-graphs local --modes "$mode" --out "$out" --name "gpt-1b-acc-$mode" --no-plots
-    grep -E "^\| ($mode|training loss)" "$out/gpt-1b-acc-$mode.md" | cut -c1-260
+    run 590 "acc1b-$mode-$seed" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 \
+      --cuda-graphs local --modes "$mode" --seed "$seed" --out "$out/seed$seed" --name "gpt-1b-acc-$mode" --no-plots
+    grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$mode.md" | cut -c1-260
     if [ "${GPU_TESTS:-0}" = 1 ]; then wait; tail -15 "$out/pytest-gpu.log"; fi ;;
   acc1b-eager)
     mode=${2:?acc1b-eager MODE PART}; half=${3:?acc1b-eager MODE PART: 1 or 2}
@@ -117,7 +117,7 @@ case $part in
     fi ;;
   min7b)
     run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
-      --global-batch 16 --steps 5 --modes coat-min,coat --out "$out" --name llama2-7b-mb4 --no-plots
+      --global-batch 16 --steps 5 --modes coat,coat-codes --out "$out" --name llama2-7b-mb4 --no-plots
     grep -E "^\| (coat|llama)" "$out/llama2-7b-mb4.md" | cut -c1-260 ;;
   spike7b)
     for w in 50 100; do

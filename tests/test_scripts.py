@@ -26,3 +26,38 @@ def test_every_documented_part_has_a_branch_and_every_branch_is_documented():
     unknown = re.search(r'unknown part \$part: ([^"]+)"', text).group(1)
     listed = set(re.findall(r"[a-z0-9-]+", unknown.replace(" or ", ", "))) - {"or"}
     assert listed == branches, listed ^ branches
+
+
+def test_two_parts_run_at_once_one_per_gpu_each_with_its_own_environment(tmp_path):
+    """scripts/gpu_two.sh with a stand-in nvidia-smi (two GPUs) and a stand-in part script that
+    records what each part saw: its GPU, its results folder, its NAME=VALUE words, and that the
+    project was installed once for both (no second pip install racing the first)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: a"\necho "GPU 1: b"\n')
+    (bin_dir / "python3").write_text('#!/bin/sh\necho pip-install >> "$INSTALLS"\n')  # the install
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    part = tmp_path / "part.sh"
+    part.write_text(
+        'echo "args=$* gpu=$CUDA_VISIBLE_DEVICES out=$OUT tests=${GPU_TESTS:-} installed=$COAT_GPU_INSTALLED"\n'
+    )
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "SCRIPT": str(part),
+        "OUT": str(tmp_path / "out"),
+        "INSTALLS": str(tmp_path / "installs"),
+    }
+    script = Path(__file__).parent.parent / "scripts" / "gpu_two.sh"
+    proc = subprocess.run(
+        ["bash", str(script), "GPU_TESTS=1 acc1b coat 7", "spike7b"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = [(tmp_path / "out" / f"gpu{i}.txt").read_text().strip() for i in (0, 1)]
+    assert seen[0] == f"args=acc1b coat 7 gpu=0 out={tmp_path}/out/gpu0 tests=1 installed=1"
+    assert seen[1] == f"args=spike7b gpu=1 out={tmp_path}/out/gpu1 tests= installed=1"
+    assert (tmp_path / "installs").read_text() == "pip-install\n"
+    assert "=== GPU 0: GPU_TESTS=1 acc1b coat 7" in proc.stdout and "=== GPU 1: spike7b" in proc.stdout
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: a"\n')
+    proc = subprocess.run(["bash", str(script), "quick", "gc"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "needs two GPUs, this machine has 1" in proc.stderr

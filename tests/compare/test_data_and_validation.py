@@ -135,7 +135,7 @@ def _validation_loss_both_ways(mode_name: str) -> tuple[float, float, bool]:
     return eager, graphed, ok and math.isfinite(loss)
 
 
-@pytest.mark.parametrize("mode", ["bf16", "coat", "coat-min"])
+@pytest.mark.parametrize("mode", ["bf16", "coat", "coat-codes"])
 def test_validation_beside_graphs_runs_in_inference_mode_with_the_same_loss(mode):
     from distributed import run_distributed
 

@@ -56,7 +56,7 @@ def _count_dispatch(mode: str, tp: int) -> dict:
     return {"dispatch": dict(calls), "made": made[0]}
 
 
-@pytest.mark.parametrize("mode", ["coat", "coat-cached", "coat-min"])
+@pytest.mark.parametrize("mode", ["coat", "coat-codes", "coat-cached"])
 def test_a_coat_layer_step_makes_no_tensor_subclass_dispatch(mode):
     got = run_distributed(_count_dispatch, 1, args=(mode, 1), tensor_parallel=1)[0]
     # FP8 activations do travel between the ops (else this test would check nothing) ...

@@ -62,7 +62,10 @@ def test_memory_switches_reach_the_config(monkeypatch):
     )
     assert coat_config_from_args(args) == CoatConfig(cache_weight_transpose=True, recompute_norm_output=True)
     args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight", "off")
-    assert coat_config_from_args(args) == CoatConfig(cache_weight=False)  # coat-min: no FP8 weight codes kept
+    assert coat_config_from_args(args) == CoatConfig()  # the default: no FP8 weight codes kept
+    assert not CoatConfig().cache_weight and CoatConfig(cache_weight_transpose=True).cache_weight
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cache-weight", "on")
+    assert coat_config_from_args(args) == CoatConfig(cache_weight=True)  # coat-codes: W's codes kept per step
 
 
 def test_keeping_w_transpose_without_w_is_refused_with_the_fix(monkeypatch):
