@@ -10,7 +10,9 @@ weights and the same data order for every mode of a seed, and the same held-out 
 windows for every mode and seed. A mode key is a mode of coat-compare, optionally with a variant:
 ``MODE@dpN`` trains at DP N on the same global batch (only the order of reductions differs),
 ``MODE@dataN`` with the N-th data order (data seed = seed + 1000 (N - 1)), the same initial
-weights. ``bf16@data2`` and ``bf16@dp2`` are noise floors: BF16 against BF16.
+weights, ``MODE@runN`` the N-th run of the same seed, data and code (on a GPU only the order of
+nondeterministic reductions differs; on a CPU it repeats the first bit for bit). ``bf16@data2``,
+``bf16@dp2`` and ``bf16@run2`` are noise floors: BF16 against BF16.
 
 Per seed and mode: the validation loss after the last step (the primary figure) and the mean
 training loss over the last ``--tail`` of the steps (beside it); the gap (mode - BF16) / BF16 of
@@ -67,6 +69,10 @@ LEGEND = {
         "bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math and data, only the order "
         "of the gradient reduction differs: a noise floor."
     ),
+    "bf16@run2": (
+        "bf16@run2: BF16 run again with the same seed, batches and code: only the order of nondeterministic reductions "
+        "(attention's backward, atomics) differs: a noise floor for one paired gap."
+    ),
     "bf16@data2": (
         "bf16@data2: BF16 with the same initial weights and another order of the training windows (data seed = "
         f"seed + {DATA_ORDER_STRIDE}): a noise floor, what a gap of this size means between two BF16 runs."
@@ -82,19 +88,27 @@ def software_line(rows: list[dict]) -> str:
     return f"On {', '.join(devices)} (software versions: the per-run reports in seedN/)."
 
 
-KEY = re.compile(r"(?P<mode>[a-z0-9][a-z0-9.-]*?)(?:@dp(?P<dp>\d+))?(?:@data(?P<order>\d+))?")
+KEY = re.compile(r"(?P<mode>[a-z0-9][a-z0-9.-]*?)(?:@dp(?P<dp>\d+))?(?:@data(?P<order>\d+))?(?:@run(?P<run>\d+))?")
 
 
-def parse_key(key: str) -> tuple[str, int, int]:
-    """``"bf16@data2"`` -> ("bf16", DP 1, data order 2); ``"bf16@dp2"`` -> ("bf16", 2, 1)."""
+def parse_key(key: str) -> tuple[str, int, int, int]:
+    """``"bf16@data2"`` -> ("bf16", DP 1, data order 2, run 1); ``"bf16@dp2"`` -> ("bf16", 2, 1, 1);
+    ``"bf16@run2"`` -> ("bf16", 1, 1, 2)."""
     match = KEY.fullmatch(key)
-    if match is None or int(match["dp"] or 1) < 1 or int(match["order"] or 1) < 1:
-        raise SystemExit(f"--modes: {key!r} is not MODE, MODE@dpN or MODE@dataN (e.g. coat, bf16@dp2, bf16@data2)")
-    return match["mode"], int(match["dp"] or 1), int(match["order"] or 1)
+    if match is None or min(int(match[g] or 1) for g in ("dp", "order", "run")) < 1:
+        raise SystemExit(
+            f"--modes: {key!r} is not MODE, MODE@dpN, MODE@dataN or MODE@runN (e.g. coat, bf16@dp2, bf16@data2, bf16@run2)"
+        )
+    return match["mode"], int(match["dp"] or 1), int(match["order"] or 1), int(match["run"] or 1)
 
 
-def mode_key(mode: str, dp: int = 1, order: int = 1) -> str:
-    return mode + (f"@dp{dp}" if dp > 1 else "") + (f"@data{order}" if order > 1 else "")
+def mode_key(mode: str, dp: int = 1, order: int = 1, run: int = 1) -> str:
+    return (
+        mode
+        + (f"@dp{dp}" if dp > 1 else "")
+        + (f"@data{order}" if order > 1 else "")
+        + (f"@run{run}" if run > 1 else "")
+    )
 
 
 def data_seed(seed: int, order: int) -> int:
@@ -121,14 +135,20 @@ def read_runs(directory: str, seed: int, steps: int) -> dict[str, dict]:
                     continue
                 order, rest = divmod(row.get("data_seed", seed) - seed, DATA_ORDER_STRIDE)
                 if rest == 0 and order >= 0:
-                    runs[mode_key(row["mode"], row.get("dp", 1), order + 1)] = row
+                    runs[mode_key(row["mode"], row.get("dp", 1), order + 1, row.get("repeat", 1))] = row
     return runs
 
 
-def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> float:
-    """One coat-compare job: ``names`` at DP ``dp`` in data order ``order``; returns its seconds."""
+def coat_compare(args, seed: int, names: list[str], dp: int, order: int, run: int = 1) -> float:
+    """One coat-compare job: ``names`` at DP ``dp`` in data order ``order``, the ``run``-th time;
+    returns its seconds."""
     preset = get_preset(args.preset)
-    name = f"{args.preset}-{'+'.join(names)}" + (f"-dp{dp}" if dp > 1 else "") + (f"-data{order}" if order > 1 else "")
+    name = (
+        f"{args.preset}-{'+'.join(names)}"
+        + (f"-dp{dp}" if dp > 1 else "")
+        + (f"-data{order}" if order > 1 else "")
+        + (f"-run{run}" if run > 1 else "")
+    )
     cmd = [
         "-m",
         "coat_compare",
@@ -150,6 +170,8 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
     ]
     if args.eval_every is not None:
         cmd += ["--eval-every", str(args.eval_every)]
+    if run > 1:
+        cmd += ["--repeat", str(run)]
     micro_batch = args.micro_batch or preset.micro_batch
     if args.global_batch is not None:
         cmd += ["--global-batch", str(args.global_batch)]
@@ -185,7 +207,8 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int) -> floa
             )
         )
     print(
-        f"seed {seed}: {', '.join(mode_key(n, dp, order) for n in names)} in {seconds:.0f} s (log: {log})", flush=True
+        f"seed {seed}: {', '.join(mode_key(n, dp, order, run) for n in names)} in {seconds:.0f} s (log: {log})",
+        flush=True,
     )
     return seconds
 
@@ -200,7 +223,7 @@ def prepare_corpus(args) -> None:
 
 def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]]:
     """Run the (seed, key) pairs that have no finished row, at most ``args.max_runs`` of them (in
-    seed order, then --modes order), one coat-compare job per seed, DP size and data order.
+    seed order, then --modes order), one coat-compare job per seed, DP size, data order and run.
     Returns the pairs still missing afterwards."""
     missing = [
         (s, k) for s in seeds for k in keys if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)
@@ -208,19 +231,20 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     chosen = missing if args.max_runs is None else missing[: args.max_runs]
     jobs: dict[tuple[int, int, int, str], list[str]] = {}
     for seed, key in chosen:
-        mode, dp, order = parse_key(key)
+        mode, dp, order, run = parse_key(key)
         # --jobs > 1: one job per run, so that runs can share the GPU
-        jobs.setdefault((seed, dp, order, mode if args.jobs > 1 else ""), []).append(mode)
+        jobs.setdefault((seed, dp, order, run, mode if args.jobs > 1 else ""), []).append(mode)
     if args.jobs > 1 and len(jobs) > 1:
         prepare_corpus(args)  # built once, before processes that would all build it at once
         with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
             for future in [
-                pool.submit(coat_compare, args, seed, names, dp, order) for (seed, dp, order, _), names in jobs.items()
+                pool.submit(coat_compare, args, seed, names, dp, order, run)
+                for (seed, dp, order, run, _), names in jobs.items()
             ]:
                 future.result()
     else:
-        for (seed, dp, order, _), names in jobs.items():
-            coat_compare(args, seed, names, dp, order)
+        for (seed, dp, order, run, _), names in jobs.items():
+            coat_compare(args, seed, names, dp, order, run)
     still = [(s, k) for s, k in missing if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)]
     failed = [p for p in chosen if p in still]
     if failed:
@@ -504,7 +528,8 @@ def parse_args(argv=None):
         default="bf16,coat,bf16@data2",
         help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 "
         "layers, COAT's AdamW) and noise floors (bf16@data2: another data order; bf16@dp2: BF16 at DP 2, the same "
-        "global batch, another reduction order); the first bf16 variant listed is the verdict's noise floor",
+        "global batch, another reduction order; bf16@run2: the same run again); the first bf16 variant listed is the "
+        "verdict's noise floor",
     )
     p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
     p.add_argument(

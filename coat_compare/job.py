@@ -106,9 +106,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         metavar="N",
         help="linear learning-rate warm-up over N steps (default: 10%% of --steps, at least the preset's minimum: "
-        "20 steps, tiny 10)",
+        "20 steps; tiny 10, llama2-7b 50, llama2-13b 100)",
     )
     p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help="a label kept in each row: the N-th run of the same seed, data and modes (benchmarks/accuracy.py's "
+        "MODE@runN, a noise floor); it changes nothing in the run",
+    )
     data = p.add_argument_group("data (end-to-end presets)")
     data.add_argument(
         "--data-seed", type=int, help="order of the training windows (default: --seed): another order, same weights"
@@ -247,6 +254,8 @@ def check_args(args) -> None:
         )
     if args.summarize:
         return
+    if args.repeat is not None and args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat}: the N-th run counts from 1 (2: the second run of the same seed)")
     if args.resume_check and args.dp < 2:
         raise ValueError("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
     if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
@@ -771,6 +780,8 @@ def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -
     }
     if preset.kind == "train":
         row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
+    if args.repeat is not None:
+        row["repeat"] = args.repeat
     reason = why_not_here(preset, mode)
     if reason is None and graphs != "none" and not torch.cuda.is_available():
         reason = "CUDA graphs need a CUDA GPU"

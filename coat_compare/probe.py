@@ -77,12 +77,13 @@ def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> Probe
 
 def data_args(args, **overrides) -> list[str]:
     """The data options given on the command line (or in ``overrides``), the global batch among
-    them, to pass on to the runs a job starts."""
+    them, and the run's ``--repeat`` label, to pass on to the runs a job starts."""
     given = []
     for name in (
         "global_batch",
         "lr_warmup_steps",
         "data_seed",
+        "repeat",
         "corpus",
         "corpus_bytes",
         "eval_every",

@@ -130,19 +130,51 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
     )
 
 
+def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for_bit(tmp_path):
+    """bf16@run2: the same seed, batches and code again (coat-compare --repeat 2, a label in its
+    row): on a GPU a noise floor of nondeterministic reductions; on a CPU nothing differs."""
+    proc = accuracy(tmp_path, "--modes", "bf16,coat,bf16@run2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {}
+    for name in ("tiny-bf16+coat", "tiny-bf16-run2"):
+        for line in (tmp_path / "seed1" / f"{name}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row.get("kind") == "train":
+                rows[row["mode"] + (f"@run{row['repeat']}" if "repeat" in row else "")] = row
+    assert set(rows) == {"bf16", "coat", "bf16@run2"}
+    assert rows["bf16@run2"]["repeat"] == 2 and rows["bf16@run2"]["data_seed"] == rows["bf16"]["data_seed"] == 1
+    assert rows["bf16@run2"]["losses"] == rows["bf16"]["losses"]
+    assert rows["bf16@run2"]["valid_loss"] == rows["bf16"]["valid_loss"]
+    summary = [json.loads(line) for line in (tmp_path / "accuracy.jsonl").read_text().splitlines()]
+    assert summary[0]["gap_valid"]["bf16@run2"] == 0.0
+    assert summary[2]["kind"] == "verdict" and summary[2]["noise_floor"] == "bf16@run2"
+    assert "bf16@run2: BF16 run again with the same seed, batches and code" in (tmp_path / "accuracy.md").read_text()
+
+
+def test_mode_keys_name_the_dp_size_data_order_and_run():
+    script = load_script()
+    assert script.parse_key("bf16@run2") == ("bf16", 1, 1, 2)
+    assert script.parse_key("coat@dp2@data3@run2") == ("coat", 2, 3, 2)
+    assert script.mode_key("coat", 2, 3, 2) == "coat@dp2@data3@run2" and script.mode_key("bf16") == "bf16"
+    for bad in ("bf16@run0", "bf16@run", "bf16@twice"):
+        with pytest.raises(SystemExit, match="MODE@runN"):
+            script.parse_key(bad)
+
+
 def test_the_modes_start_with_the_bf16_reference(capsys):
     script = load_script()
     with pytest.raises(SystemExit):
         script.parse_args(["--modes", "coat,bf16"])
     assert "start with bf16" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="is not MODE, MODE@dpN or MODE@dataN"):
+    with pytest.raises(SystemExit, match="is not MODE, MODE@dpN, MODE@dataN or MODE@runN"):
         script.parse_args(["--modes", "bf16,coat,bf16@data0"])
     assert script.parse_args(["--modes", "bf16,coat,bf16@data2"])[1] == ["bf16", "coat", "bf16@data2"]
 
 
 def test_the_verdict_rule():
     script = load_script()
-    assert script.parse_key("bf16@data2") == ("bf16", 1, 2) and script.parse_key("coat-act@dp2") == ("coat-act", 2, 1)
+    assert script.parse_key("bf16@data2") == ("bf16", 1, 2, 1)
+    assert script.parse_key("coat-act@dp2") == ("coat-act", 2, 1, 1)
     assert script.mode_key("bf16", 1, 2) == "bf16@data2" and script.data_seed(3, 2) == 1003
 
     noise = [0.002, -0.004, 0.005]  # per-seed BF16-vs-BF16 gaps: rms 0.39%, so a 3-seed mean's se is 0.22%

@@ -90,6 +90,7 @@ BAD = [
     (["--load", "{tmp}/missing"], ["--load", "no such directory"]),
     (["--modes", "bf16,fp4"], ["unknown mode 'fp4'"]),
     (["--name", "a/b"], ["give a file name without '/'"]),
+    (["--repeat", "0"], ["--repeat 0: the N-th run counts from 1"]),
 ]
 
 
