@@ -142,7 +142,8 @@ class CoatConfig:
             raise ValueError(
                 "cache_weight_transpose=True keeps W^T's FP8 codes between micro-batches, and cache_weight=False keeps "
                 "no codes of the weight: set cache_weight_transpose=False with cache_weight=False "
-                "(--coat-cache-weight-transpose off --coat-cache-weight off), or cache_weight=True"
+                "(--coat-cache-weight-transpose off --coat-cache-weight off), or cache_weight=True or None (None follows "
+                "cache_weight_transpose: dataclasses.replace(config, cache_weight=None, cache_weight_transpose=True))"
             )
         for name in ("forward_format", "backward_format", "weight_format", "m_format", "v_format"):
             value = getattr(self, name)

@@ -5,6 +5,8 @@ a product of two perturbed operands moves by at most da @ |b| + |a| @ db + da @ 
 adds half its step, 2^-8 of the value; FP32 statistics (rstd, mean) add ~1e-5 relative.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,6 +148,9 @@ def test_weight_cache_refuses_contradictions():
         Fp8WeightCache("e4m3", keep_transpose=True, keep_codes=False)
     with pytest.raises(ValueError, match="--coat-cache-weight-transpose off --coat-cache-weight off"):
         CoatConfig(cache_weight=False, cache_weight_transpose=True)
+    with pytest.raises(ValueError, match="cache_weight=None, cache_weight_transpose=True"):
+        dataclasses.replace(CoatConfig(), cache_weight_transpose=True)  # the default resolved cache_weight to False
+    assert dataclasses.replace(CoatConfig(), cache_weight=None, cache_weight_transpose=True).cache_weight
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="quantize with its amax"):
         Fp8WeightCache("e4m3", keep_transpose=False, keep_codes=False).get(w)
