@@ -176,7 +176,7 @@ def _layout_and_dp_independent_states() -> dict:
         m, v = _fp32_moments(inner._coat_names()[model_param], model_param.numel())
         inner._set_main_param_and_optimizer_states(model_param, {"exp_avg": m[start:end], "exp_avg_sq": v[start:end]})
     stock_layout_error = None
-    if parallel_state.get_data_parallel_world_size() > 1:
+    if parallel_state.get_data_parallel_world_size() == 2:  # the cutting layout is built for 2 shards
         try:
             _build(coat_layout=False, cut_groups=True)
         except ValueError as e:
@@ -187,13 +187,17 @@ def _layout_and_dp_independent_states() -> dict:
 
 
 def test_states_do_not_depend_on_the_dp_size_and_the_stock_layout_is_refused():
+    dp4 = run_distributed(_layout_and_dp_independent_states, 4, tensor_parallel=1)
     dp2 = run_distributed(_layout_and_dp_independent_states, 2, tensor_parallel=1)
     dp1 = run_distributed(_layout_and_dp_independent_states, 1, tensor_parallel=1)
-    full2, full1 = _assemble([r["shards"] for r in dp2]), _assemble([dp1[0]["shards"]])
-    assert full2.keys() == full1.keys() and len(full1) > 5
-    for name in full1:
-        for key in full1[name]:
-            assert torch.equal(full2[name][key], full1[name][key]), (name, key)
+    full1 = _assemble([dp1[0]["shards"]])
+    assert len(full1) > 5
+    for ranks in (dp2, dp4):  # the shards of 2 and of 4 ranks put together: DP 1's states, byte for byte
+        full = _assemble([r["shards"] for r in ranks])
+        assert full.keys() == full1.keys()
+        for name in full1:
+            for key in full1[name]:
+                assert torch.equal(full[name][key], full1[name][key]), (len(ranks), name, key)
     # and the states are the quantization of the moments, whole parameter by whole parameter
     name = next(n for n in full1 if full1[n]["param"].numel() > G)
     m, _ = _fp32_moments(name, full1[name]["param"].numel())
