@@ -229,7 +229,7 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
         (s, k) for s in seeds for k in keys if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)
     ]
     chosen = missing if args.max_runs is None else missing[: args.max_runs]
-    jobs: dict[tuple[int, int, int, str], list[str]] = {}
+    jobs: dict[tuple[int, int, int, int, str], list[str]] = {}
     for seed, key in chosen:
         mode, dp, order, run = parse_key(key)
         # --jobs > 1: one job per run, so that runs can share the GPU

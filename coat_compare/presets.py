@@ -41,8 +41,8 @@ class Preset:
     lr_warmup_steps: the warm-up's length in steps; None: 10% of the steps, at least
         ``lr_warmup_min_steps`` (20; the tiny presets 10; Llama-2-7B 50 and 13B 100), also where
         that is longer than the run. At 7B a 20-step warm-up left the loss above ln(vocab) after
-        step 10 in every mode (COAT 12.2, BF16 11.2); 50 and 100 steps kept it under (8.85, 8.59:
-        benchmarks/results/default-h100x2/spike7b). 13B, which spiked higher (14.5 after a
+        step 10 in COAT and BF16 (12.2, 11.2; TE FP8 9.7); 50 and 100 steps kept COAT's under
+        (8.85, 8.59: benchmarks/results/default-h100x2/spike7b). 13B, which spiked higher (14.5 after a
         15-step warm-up), takes the longer one.
     needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """

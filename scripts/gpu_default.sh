@@ -26,7 +26,7 @@
 #                                              # three: the goal wants them in the default's run) (~5 min)
 #   bash scripts/gpu_default.sh spike7b        # Llama-2-7B default coat, 30 steps at global batch 4, warm-up
 #                                              # 50 and 100 steps (20 was acc7b's: above ln(vocab) after step
-#                                              # 10 in every mode): which stays under it (~3 min)
+#                                              # 10 in BF16 and COAT): which stays under it (~3 min)
 #   bash scripts/gpu_default.sh gc             # gpt-1b micro-batch 4, eager, 40 steps: bf16 and coat with
 #                                              # manual garbage collection (the default now) and with Python's
 #                                              # (COAT_COMPARE_GC=auto) (~3 min)
