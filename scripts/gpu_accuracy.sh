@@ -30,7 +30,7 @@ limit=${TIME_LIMIT:-480}
 jobs=${JOBS:-4}  # runs at once on the one GPU (each ~8 GB; an eager gpt-125m run leaves the GPU idle between launches)
 mkdir -p "$out" "$res"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+[ "${COAT_GPU_INSTALLED:-0}" = 1 ] || python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$res/gpu.txt"
 if [ -n "${PREVIOUS:-}" ] && [ -f "$PREVIOUS" ]; then
   tar xzf "$PREVIOUS" -C "$res" && echo "unpacked the runs of $PREVIOUS"

@@ -47,6 +47,10 @@
 #                                              # paired gap). Next: seeds 2 and 3 of bf16 and coat, and bf16 1234
 #                                              # RUN 2, two at once with gpu_two.sh (3 commands on nvidia-h100-x2);
 #                                              # GPU_TESTS=1: the gputests part beside it
+#   SEEDS=5,6 STEPS=1000 JOBS=6 TIME_LIMIT=150 bash scripts/gpu_default.sh accuracy  # goal (a), declared
+#                                              # before running: gpt-125m seeds 5-8 beside 1-4 (bf16, coat,
+#                                              # te-fp8-delayed), the verdict over all 8 whatever they show;
+#                                              # seeds 5,6 and 7,8 at once with gpu_two.sh, one round each
 #   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
 #                                              # step 230 into $CKPT, PART 2 loads and finishes): where
 #                                              # graphed validation fails its test
@@ -69,7 +73,7 @@ case $part in
       --modes coat,coat-cached,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-gb16 --no-plots
     grep -E "^\| (bf16|te-fp8|coat)|^\| (llama|end-to-end)" "$out/llama2-7b-gb16.md" | cut -c1-260 ;;
   accuracy)
-    OUT=$out RES=${RES:-/tmp/coat-default-accuracy} PRESET=gpt-125m STEPS=${STEPS:-1200} SEEDS=${SEEDS:-1,2,3,4} \
+    OUT=$out RES=${RES:-/tmp/coat-default-accuracy${CUDA_VISIBLE_DEVICES:+-gpu$CUDA_VISIBLE_DEVICES}} PRESET=gpt-125m STEPS=${STEPS:-1200} SEEDS=${SEEDS:-1,2,3,4} \
       MODES=${MODES:-bf16,coat,te-fp8-delayed} JOBS=${JOBS:-6} TIME_LIMIT=${TIME_LIMIT:-500} \
       EXTRA="--micro-batch 4 --global-batch 16" bash "$(dirname "$0")/gpu_accuracy.sh" ;;
   acc7b)
