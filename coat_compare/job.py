@@ -757,6 +757,8 @@ def search_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) ->
             peak_MiB=top.result.get("peak_MiB") if top else None,
             tokens_per_s_per_gpu=top.result.get("tokens_per_s_per_gpu") if top else None,
             step_ms=top.result.get("step_ms") if top else None,
+            # the train row's model FLOPs at the largest micro-batch (coat_compare.flops)
+            **{k: top.result.get(k) if top else None for k in ("model_tflops_per_gpu", "mfu_bf16", "mfu_fp8")},
         )
         rows.append(keep(row))
     return rows

@@ -263,6 +263,8 @@ def search_table(rows: list[dict]) -> list[str]:
         "tokens/s there",
         "vs BF16",
         "vs best TE",
+        "model TFLOP/s per GPU",
+        "MFU BF16 / FP8",
         "peak MiB there",
         "tries",
         "note",
@@ -276,7 +278,8 @@ def search_table(rows: list[dict]) -> list[str]:
         per_gpu = f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} |" if several else ""
         return [
             f"| {r['mode']} | {r.get('graphs', 'none')} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} |{per_gpu} "
-            f"{_ratio(r, bf16_s, 'tokens_per_s')} | {_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('peak_MiB'), 1)} | {tries} | {note} |"
+            f"{_ratio(r, bf16_s, 'tokens_per_s')} | {_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('model_tflops_per_gpu'), 0)} | "
+            f"{_mfu(r)} | {_fmt(r.get('peak_MiB'), 1)} | {tries} | {note} |"
         ]
 
     return _table(head, rows, lines_of, _mode_and_graphs)

@@ -357,7 +357,13 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
             n,
             n <= limits[mode],
             "" if n <= limits[mode] else "OOM",
-            {"tokens_per_s": 1000.0 * min(n, 4), "peak_MiB": 10.0 * n},
+            {
+                "tokens_per_s": 1000.0 * min(n, 4),
+                "peak_MiB": 10.0 * n,
+                "model_tflops_per_gpu": 0.5 * min(n, 4),  # as the try's train row gives them
+                "mfu_bf16": 0.5 * min(n, 4) / 989.0,
+                "mfu_fp8": 0.5 * min(n, 4) / 1979.0,
+            },
         )
 
     monkeypatch.setattr(job, "probe_fits", fake_probe_fits)
@@ -374,7 +380,11 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     if not TE:
         assert by["te-fp8-current"]["status"] == "skipped"
     md = (tmp_path / "tiny-search.md").read_text()
-    assert "| coat | none | 12 | 4000 | 1.00 | - | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
+    assert by["coat"]["model_tflops_per_gpu"] == 2.0 and by["coat"]["mfu_fp8"] == 2.0 / 1979.0
+    assert "| tokens/s there | vs BF16 | vs best TE | model TFLOP/s per GPU | MFU BF16 / FP8 | peak MiB there |" in md
+    assert (
+        "| coat | none | 12 | 4000 | 1.00 | - | 2 | 0.2% / 0.1% | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
+    )
     assert all(r["graphs"] == "none" for r in by.values())
     goal = next(
         r for r in rows if r["kind"] == "goal" and r["goal"] == "tokens/s at each mode's largest micro-batch vs BF16"
