@@ -22,19 +22,30 @@ PEAK_TFLOPS = {
 }
 
 
-def matmul_parameters(preset: Preset) -> int:
-    """N: the parameters of the whole model (every tensor-parallel shard) that take part in matmuls."""
-    h, layers = preset.hidden, preset.layers
+def layer_parameters(preset: Preset) -> int:
+    """The parameters of one transformer layer (every tensor-parallel shard), as counted in N."""
+    h = preset.hidden
     head_dim = h // preset.heads
     kv = (preset.kv_heads or preset.heads) * head_dim
     attention = h * (h + 2 * kv) + h * h  # QKV and the output projection
     mlp = 3 * h * preset.ffn  # SwiGLU: gate and up (fc1), down (fc2)
     norms = 2 * h
-    return layers * (attention + mlp + norms) + h + preset.vocab * h  # final norm, output layer
+    return attention + mlp + norms
+
+
+def matmul_parameters(preset: Preset) -> int:
+    """N: the parameters of the whole model (every tensor-parallel shard) that take part in matmuls."""
+    h = preset.hidden
+    return preset.layers * layer_parameters(preset) + h + preset.vocab * h  # final norm, output layer
 
 
 def flops_per_token(preset: Preset) -> float:
     return 6.0 * matmul_parameters(preset) + 12.0 * preset.layers * preset.hidden * preset.seq
+
+
+def layer_flops_per_token(preset: Preset) -> float:
+    """One transformer layer's share of the formula: 6 x its parameters + 12 x hidden x seq."""
+    return 6.0 * layer_parameters(preset) + 12.0 * preset.hidden * preset.seq
 
 
 def peaks(device_name: str) -> dict[str, float] | None:
@@ -49,6 +60,19 @@ def utilisation(preset: Preset, tokens_per_s_per_gpu: float, device_name: str) -
     """The row fields: model TFLOP/s per GPU and MFU against the BF16 and FP8 peaks (None where
     the GPU's peaks are unknown, e.g. on a CPU)."""
     tflops = tokens_per_s_per_gpu * flops_per_token(preset) / 1e12
+    peak = peaks(device_name)
+    return {
+        "model_tflops_per_gpu": tflops,
+        "mfu_bf16": tflops / peak["bf16"] if peak else None,
+        "mfu_fp8": tflops / peak["fp8"] if peak else None,
+    }
+
+
+def layer_utilisation(preset: Preset, ms: float, tp: int, device_name: str) -> dict:
+    """The layer-row fields: one layer's fwd+bwd of seq x micro-batch tokens in ``ms``, split over
+    ``tp`` GPUs, as model TFLOP/s per GPU and MFU (None where the GPU's peaks are unknown)."""
+    tokens_per_s_per_gpu = preset.seq * preset.micro_batch / (ms / 1e3) / tp
+    tflops = tokens_per_s_per_gpu * layer_flops_per_token(preset) / 1e12
     peak = peaks(device_name)
     return {
         "model_tflops_per_gpu": tflops,

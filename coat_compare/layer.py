@@ -24,6 +24,7 @@ import torch
 from . import parallel
 from .build import build_layer
 from .comm import AllGatherBytes, all_gather_fields
+from .flops import layer_utilisation
 from .memory import MIB, SavedTensors
 from .modes import Mode
 from .presets import Preset
@@ -98,7 +99,8 @@ def measure_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1) -> dict:
     else:
         result = _measure_cpu(run.forward, run.step, run.dy, [run.x, run.rope] + run.params)
     del run
-    return {**result, "tp": tp, **gathered}
+    flops = layer_utilisation(preset, result["ms"], tp, parallel.device_name())
+    return {**result, "tp": tp, **gathered, **flops}
 
 
 def _measure_cuda(forward, step, dy, inputs) -> dict:

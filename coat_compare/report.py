@@ -133,6 +133,8 @@ def layer_table(rows: list[dict]) -> list[str]:
         "vs BF16",
         "vs TE FP8 current",
         "vs best TE",
+        "model TFLOP/s per GPU",
+        "MFU BF16 / FP8",
         "activation MiB",
         "vs BF16",
         "vs best TE",
@@ -143,6 +145,7 @@ def layer_table(rows: list[dict]) -> list[str]:
     def lines_of(r):
         line = (
             f"| {r['mode']} | {r['spec']} | {_fmt(r['ms'])} | {_ratio(r, bf16_t, 'ms')} | {_ratio(r, current, 'ms')} | {_ratio(r, te_t, 'ms')} | "
+            f"{_fmt(r.get('model_tflops_per_gpu'), 0)} | {_mfu(r)} | "
             f"{_fmt(r['activation_MiB'], 1)} | {_ratio(r, bf16_m, 'activation_MiB')} | {_ratio(r, te_m, 'activation_MiB')} |"
         )
         return [line + (f" {_gathers(r, bf16_g)} |" if several else "")]

@@ -242,3 +242,30 @@ def test_an_out_of_memory_row_says_which_bytes_dominate():
     assert text.startswith("bf16 holds about 113 GiB between steps (18.0 B/param x 6.74 B params) of this GPU's 80 GiB")
     assert "the most in optimizer states (8.0 B/param)" in text and text.endswith("coat holds 8.2 B/param")
     assert "; coat holds" not in why_it_does_not_fit(MODES["coat"], 13_000_000_000, 80 * 2**30)  # already the leanest
+
+
+def test_model_flops_per_token_and_a_layers_share_of_them():
+    """6 x N + 12 x layers x hidden x seq per token (coat_compare.flops), worked by hand for
+    Llama-2-7B: a layer's N is QKV + output projection (4 h^2) + SwiGLU (3 h F) + two norms (2 h)."""
+    from coat_compare.flops import (
+        flops_per_token,
+        layer_flops_per_token,
+        layer_parameters,
+        layer_utilisation,
+        matmul_parameters,
+    )
+
+    llama = get_preset("llama2-7b")
+    per_layer = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    assert layer_parameters(llama) == per_layer == 202_383_360
+    assert matmul_parameters(llama) == 32 * per_layer + 4096 + 32000 * 4096  # + final norm, output layer
+    assert flops_per_token(llama) == 6.0 * matmul_parameters(llama) + 12.0 * 32 * 4096 * 2048
+    layer = get_preset("llama2-7b-layer")  # one layer, seq 2048 x micro-batch 4
+    assert layer_flops_per_token(layer) == 6.0 * per_layer + 12.0 * 4096 * 2048
+    # 8192 tokens' fwd+bwd in 10 ms on one H100: 819200 tokens/s x 1.315 GFLOP
+    u = layer_utilisation(layer, 10.0, 1, "NVIDIA H100 80GB HBM3")
+    assert u["model_tflops_per_gpu"] == pytest.approx(819200 * layer_flops_per_token(layer) / 1e12)
+    assert u["mfu_fp8"] == pytest.approx(u["model_tflops_per_gpu"] / 1979.0)
+    half = layer_utilisation(layer, 10.0, 2, "NVIDIA H200")  # the same layer split over 2 GPUs: half each
+    assert half["model_tflops_per_gpu"] == pytest.approx(u["model_tflops_per_gpu"] / 2)
+    assert layer_utilisation(layer, 10.0, 1, "CPU")["mfu_bf16"] is None  # no peak known

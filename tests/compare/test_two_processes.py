@@ -104,6 +104,9 @@ def test_tp2_one_layer_gathers(tmp_path):
     assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 3 * U}
     assert by["coat"]["activation_MiB"] < by["bf16"]["activation_MiB"]
     assert "SP all-gather MiB (FP8)" in (tmp_path / "tiny-layer.md").read_text()
+    for r in by.values():  # the layer's model FLOPs over its time, per GPU of the two (no peak known on a CPU)
+        assert r["model_tflops_per_gpu"] > 0 and r["mfu_bf16"] is None
+    assert "| model TFLOP/s per GPU | MFU BF16 / FP8 | activation MiB |" in (tmp_path / "tiny-layer.md").read_text()
 
 
 def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_batch(tmp_path, capsys):
