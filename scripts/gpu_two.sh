@@ -5,7 +5,8 @@
 #   bash scripts/gpu_two.sh "GPU_TESTS=1 acc1b coat" "spike7b"           # NAME=VALUE first: that part's environment
 #   SCRIPT=scripts/gpu_accuracy.sh bash scripts/gpu_two.sh "..." "..."  # another script's
 #
-# Part i runs with CUDA_VISIBLE_DEVICES=i and writes to $OUT/gpu<i>/. Each process has its own GPU,
+# Part i runs with CUDA_VISIBLE_DEVICES=i and writes to $OUT/gpu<i>/ (left as one <part>.tgz per
+# part, with its printout in $OUT/gpu<i>.txt). Each process has its own GPU,
 # but the two share the host: use it for accuracy runs and memory figures, and compare timings only
 # between rows of one part (its rows ran one after another on one GPU), never across the two parts.
 set -uo pipefail
@@ -27,4 +28,13 @@ for spec in "${specs[@]}"; do
   i=$((i + 1))
 done
 wait
+# What comes back from the device machine is counted in files: leave each part's results as one
+# archive (the part packs its folder as <part>.tgz; one that died before is packed here), so that
+# the loose files of one part cannot crowd out another's.
+shopt -s nullglob
+for dir in "$base"/gpu*/*/; do
+  dir=${dir%/}
+  [ -f "$dir.tgz" ] || tar czf "$dir.tgz" -C "$dir" .
+  rm -rf "$dir"
+done
 for i in 0 1; do echo "=== GPU $i: ${specs[$i]}"; cat "$base/gpu$i.txt"; done

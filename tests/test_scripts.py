@@ -41,6 +41,8 @@ def test_two_parts_run_at_once_one_per_gpu_each_with_its_own_environment(tmp_pat
     part = tmp_path / "part.sh"
     part.write_text(
         'echo "args=$* gpu=$CUDA_VISIBLE_DEVICES out=$OUT tests=${GPU_TESTS:-} installed=$COAT_GPU_INSTALLED"\n'
+        'mkdir -p "$OUT/$1" && echo row > "$OUT/$1/a.jsonl" && echo log > "$OUT/$1/a.log"\n'
+        '[ "$1" = spike7b ] || tar czf "$OUT/$1.tgz" -C "$OUT/$1" .\n'  # spike7b: a part that died unpacked
     )
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin",
@@ -57,6 +59,13 @@ def test_two_parts_run_at_once_one_per_gpu_each_with_its_own_environment(tmp_pat
     assert seen[0] == f"args=acc1b coat 7 gpu=0 out={tmp_path}/out/gpu0 tests=1 installed=1"
     assert seen[1] == f"args=spike7b gpu=1 out={tmp_path}/out/gpu1 tests= installed=1"
     assert (tmp_path / "installs").read_text() == "pip-install\n"
+    # each part's results come back as one archive (the device returns a limited number of files)
+    left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert left == ["gpu0.txt", "gpu0/acc1b.tgz", "gpu1.txt", "gpu1/spike7b.tgz"], left
+    listing = subprocess.run(
+        ["tar", "tzf", str(tmp_path / "out" / "gpu1" / "spike7b.tgz")], capture_output=True, text=True
+    )
+    assert {"./a.jsonl", "./a.log"} <= set(listing.stdout.split())
     assert "=== GPU 0: GPU_TESTS=1 acc1b coat 7" in proc.stdout and "=== GPU 1: spike7b" in proc.stdout
     (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: a"\n')
     proc = subprocess.run(["bash", str(script), "quick", "gc"], capture_output=True, text=True, env=env)
