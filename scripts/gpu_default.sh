@@ -51,13 +51,17 @@
 #                                              # before running: gpt-125m seeds 5-8 beside 1-4 (bf16, coat,
 #                                              # te-fp8-delayed), the verdict over all 8 whatever they show;
 #                                              # seeds 5,6 and 7,8 at once with gpu_two.sh, one round each
+#   bash scripts/gpu_default.sh pretrain       # --coat-fp8 through Megatron's own pretrain() (gpt-1b shape, 30
+#                                              # iterations of global batch 32 = 8 micro-batches, per-layer
+#                                              # graphs) against BF16, with the default (scripts/gpu_pretrain.sh;
+#                                              # one GPU) (~5 min)
 #   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
 #                                              # step 230 into $CKPT, PART 2 loads and finishes): where
 #                                              # graphed validation fails its test
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|acc1b MODE|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -125,6 +129,10 @@ case $part in
     else
       run 590 "acc1b-$mode-2" coat-compare "${common[@]}" --steps 460 --load "$ckpt" --out "$out" --name "gpt-1b-acc-$mode-2"
     fi ;;
+  pretrain)
+    run 560 pretrain env OUT="$out" GPUS=1 ITERS=30 GLOBAL_BATCH=32 GRAPHS=local PYTHON=python3 \
+      bash "$(dirname "$0")/gpu_pretrain.sh"
+    tail -12 "$out/pretrain.log" ;;
   min7b)
     run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
       --global-batch 16 --steps 5 --modes coat,coat-codes,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-mb4 --no-plots
@@ -141,6 +149,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

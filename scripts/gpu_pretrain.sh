@@ -12,6 +12,7 @@
 # plain torch + TE install; COAT accumulates into main_grad itself either way.)
 # Environment: OUT (default ./out: logs, --coat-report JSONs, comparison.md), SIZE (1b | tiny),
 # GPUS (processes; default: the visible GPUs, or 1), ITERS (default 50), PYTHON (default python),
+# GLOBAL_BATCH (sequences per iteration; default micro-batch x GPUS: more accumulates micro-batches),
 # GRAPHS (Megatron's --cuda-graph-impl for both runs: none (default), local, full_iteration).
 # Megatron prints the loss, iteration time and TFLOP/s every 5 iterations (--log-throughput) and
 # its memory report after the first 5. Both runs together take a few minutes on one H100.
@@ -43,7 +44,7 @@ COMMON=(
     "${MODEL[@]}" --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
     --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
     --transformer-impl "$IMPL" --use-distributed-optimizer --no-gradient-accumulation-fusion
-    --micro-batch-size "$MICRO_BATCH" --global-batch-size $((MICRO_BATCH * GPUS)) --train-iters "$ITERS"
+    --micro-batch-size "$MICRO_BATCH" --global-batch-size "${GLOBAL_BATCH:-$((MICRO_BATCH * GPUS))}" --train-iters "$ITERS"
     --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters $(( ITERS >= 20 ? ITERS / 10 : 1 )) --weight-decay 0.1 --clip-grad 1.0
     --adam-beta2 0.95 --seed 1234
     --mock-data --tokenizer-type NullTokenizer --num-workers 2

@@ -38,7 +38,8 @@ def test_layer_spec_example_trains(tmp_path):
 
 
 def test_gpu_pretrain_script_smoke_runs_tiny(tmp_path):
-    env = _cpu_env(SIZE="tiny", ITERS="5", OUT=str(tmp_path), PYTHON=sys.executable)
+    # GLOBAL_BATCH 4 at micro-batch 2: Megatron's loop accumulates 2 micro-batches per iteration
+    env = _cpu_env(SIZE="tiny", ITERS="5", GLOBAL_BATCH="4", OUT=str(tmp_path), PYTHON=sys.executable)
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_pretrain.sh")], capture_output=True, text=True, timeout=300, env=env
     )
@@ -46,6 +47,8 @@ def test_gpu_pretrain_script_smoke_runs_tiny(tmp_path):
     reports = {mode: json.loads((tmp_path / f"{mode}.json").read_text()) for mode in ("bf16", "coat")}
     assert reports["bf16"]["mode"] == "bf16" and reports["coat"]["mode"] == "coat"
     assert all(len(r["iterations"]) == 5 for r in reports.values())
-    assert "iteration        5/       5" in (tmp_path / "coat.log").read_text()
+    log = (tmp_path / "coat.log").read_text()
+    assert "iteration        5/       5" in log and re.search(r"global_batch_size \.+ 4\n", log)
+    assert re.search(r"micro_batch_size \.+ 2\n", log)
     table = (tmp_path / "comparison.md").read_text()
     assert table.startswith("| | BF16 | COAT | COAT / BF16 |") and "| optimizer states |" in table
