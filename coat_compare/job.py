@@ -45,7 +45,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -784,6 +784,8 @@ def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -
         row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
     if args.repeat is not None:
         row["repeat"] = args.repeat
+    if mode.family == "coat":  # the recipe itself: what a mode name meant when the row was written
+        row["coat_config"] = asdict(mode.coat_config())
     reason = why_not_here(preset, mode)
     if reason is None and graphs != "none" and not torch.cuda.is_available():
         reason = "CUDA graphs need a CUDA GPU"

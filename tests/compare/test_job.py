@@ -76,6 +76,16 @@ def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
         assert rows[mode]["status"] == "ok", rows[mode]
         assert rows[mode]["device"] == "CPU" and rows[mode]["memory_source"] == "saved-tensors"
         assert rows[mode]["gc"] == "manual"  # as Megatron's --manual-gc: no collection at random inside a step
+    # each COAT row names its recipe: the mode names' meaning has changed as the default did
+    recipes = {m: rows[m]["coat_config"] for m in ("coat", "coat-codes", "coat-cached", "coat-fp32")}
+    assert [(r["cache_weight"], r["cache_weight_transpose"]) for r in recipes.values()] == [
+        (False, False),
+        (True, False),
+        (True, True),
+        (True, True),
+    ]
+    assert recipes["coat"]["master_weights"] == "split" and recipes["coat"]["grad_buffers"] == "bf16"
+    assert recipes["coat-fp32"]["master_weights"] == "fp32" and "coat_config" not in rows["bf16"]
     if not TE:
         for mode in ("te-fp8-delayed", "te-fp8-current", "te-fp8-block", "te-fp8-store", "te-fp8-pa"):
             assert rows[mode]["status"] == "skipped"
