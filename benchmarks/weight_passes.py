@@ -23,12 +23,12 @@ configuration's share of it: what the default gives up for its bytes, before any
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 
 from coat_compare.presets import Preset, get_preset
+from coat_compare.report import write_markdown_and_rows
 
 
 def linear_shapes(preset: Preset) -> list[tuple[str, int, int]]:
@@ -119,15 +119,9 @@ def main(argv=None) -> int:
         share = f" {100 * t['per_micro_batch_ms'] / args.step_ms:.1f}% |" if args.step_ms else ""
         lines.append(f"| {recipe} | {t['per_micro_batch_ms']:.2f} | {t['per_step_ms']:.2f} |{share}")
     text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"weight_passes-{preset.name}.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, f"weight_passes-{preset.name}.jsonl"), "w") as f:
-        for s in per_shape:
-            f.write(json.dumps({"kind": "weight", "preset": preset.name, "device": gpu, **s}) + "\n")
-        for recipe, t in totals.items():
-            f.write(json.dumps({"kind": "recipe", "preset": preset.name, "device": gpu, "recipe": recipe, **t}) + "\n")
+    rows = [{"kind": "weight", "preset": preset.name, "device": gpu, **s} for s in per_shape]
+    rows += [{"kind": "recipe", "preset": preset.name, "device": gpu, "recipe": r, **t} for r, t in totals.items()]
+    write_markdown_and_rows(args.out, f"weight_passes-{preset.name}", text, rows)
     return 0
 
 

@@ -56,10 +56,11 @@ def peaks(device_name: str) -> dict[str, float] | None:
     return None
 
 
-def utilisation(preset: Preset, tokens_per_s_per_gpu: float, device_name: str) -> dict:
-    """The row fields: model TFLOP/s per GPU and MFU against the BF16 and FP8 peaks (None where
-    the GPU's peaks are unknown, e.g. on a CPU)."""
-    tflops = tokens_per_s_per_gpu * flops_per_token(preset) / 1e12
+def utilisation(preset: Preset, tokens_per_s_per_gpu: float, device_name: str, per_token: float | None = None) -> dict:
+    """The row fields: model TFLOP/s per GPU (``per_token`` FLOPs a token, the whole model's by
+    default) and MFU against the BF16 and FP8 peaks (None where the GPU's peaks are unknown, e.g.
+    on a CPU)."""
+    tflops = tokens_per_s_per_gpu * (flops_per_token(preset) if per_token is None else per_token) / 1e12
     peak = peaks(device_name)
     return {
         "model_tflops_per_gpu": tflops,
@@ -70,12 +71,6 @@ def utilisation(preset: Preset, tokens_per_s_per_gpu: float, device_name: str) -
 
 def layer_utilisation(preset: Preset, ms: float, tp: int, device_name: str) -> dict:
     """The layer-row fields: one layer's fwd+bwd of seq x micro-batch tokens in ``ms``, split over
-    ``tp`` GPUs, as model TFLOP/s per GPU and MFU (None where the GPU's peaks are unknown)."""
+    ``tp`` GPUs, as ``utilisation`` gives them with one layer's FLOPs a token."""
     tokens_per_s_per_gpu = preset.seq * preset.micro_batch / (ms / 1e3) / tp
-    tflops = tokens_per_s_per_gpu * layer_flops_per_token(preset) / 1e12
-    peak = peaks(device_name)
-    return {
-        "model_tflops_per_gpu": tflops,
-        "mfu_bf16": tflops / peak["bf16"] if peak else None,
-        "mfu_fp8": tflops / peak["fp8"] if peak else None,
-    }
+    return utilisation(preset, tokens_per_s_per_gpu, device_name, layer_flops_per_token(preset))
