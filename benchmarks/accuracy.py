@@ -139,6 +139,15 @@ def read_runs(directory: str, seed: int, steps: int) -> dict[str, dict]:
     return runs
 
 
+def finished_runs(args, seed: int) -> dict[str, dict]:
+    """The finished rows of ``seed``: those in ``--rows`` folders (earlier sessions' results, in
+    the order given), then ``--out``'s, which win where a key is in both."""
+    runs = {}
+    for directory in [*args.rows, args.out]:
+        runs.update(read_runs(os.path.join(directory, f"seed{seed}"), seed, args.steps))
+    return runs
+
+
 def coat_compare(args, seed: int, names: list[str], dp: int, order: int, run: int = 1) -> float:
     """One coat-compare job: ``names`` at DP ``dp`` in data order ``order``, the ``run``-th time;
     returns its seconds."""
@@ -225,9 +234,7 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     """Run the (seed, key) pairs that have no finished row, at most ``args.max_runs`` of them (in
     seed order, then --modes order), one coat-compare job per seed, DP size, data order and run.
     Returns the pairs still missing afterwards."""
-    missing = [
-        (s, k) for s in seeds for k in keys if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)
-    ]
+    missing = [(s, k) for s in seeds for k in keys if k not in finished_runs(args, s)]
     chosen = missing if args.max_runs is None else missing[: args.max_runs]
     jobs: dict[tuple[int, int, int, int, str], list[str]] = {}
     for seed, key in chosen:
@@ -245,7 +252,7 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     else:
         for (seed, dp, order, run, _), names in jobs.items():
             coat_compare(args, seed, names, dp, order, run)
-    still = [(s, k) for s, k in missing if k not in read_runs(os.path.join(args.out, f"seed{s}"), s, args.steps)]
+    still = [(s, k) for s, k in missing if k not in finished_runs(args, s)]
     failed = [p for p in chosen if p in still]
     if failed:
         raise SystemExit(
@@ -555,6 +562,14 @@ def parse_args(argv=None):
         "between launches, which another run's kernels fill; each run's numbers do not depend on it)",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument(
+        "--rows",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="also read finished rows from DIR/seedN (repeatable): runs an earlier session committed elsewhere "
+        "join this report without copies; rows in --out win where both have one",
+    )
     args = p.parse_args(argv)
     keys = [m.strip() for m in args.modes.split(",")]
     if keys[0] != "bf16" or "coat" not in keys:
@@ -580,9 +595,7 @@ def main(argv=None) -> int:
         )
         return MORE_RUNS_LEFT
 
-    runs = {
-        seed: {k: read_runs(os.path.join(args.out, f"seed{seed}"), seed, args.steps)[k] for k in keys} for seed in seeds
-    }
+    runs = {seed: {k: finished_runs(args, seed)[k] for k in keys} for seed in seeds}
     rows = check_same_data(runs, args.out)
     others = keys[1:]
     noise = next((k for k in others if parse_key(k)[0] == "bf16"), None)
@@ -655,6 +668,7 @@ def main(argv=None) -> int:
             command += f" --{name.replace('_', '-')} {getattr(args, name)}"
     if args.eval_every is not None:
         command += f" --eval-every {args.eval_every}"
+    command += "".join(f" --rows {d}" for d in args.rows)
     lines = [
         f"# BF16 vs COAT validation loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}",
         "",
