@@ -150,6 +150,17 @@ def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for
     assert summary[2]["kind"] == "verdict" and summary[2]["noise_floor"] == "bf16@run2"
     assert "bf16@run2: BF16 run again with the same seed, batches and code" in (tmp_path / "accuracy.md").read_text()
 
+    # --rows: runs another session left elsewhere join a report without copies, and nothing trains again
+    earlier = tmp_path / "earlier" / "seed1"
+    earlier.mkdir(parents=True)
+    os.replace(tmp_path / "seed1" / "tiny-bf16-run2.jsonl", earlier / "tiny-bf16-run2.jsonl")
+    report = tmp_path / "report"
+    joined = accuracy(report, "--modes", "bf16,coat,bf16@run2", "--rows", str(tmp_path), "--rows", str(tmp_path / "earlier"))
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    assert not (report / "seed1").exists()  # nothing ran
+    assert [json.loads(line) for line in (report / "accuracy.jsonl").read_text().splitlines()] == summary
+    assert f"--rows {tmp_path} --rows {tmp_path / 'earlier'}`" in (report / "accuracy.md").read_text()
+
 
 def test_mode_keys_name_the_dp_size_data_order_and_run():
     script = load_script()
