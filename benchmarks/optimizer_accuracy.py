@@ -101,7 +101,9 @@ class PerTensorFp8AdamW(torch.optim.AdamW):
                         state[f"{key}.fp8"] = quantize_per_tensor(state.pop(key), "e4m3")
 
 
-def train(model, optimizer, data, val, steps, args, capture_at=(), seed=0):
+def train(model, optimizer, data, val, steps, args, capture_at=(), seed=0, after_step=None):
+    """``after_step(step, model, optimizer)``: called after each optimizer step, the gradients still
+    in ``p.grad``."""
     g = torch.Generator().manual_seed(seed)
     schedule = lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
@@ -112,6 +114,8 @@ def train(model, optimizer, data, val, steps, args, capture_at=(), seed=0):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if after_step is not None:
+            after_step(step, model, optimizer)
         scheduler.step()
         losses.append(loss.item())
         if step in capture_at:

@@ -155,7 +155,9 @@ def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for
     earlier.mkdir(parents=True)
     os.replace(tmp_path / "seed1" / "tiny-bf16-run2.jsonl", earlier / "tiny-bf16-run2.jsonl")
     report = tmp_path / "report"
-    joined = accuracy(report, "--modes", "bf16,coat,bf16@run2", "--rows", str(tmp_path), "--rows", str(tmp_path / "earlier"))
+    joined = accuracy(
+        report, "--modes", "bf16,coat,bf16@run2", "--rows", str(tmp_path), "--rows", str(tmp_path / "earlier")
+    )
     assert joined.returncode == 0, joined.stderr[-3000:]
     assert not (report / "seed1").exists()  # nothing ran
     assert [json.loads(line) for line in (report / "accuracy.jsonl").read_text().splitlines()] == summary
