@@ -65,6 +65,11 @@ MORE_RUNS_LEFT = 75  # exit status when --max-runs left runs to do (EX_TEMPFAIL:
 LEGEND = {
     "coat-act": "coat-act: the COAT layer spec with Megatron's Adam (FP32 states).",
     "coat-opt": "coat-opt: the BF16 layer spec with COAT's FP8 AdamW.",
+    "coat-opt-states": (
+        "coat-opt-states: the BF16 layer spec with COAT's FP8 AdamW, an FP32 master copy and FP32 gradient buffers: "
+        "the FP8 states alone."
+    ),
+    "bf16-grads": "bf16-grads: BF16 with BF16 gradient buffers (Megatron's Adam): the BF16 gradient sum alone.",
     "bf16@dp2": (
         "bf16@dp2: BF16 at DP 2 with the same global batch (two processes): the same math and data, only the order "
         "of the gradient reduction differs: a noise floor."
@@ -534,7 +539,7 @@ def parse_args(argv=None):
         "--modes",
         default="bf16,coat,bf16@data2",
         help="bf16 first (the reference), then coat and any ablations (coat-act: COAT layers, FP32 Adam; coat-opt: BF16 "
-        "layers, COAT's AdamW) and noise floors (bf16@data2: another data order; bf16@dp2: BF16 at DP 2, the same "
+        "layers, COAT's AdamW; coat-opt-states: its FP8 states alone; bf16-grads: BF16 gradient buffers alone) and noise floors (bf16@data2: another data order; bf16@dp2: BF16 at DP 2, the same "
         "global batch, another reduction order; bf16@run2: the same run again); the first bf16 variant listed is the "
         "verdict's noise floor",
     )

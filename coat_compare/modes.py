@@ -33,6 +33,10 @@ coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 stat
                    FP32 gradient buffers)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
                    master weights and gradient buffers)
+coat-opt-states    ablation: coat-opt with an FP32 master copy and FP32 gradient buffers: the
+                   FP8 Adam states alone
+bf16-grads         ablation: bf16 with BF16 gradient buffers (Megatron's Adam, FP32 states and
+                   masters): the BF16 sum of micro-batch gradients alone
 =================  ===========================================================================
 
 Every mode trains with the same TransformerConfig shape, data, seed, optimizer hyper-parameters
@@ -97,8 +101,9 @@ class Mode:
     @property
     def grad_fp32(self) -> bool:
         """DDP's ``grad_reduce_in_fp32``: the mode's CoatConfig decides where COAT's optimizer or
-        layers run; every other mode keeps Megatron's FP32 gradient buffers."""
-        if self.coat_optimizer or self.spec == "coat":
+        layers run, or where the mode names its gradient buffers (bf16-grads); every other mode
+        keeps Megatron's FP32 gradient buffers."""
+        if self.coat_optimizer or self.spec == "coat" or self.grad_buffers is not None:
             return self.coat_config().ddp_grad_reduce_in_fp32
         return True
 
@@ -139,6 +144,8 @@ MODES: dict[str, Mode] = {
         Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
         Mode("coat-act", "coat", "coat"),
         Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
+        Mode("coat-opt-states", "best-bf16", "coat", coat_optimizer=True, master_weights="fp32", grad_buffers="fp32"),
+        Mode("bf16-grads", "best-bf16", "coat", grad_buffers="bf16"),
     ]
 }
 ALIASES = {"te-fp8": "te-fp8-current", "coat-mem": "coat", "coat-min": "coat"}
@@ -148,8 +155,9 @@ RETIRED = {
     "(BF16 gradient buffers) or coat-fp32-grads (the former coat-lean: FP32 gradient buffers)",
 }
 # What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
-# Not in "all": for one layer coat-act is coat and coat-opt is bf16.
-ABLATIONS = ("coat-act", "coat-opt")
+# Not in "all": for one layer coat-act is coat and the others are bf16. coat-opt's parts: its FP8
+# states (coat-opt-states), its BF16 gradient sum (bf16-grads) and its split masters (the rest).
+ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")
 DEFAULT_MODES = [
     "bf16",
     "te-fp8-delayed",

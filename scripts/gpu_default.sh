@@ -32,36 +32,42 @@
 #                                              # (COAT_COMPARE_GC=auto) (~3 min)
 #   bash scripts/gpu_two.sh "PART" "PART"      # on a two-GPU machine: two parts at once, one per GPU
 #
-# Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh speed7b        # H200: the quantization kernels against a device copy (with the
 #                                              # tile sweep: the byte transpose of W^T);
 #                                              # Llama-2-7B micro-batch 1, coat, coat-codes and coat-cached with
 #                                              # per-layer graphs (the default vs the fastest COAT) (~6 min)
-#   bash scripts/gpu_default.sh llama13b       # again with the default and 13B's 100-step warm-up floor
 #   bash scripts/gpu_default.sh acc1b MODE [SEED [RUN]]  # gpt-1b, 460 steps at global batch 32 (30.1M tokens,
 #                                              # 8 micro-batches of 4), per-layer CUDA graphs, validation every 46
-#                                              # steps on 256 held-out windows; MODE = bf16, coat or the fastest TE
-#                                              # recipe (te-fp8-delayed) (~7-8 min each on an H100); SEED (default
-#                                              # 1234, the one run on 2026-11-25); RUN 2: the same run again
-#                                              # (--repeat 2; accuracy.py's MODE@run2, the noise floor of one
-#                                              # paired gap). Next: seeds 2 and 3 of bf16 and coat, and bf16 1234
-#                                              # RUN 2, two at once with gpu_two.sh (3 commands on nvidia-h100-x2);
+#                                              # steps on 256 held-out windows; MODE = bf16, coat, the fastest TE
+#                                              # recipe (te-fp8-delayed) or an ablation (~6-8 min each); SEED
+#                                              # (default 1234); RUN 2: the same run again (--repeat 2;
+#                                              # accuracy.py's MODE@run2, the noise floor of one paired gap);
 #                                              # GPU_TESTS=1: the gputests part beside it
+#   bash scripts/gpu_default.sh pretrain       # --coat-fp8 through Megatron's own pretrain() (gpt-1b shape, 30
+#                                              # iterations of global batch 32 = 8 micro-batches, per-layer
+#                                              # graphs) against BF16, with the default (scripts/gpu_pretrain.sh;
+#                                              # one GPU) (~2 min)
+#
+# Still to run (each part one command; one mode per command where a run is long):
+#   bash scripts/gpu_default.sh batches        # no GPU work, but the corpus of the GPU machine's packages (after
+#                                              # staging): the bytes of the batches the 7B and 13B start-up spikes
+#                                              # fall on, beside the committed losses (benchmarks/spike_batches.py;
+#                                              # goal (e): the text or the training?) (~1 min)
+#   bash scripts/gpu_two.sh "acc1b coat-opt-states 2" "acc1b bf16-grads 2"  # coat-opt's parts alone at seed 2
+#                                              # (coat-opt +3.96%: its FP8 states, or its BF16 gradient sum?)
+#   bash scripts/gpu_two.sh "acc1b bf16 3" "acc1b coat 3"   # goal (b)'s third seed (then 4, 5, and bf16 2 2:
+#                                              # the same-seed noise floor at seed 2)
 #   SEEDS=5,6 STEPS=1000 JOBS=6 TIME_LIMIT=150 bash scripts/gpu_default.sh accuracy  # goal (a), declared
 #                                              # before running: gpt-125m seeds 5-8 beside 1-4 (bf16, coat,
 #                                              # te-fp8-delayed), the verdict over all 8 whatever they show;
 #                                              # seeds 5,6 and 7,8 at once with gpu_two.sh, one round each
-#   bash scripts/gpu_default.sh pretrain       # --coat-fp8 through Megatron's own pretrain() (gpt-1b shape, 30
-#                                              # iterations of global batch 32 = 8 micro-batches, per-layer
-#                                              # graphs) against BF16, with the default (scripts/gpu_pretrain.sh;
-#                                              # one GPU) (~5 min)
 #   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
 #                                              # step 230 into $CKPT, PART 2 loads and finishes): where
 #                                              # graphed validation fails its test
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -133,6 +139,14 @@ case $part in
     run 560 pretrain env OUT="$out" GPUS=1 ITERS=30 GLOBAL_BATCH=32 GRAPHS=local PYTHON=python3 \
       bash "$(dirname "$0")/gpu_pretrain.sh"
     tail -12 "$out/pretrain.log" ;;
+  batches)
+    # goal (e): are the start-up spikes on strange batches? (the runs' seed 1234, global batch 4)
+    R=benchmarks/results
+    run 300 batches13b python3 benchmarks/spike_batches.py --preset llama2-13b --global-batch 4 --steps 40 \
+      --rows $R/default-h200/llama2-13b-mb2.jsonl $R/default-h200x2/llama13b/llama2-13b-mb2.jsonl --out "$out/13b"
+    run 300 batches7b python3 benchmarks/spike_batches.py --preset llama2-7b --global-batch 4 --steps 40 \
+      --rows $R/default-h200/acc7b/seed1234/*.jsonl $R/default-h100x2/spike7b/*.jsonl --out "$out/7b"
+    grep -A12 "^Pearson" "$out/13b/spike_batches.md" "$out/7b/spike_batches.md" ;;
   min7b)
     run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
       --global-batch 16 --steps 5 --modes coat,coat-codes,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-mb4 --no-plots
@@ -149,6 +163,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

@@ -272,6 +272,26 @@ def test_global_batch_accumulates_micro_batches_like_one_large_one(tmp_path):
     )
 
 
+def test_the_ablations_of_coat_opt_s_parts_train_and_hold_the_bytes_they_name(tmp_path):
+    """coat-opt = FP8 states + split masters + BF16 gradient buffers; coat-opt-states keeps the
+    first alone, bf16-grads the last, so an accuracy run can tell which part costs what."""
+    modes = "bf16,bf16-grads,coat-opt,coat-opt-states"
+    common = ["--preset", "tiny", "--modes", modes, "--steps", "4", "--micro-batch", "2", "--global-batch", "4"]
+    run_job(*common, "--no-plots", "--out", str(tmp_path))
+    rows = {r["mode"]: r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"}
+    assert list(rows) == modes.split(",") and all(r["status"] == "ok" for r in rows.values())
+    bf16, grads, opt, states = (rows[m] for m in modes.split(","))
+    assert grads["grads_MiB"] == pytest.approx(bf16["grads_MiB"] / 2, rel=0.01)  # BF16 buffers
+    assert (grads["master_weights_MiB"], grads["states_MiB"]) == (bf16["master_weights_MiB"], bf16["states_MiB"])
+    assert states["grads_MiB"] == pytest.approx(bf16["grads_MiB"], rel=0.01)  # FP32 buffers
+    assert states["master_weights_MiB"] == pytest.approx(bf16["master_weights_MiB"], rel=0.01)  # FP32 masters
+    assert states["states_MiB"] == opt["states_MiB"] < bf16["states_MiB"] / 3  # FP8 states
+    assert opt["master_weights_MiB"] == pytest.approx(bf16["master_weights_MiB"] / 2, rel=0.01)  # int16 low words
+    for row in (grads, opt, states):  # BF16's layers: the first loss bit for bit, then close
+        assert row["losses"][0] == bf16["losses"][0]
+        assert row["losses"] == pytest.approx(bf16["losses"], rel=0.01)
+
+
 def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
     run_job(
         "--preset",

@@ -19,7 +19,12 @@ from coat_megatron.optional import transformer_engine_available
 def test_parse_modes():
     assert [m.name for m in parse_modes("bf16, te-fp8 ,coat,te-fp8-current")] == ["bf16", "te-fp8-current", "coat"]
     assert [m.name for m in parse_modes("all")] == [n for n in MODES if n not in ABLATIONS]
-    assert [m.name for m in parse_modes("coat-act,coat-opt")] == list(ABLATIONS)
+    assert [m.name for m in parse_modes("coat-act,coat-opt,coat-opt-states,bf16-grads")] == list(ABLATIONS)
+    # coat-opt's parts, each alone: FP8 states (FP32 masters and gradient buffers); BF16 gradient buffers
+    states, grads = MODES["coat-opt-states"], MODES["bf16-grads"]
+    assert states.coat_optimizer and states.grad_fp32 and states.coat_config().master_weights == "fp32"
+    assert states.resolved_spec() == MODES["bf16"].resolved_spec() == grads.resolved_spec()
+    assert not grads.coat_optimizer and not grads.grad_fp32 and MODES["bf16"].grad_fp32
     assert all(name in MODES for name in DEFAULT_MODES)
     with pytest.raises(ValueError, match="unknown mode 'fp8'; choose from bf16, bf16-local"):
         parse_modes("bf16,fp8")
