@@ -421,3 +421,46 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     )
     assert (goal["measured"], goal["met"], goal["missed_by"]) == (1.0, False, "33.3% below the target")
     assert not (tmp_path / "tiny-search.partial.jsonl").exists()  # the report replaced the rows kept as they came
+
+
+GRAD_NORMS = """
+import contextlib, json
+from dataclasses import replace
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from coat_compare import parallel
+from coat_compare.build import build_gpt
+from coat_compare.modes import MODES
+from coat_compare.presets import get_preset
+from coat_compare.train import set_learning_rate, token_loss_totals, training_windows
+with contextlib.ExitStack() as stack:
+    parallel.initialize(1, 1, stack)
+    preset = replace(get_preset("tiny"), micro_batch=2, global_batch=8, steps=3)
+    data, norms = training_windows(preset, 1234), {}
+    for name in ("bf16", "bf16-grads", "coat-opt-states", "coat-opt"):
+        parallel.seed_everything(1234)
+        model, optimizer = build_gpt(preset, MODES[name], 1234)
+        norms[name] = []
+        for step in range(3):
+            whole = data.batch(step)
+            batches = [{k: v[i * 2 : (i + 1) * 2] for k, v in whole.items()} for i in range(4)]
+            set_learning_rate(optimizer, preset, step)
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            token_loss_totals(get_forward_backward_func(), model, batches, preset, forward_only=False)
+            norms[name].append(float(optimizer.step()[1]))
+print(json.dumps(norms))
+"""
+
+
+def test_clipping_sees_the_same_gradient_norm_in_every_optimizer_path():
+    """Gradient clipping scales each step by 1 / max(1, ||g||): were COAT's optimizer to measure
+    another norm (BF16 buffers read in place, split masters), its steps would be longer or shorter
+    than Megatron's Adam's on the same gradients. Same weights, batches (4 micro-batches per step)
+    and layers: the norms agree to the BF16 rounding of the summed gradients."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", GRAD_NORMS], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    norms = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert norms["bf16"][0] > 1  # clipping is at work in these steps
+    for name in ("bf16-grads", "coat-opt-states", "coat-opt"):
+        assert norms[name] == pytest.approx(norms["bf16"], rel=1e-3), name
