@@ -43,7 +43,8 @@ class Preset:
         that is longer than the run. At 7B a 20-step warm-up left the loss above ln(vocab) after
         step 10 in COAT and BF16 (12.2, 11.2; TE FP8 9.7); 50 and 100 steps kept COAT's under
         (8.85, 8.59: benchmarks/results/default-h100x2/spike7b). 13B, which spiked higher (14.5 after a
-        15-step warm-up), takes the longer one.
+        20-step warm-up), takes the longer one, which did not keep it under: 15.41 at step 12
+        (benchmarks/results/default-h200x2/llama13b).
     needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """
 
