@@ -236,7 +236,7 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
         weight_decay=WEIGHT_DECAY,
         adam_beta1=0.9,
         adam_beta2=0.95,
-        adam_eps=1e-8,
+        adam_eps=preset.adam_eps,
         clip_grad=1.0,
         bf16=True,
         params_dtype=torch.bfloat16,

@@ -108,6 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="linear learning-rate warm-up over N steps (default: 10%% of --steps, at least the preset's minimum: "
         "20 steps; tiny 10, llama2-7b 50, llama2-13b 100)",
     )
+    p.add_argument(
+        "--adam-eps",
+        type=float,
+        metavar="EPS",
+        help="Adam's epsilon for every mode (default 1e-8, Megatron's; Llama 2 was trained with 1e-5)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
     p.add_argument(
         "--repeat",
@@ -228,6 +234,7 @@ def preset_of(args) -> Preset:
         "global_batch",
         "seq",
         "lr_warmup_steps",
+        "adam_eps",
         "corpus",
         "corpus_bytes",
         "eval_every",
@@ -276,6 +283,8 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+    if args.adam_eps is not None and not args.adam_eps > 0:
+        raise ValueError(f"--adam-eps {args.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
     for name in ("search_time_limit", "fit_memory"):
         value = getattr(args, name)
         if value is not None and not value > 0:

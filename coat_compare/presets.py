@@ -45,6 +45,8 @@ class Preset:
         (8.85, 8.59: benchmarks/results/default-h100x2/spike7b). 13B, which spiked higher (14.5 after a
         20-step warm-up), takes the longer one, which did not keep it under: 15.41 at step 12
         (benchmarks/results/default-h200x2/llama13b).
+    adam_eps: Adam's epsilon, every mode's (Megatron's default 1e-8; Llama 2 was trained with 1e-5,
+        which damps the steps of weights whose gradients are below it: ``--adam-eps``).
     needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """
 
@@ -64,6 +66,7 @@ class Preset:
     lr: float = 3e-4
     lr_warmup_steps: int | None = None
     lr_warmup_min_steps: int = 20
+    adam_eps: float = 1e-8
     corpus: str = "packages"
     corpus_bytes: int | None = None
     eval_every: int = 0
@@ -100,7 +103,7 @@ class Preset:
 
     def with_overrides(self, **overrides) -> "Preset":
         """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``,
-        ``--global-batch``, ``--seq``, ``--lr-warmup-steps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
+        ``--global-batch``, ``--seq``, ``--lr-warmup-steps``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
         ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 

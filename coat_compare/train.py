@@ -216,6 +216,7 @@ def train(
         "vocab": preset.vocab,
         "lr": preset.lr,
         "lr_warmup_steps": lr_warmup_steps(preset),
+        "adam_eps": preset.adam_eps,
         "losses": losses,
         "data_seed": data_seed,
         **corpus.identity(),
