@@ -53,6 +53,10 @@
 #                                              # staging): the bytes of the batches the 7B and 13B start-up spikes
 #                                              # fall on, beside the committed losses (benchmarks/spike_batches.py;
 #                                              # goal (e): the text or the training?) (~1 min)
+#   bash scripts/gpu_default.sh spike13b       # H200: Llama-2-13B default coat, 30 steps of the llama13b run's
+#                                              # batches and schedule (micro-batch 2, global batch 4, warm-up 100)
+#                                              # with Adam's epsilon at Llama 2's 1e-5 instead of 1e-8: does the
+#                                              # step-8 and step-12 spike go? (~3 min)
 #   bash scripts/gpu_two.sh "acc1b coat-opt-states 2" "acc1b bf16-grads 2"  # coat-opt's parts alone at seed 2
 #                                              # (coat-opt +3.96%: its FP8 states, or its BF16 gradient sum?)
 #   bash scripts/gpu_two.sh "acc1b bf16 3" "acc1b coat 3"   # goal (b)'s third seed (then 4, 5, and bf16 2 2:
@@ -67,7 +71,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -147,6 +151,10 @@ case $part in
     run 300 batches7b python3 benchmarks/spike_batches.py --preset llama2-7b --global-batch 4 --steps 40 \
       --rows $R/default-h200/acc7b/seed1234/*.jsonl $R/default-h100x2/spike7b/*.jsonl --out "$out/7b"
     grep -A12 "^Pearson" "$out/13b/spike_batches.md" "$out/7b/spike_batches.md" ;;
+  spike13b)
+    run 300 spike13b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-13b --micro-batch 2 \
+      --global-batch 4 --steps 30 --adam-eps 1e-5 --modes coat --out "$out" --name llama2-13b-eps1e-5 --no-plots
+    grep -E "^\| training loss below" "$out/llama2-13b-eps1e-5.md" | cut -c1-200 ;;
   min7b)
     run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
       --global-batch 16 --steps 5 --modes coat,coat-codes,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-mb4 --no-plots
@@ -163,6 +171,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
