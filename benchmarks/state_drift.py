@@ -40,9 +40,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from optimizer_accuracy import GPT, docstring_corpus, train, update_direction  # noqa: E402
+from optimizer_accuracy import GPT, bf16, docstring_corpus, per_tensor, train, update_direction  # noqa: E402
 
-from coat_kernels import dequantize_per_tensor, quantize_per_tensor  # noqa: E402
 from coat_kernels.expanded import (  # noqa: E402
     dequantize_expanded_groups_reference,
     quantize_expanded_groups_reference,
@@ -82,18 +81,17 @@ def expanded(fmt: str = "e4m3", stochastic: bool = False):
     return apply
 
 
-def per_tensor(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    q, s = quantize_per_tensor(x.contiguous(), "e4m3")
-    return dequantize_per_tensor(q, s, torch.float32)
-
-
-def bf16(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    return x.bfloat16().float()
+def deterministic(fmt):
+    """One of optimizer_accuracy.py's state formats (rounding to nearest), with this file's signature."""
+    return lambda x, g: fmt(x.contiguous())
 
 
 CANDIDATES = {  # name: (m's format, v's format)
-    "BF16 / BF16": (bf16, bf16),
-    "per-tensor E4M3 / E4M3, nearest (Megatron precision-aware FP8)": (per_tensor, per_tensor),
+    "BF16 / BF16": (deterministic(bf16), deterministic(bf16)),
+    "per-tensor E4M3 / E4M3, nearest (Megatron precision-aware FP8)": (
+        deterministic(per_tensor),
+        deterministic(per_tensor),
+    ),
     "COAT default: 1x128 E4M3 + expansion, nearest": (expanded(), expanded()),
     "COAT, v E5M2 + expansion, nearest": (expanded(), expanded("e5m2")),
     "COAT, stochastic rounding of v": (expanded(), expanded(stochastic=True)),
