@@ -6,7 +6,9 @@
 #   SCRIPT=scripts/gpu_accuracy.sh bash scripts/gpu_two.sh "..." "..."  # another script's
 #
 # Part i runs with CUDA_VISIBLE_DEVICES=i and writes to $OUT/gpu<i>/ (left as one <part>.tgz per
-# part, with its printout in $OUT/gpu<i>.txt). Each process has its own GPU,
+# part, with its printout in $OUT/gpu<i>.txt). A part still running after $LIMIT seconds (default
+# 540) is stopped, so that the packing below runs inside the device's 10-minute command limit and
+# what the part wrote still comes back. Each process has its own GPU,
 # but the two share the host: use it for accuracy runs and memory figures, and compare timings only
 # between rows of one part (its rows ran one after another on one GPU), never across the two parts.
 set -uo pipefail
@@ -24,7 +26,11 @@ for spec in "${specs[@]}"; do
   read -ra words <<<"$spec"
   envs=()  # leading NAME=VALUE words set that part's environment only
   while [ ${#words[@]} -gt 0 ] && [[ ${words[0]} == *=* ]]; do envs+=("${words[0]}"); words=("${words[@]:1}"); done
-  env CUDA_VISIBLE_DEVICES=$i OUT="$base/gpu$i" "${envs[@]}" bash "$script" "${words[@]}" >"$base/gpu$i.txt" 2>&1 &
+  (
+    timeout -k 5 "${LIMIT:-540}" env CUDA_VISIBLE_DEVICES=$i OUT="$base/gpu$i" "${envs[@]}" bash "$script" "${words[@]}"
+    rc=$?
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "stopped after ${LIMIT:-540} s (LIMIT): what it wrote is packed"; fi
+  ) >"$base/gpu$i.txt" 2>&1 &
   i=$((i + 1))
 done
 wait

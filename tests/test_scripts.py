@@ -67,6 +67,19 @@ def test_two_parts_run_at_once_one_per_gpu_each_with_its_own_environment(tmp_pat
     )
     assert {"./a.jsonl", "./a.log"} <= set(listing.stdout.split())
     assert "=== GPU 0: GPU_TESTS=1 acc1b coat 7" in proc.stdout and "=== GPU 1: spike7b" in proc.stdout
+    # a part past LIMIT is stopped, and what it wrote is packed all the same
+    (tmp_path / "out").rename(tmp_path / "first")
+    (tmp_path / "slow.sh").write_text('mkdir -p "$OUT/$1" && echo row > "$OUT/$1/a.jsonl"\nexec sleep 30\n')
+    proc = subprocess.run(
+        ["bash", str(script), "slow", "quick"],
+        capture_output=True,
+        text=True,
+        env={**env, "SCRIPT": str(tmp_path / "slow.sh"), "LIMIT": "2"},
+        timeout=20,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "stopped after 2 s (LIMIT): what it wrote is packed" in (tmp_path / "out" / "gpu0.txt").read_text()
+    assert (tmp_path / "out" / "gpu0" / "slow.tgz").exists() and not (tmp_path / "out" / "gpu0" / "slow").exists()
     (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: a"\n')
     proc = subprocess.run(["bash", str(script), "quick", "gc"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "needs two GPUs, this machine has 1" in proc.stderr
