@@ -109,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "20 steps; tiny 10, llama2-7b 50, llama2-13b 100)",
     )
     p.add_argument(
+        "--lr",
+        type=float,
+        metavar="LR",
+        help="peak learning rate for every mode (default: the preset's: gpt-1b 6e-4, llama2-7b and llama2-13b 1.5e-4)",
+    )
+    p.add_argument(
         "--adam-eps",
         type=float,
         metavar="EPS",
@@ -234,6 +240,7 @@ def preset_of(args) -> Preset:
         "global_batch",
         "seq",
         "lr_warmup_steps",
+        "lr",
         "adam_eps",
         "corpus",
         "corpus_bytes",
@@ -283,6 +290,8 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr {args.lr}: the peak learning rate must be above 0")
     if args.adam_eps is not None and not args.adam_eps > 0:
         raise ValueError(f"--adam-eps {args.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
     for name in ("search_time_limit", "fit_memory"):

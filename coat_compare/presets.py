@@ -103,7 +103,7 @@ class Preset:
 
     def with_overrides(self, **overrides) -> "Preset":
         """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``,
-        ``--global-batch``, ``--seq``, ``--lr-warmup-steps``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
+        ``--global-batch``, ``--seq``, ``--lr``, ``--lr-warmup-steps``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
         ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -55,8 +55,9 @@
 #                                              # goal (e): the text or the training?) (~1 min)
 #   bash scripts/gpu_default.sh spike13b       # H200: Llama-2-13B default coat, 30 steps of the llama13b run's
 #                                              # batches and schedule (micro-batch 2, global batch 4, warm-up 100)
-#                                              # with Adam's epsilon at Llama 2's 1e-5 instead of 1e-8: does the
-#                                              # step-8 and step-12 spike go? (~3 min)
+#                                              # with Adam's epsilon at Llama 2's 1e-5 instead of 1e-8, then with a
+#                                              # third of the learning rate (5e-5): does the step-8 and step-12
+#                                              # spike go? (~6 min)
 #   bash scripts/gpu_two.sh "acc1b coat-opt-states 2" "acc1b bf16-grads 2"  # coat-opt's parts alone at seed 2
 #                                              # (coat-opt +3.96%: its FP8 states, or its BF16 gradient sum?)
 #   bash scripts/gpu_two.sh "acc1b bf16 3" "acc1b coat 3"   # goal (b)'s third seed (then 4, 5, and bf16 2 2:
@@ -152,9 +153,13 @@ case $part in
       --rows $R/default-h200/acc7b/seed1234/*.jsonl $R/default-h100x2/spike7b/*.jsonl --out "$out/7b"
     grep -A12 "^Pearson" "$out/13b/spike_batches.md" "$out/7b/spike_batches.md" ;;
   spike13b)
-    run 300 spike13b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-13b --micro-batch 2 \
-      --global-batch 4 --steps 30 --adam-eps 1e-5 --modes coat --out "$out" --name llama2-13b-eps1e-5 --no-plots
-    grep -E "^\| training loss below" "$out/llama2-13b-eps1e-5.md" | cut -c1-200 ;;
+    for change in "eps1e-5 --adam-eps 1e-5" "lr5e-5 --lr 5e-5"; do
+      read -r tag flags <<<"$change"
+      # shellcheck disable=SC2086  # flags: one option and its value
+      run 260 "spike13b-$tag" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-13b \
+        --micro-batch 2 --global-batch 4 --steps 30 $flags --modes coat --out "$out" --name "llama2-13b-$tag" --no-plots
+      grep -E "^\| training loss below" "$out/llama2-13b-$tag.md" | cut -c1-200
+    done ;;
   min7b)
     run 560 min7b env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 4 \
       --global-batch 16 --steps 5 --modes coat,coat-codes,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-mb4 --no-plots

@@ -66,6 +66,7 @@ BAD = [
     (["--micro-batch", "-1"], ["--micro-batch -1: must be 1 or more"]),
     (["--seq", "0"], ["--seq 0: must be 1 or more"]),
     (["--global-batch", "0"], ["--global-batch 0: must be 1 or more"]),
+    (["--lr", "0"], ["--lr 0.0: the peak learning rate must be above 0"]),
     (["--adam-eps", "0"], ["--adam-eps 0.0: must be above 0", "Megatron's default is 1e-8"]),
     (
         ["--global-batch", "7", "--micro-batch", "2"],

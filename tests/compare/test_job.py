@@ -466,17 +466,24 @@ def test_clipping_sees_the_same_gradient_norm_in_every_optimizer_path():
         assert norms[name] == pytest.approx(norms["bf16"], rel=1e-3), name
 
 
-def test_adam_eps_reaches_every_optimizer_and_its_row(tmp_path):
-    """--adam-eps sets Adam's epsilon for Megatron's Adam and COAT's optimizer alike (Llama 2 was
+def test_adam_eps_and_lr_reach_every_optimizer_and_its_row(tmp_path):
+    """--adam-eps (and --lr) set Adam's epsilon for Megatron's Adam and COAT's optimizer alike (Llama 2 was
     trained with 1e-5, Megatron's default is 1e-8); a huge one all but stops the steps."""
     common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
     run_job(*common, "--out", str(tmp_path / "default"))
     run_job(*common, "--adam-eps", "10", "--out", str(tmp_path / "big"))
+    run_job(*common, "--lr", "1e-9", "--out", str(tmp_path / "low"))
     default = {r["mode"]: r for r in read_jsonl(tmp_path / "default" / "tiny.jsonl") if r["kind"] == "train"}
     big = {r["mode"]: r for r in read_jsonl(tmp_path / "big" / "tiny.jsonl") if r["kind"] == "train"}
+    low = {r["mode"]: r for r in read_jsonl(tmp_path / "low" / "tiny.jsonl") if r["kind"] == "train"}
     for mode in ("bf16", "coat"):
         assert (default[mode]["adam_eps"], big[mode]["adam_eps"]) == (1e-8, 10.0)
         assert big[mode]["losses"][0] == default[mode]["losses"][0]  # the same start
         # steps of lr * m / (sqrt(v) + 10): the loss hardly moves, where the default's falls
         moved = abs(big[mode]["losses"][-1] - big[mode]["losses"][0])
         assert moved < 0.05 * (default[mode]["losses"][0] - default[mode]["losses"][-1]), mode
+        # --lr: the peak learning rate, every mode's; a tiny one leaves the loss where it started
+        assert (low[mode]["lr"], default[mode]["lr"]) == (1e-9, 3e-3)
+        assert abs(low[mode]["losses"][-1] - low[mode]["losses"][0]) < 0.05 * (
+            default[mode]["losses"][0] - default[mode]["losses"][-1]
+        )
