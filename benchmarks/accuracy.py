@@ -239,7 +239,8 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     """Run the (seed, key) pairs that have no finished row, at most ``args.max_runs`` of them (in
     seed order, then --modes order), one coat-compare job per seed, DP size, data order and run.
     Returns the pairs still missing afterwards."""
-    missing = [(s, k) for s in seeds for k in keys if k not in finished_runs(args, s)]
+    done = {s: finished_runs(args, s) for s in seeds}
+    missing = [(s, k) for s in seeds for k in keys if k not in done[s]]
     chosen = missing if args.max_runs is None else missing[: args.max_runs]
     jobs: dict[tuple[int, int, int, int, str], list[str]] = {}
     for seed, key in chosen:
@@ -257,7 +258,8 @@ def run_missing(args, seeds: list[int], keys: list[str]) -> list[tuple[int, str]
     else:
         for (seed, dp, order, run, _), names in jobs.items():
             coat_compare(args, seed, names, dp, order, run)
-    still = [(s, k) for s, k in missing if k not in finished_runs(args, s)]
+    done = {s: finished_runs(args, s) for s in seeds}
+    still = [(s, k) for s, k in missing if k not in done[s]]
     failed = [p for p in chosen if p in still]
     if failed:
         raise SystemExit(
@@ -600,7 +602,7 @@ def main(argv=None) -> int:
         )
         return MORE_RUNS_LEFT
 
-    runs = {seed: {k: finished_runs(args, seed)[k] for k in keys} for seed in seeds}
+    runs = {seed: {k: done[k] for k in keys} for seed in seeds for done in [finished_runs(args, seed)]}
     rows = check_same_data(runs, args.out)
     others = keys[1:]
     noise = next((k for k in others if parse_key(k)[0] == "bf16"), None)

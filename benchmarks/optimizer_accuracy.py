@@ -220,8 +220,9 @@ def k_distribution(captured):
     return out
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The docstring GPT's run: steps, batch, sequence, width, depth, learning rate, seed (shared
+    with state_drift.py)."""
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
@@ -229,14 +230,24 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+
+
+def corpus_splits() -> tuple[str, torch.Tensor, torch.Tensor]:
+    """(the docstring text, its first 95% as ASCII codes for training, the rest for validation)."""
+    text = docstring_corpus()
+    data = torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
+    split = int(0.95 * data.numel())
+    return text, data[:split], data[split:]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--no-trajectories", action="store_true", help="only the one-shot error (about 4x faster)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args()
 
-    text = docstring_corpus()
-    data = torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
-    split = int(0.95 * data.numel())
-    train_data, val_data = data[:split], data[split:]
+    text, train_data, val_data = corpus_splits()
     torch.manual_seed(args.seed)
     init = GPT(dim=args.dim, layers=args.layers, seq=args.seq)
     n_params = sum(p.numel() for p in init.parameters())

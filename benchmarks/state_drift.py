@@ -31,7 +31,6 @@ longer accumulate in one direction.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -40,7 +39,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from optimizer_accuracy import GPT, bf16, docstring_corpus, per_tensor, train, update_direction  # noqa: E402
+from optimizer_accuracy import (  # noqa: E402
+    GPT,
+    add_model_args,
+    bf16,
+    corpus_splits,
+    per_tensor,
+    train,
+    update_direction,
+)
 
 from coat_kernels.expanded import (  # noqa: E402
     dequantize_expanded_groups_reference,
@@ -150,35 +157,26 @@ class Tracker:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=400)
+    add_model_args(p)
     p.add_argument("--every", type=int, default=50)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/state-drift-cpu"))
     args = p.parse_args()
 
-    text = docstring_corpus()
-    data = torch.tensor([min(ord(c), 127) for c in text], dtype=torch.long)
-    split = int(0.95 * data.numel())
+    _, train_data, val_data = corpus_splits()
     torch.manual_seed(args.seed)
-    model = copy.deepcopy(GPT(dim=args.dim, layers=args.layers, seq=args.seq))
+    model = GPT(dim=args.dim, layers=args.layers, seq=args.seq)
     n_params = sum(q.numel() for q in model.parameters())
     tracker = Tracker(args.every, args.seed)
     t0 = time.time()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=BETAS, eps=EPS, weight_decay=0.1)
-    losses, val, _ = train(
-        model, optimizer, data[:split], data[split:], args.steps, args, seed=args.seed, after_step=tracker
-    )
+    losses, val, _ = train(model, optimizer, train_data, val_data, args.steps, args, seed=args.seed, after_step=tracker)
     print(f"{n_params} parameters, {args.steps} steps in {time.time() - t0:.0f} s; loss {losses[0]:.3f} -> {val:.3f}")
 
     steps = sorted({r["step"] for r in tracker.rows})
     by = {(r["candidate"], r["step"]): r for r in tracker.rows}
+    shown = ("steps", "every", "batch", "seq", "dim", "layers", "lr", "seed")
     command = "python benchmarks/state_drift.py" + "".join(
-        f" --{k} {v}" for k, v in vars(args).items() if k != "out" and v != p.get_default(k)
+        f" --{k} {getattr(args, k)}" for k in shown if getattr(args, k) != p.get_default(k)
     )
     lines = [
         "# FP8 Adam states written every step: drift against FP32 Adam on the same gradients",

@@ -4,11 +4,11 @@ and every relative link in the README, docs/ and the results index points at a f
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from load_file import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -21,10 +21,7 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\
 
 
 def _flags_reference():
-    spec = importlib.util.spec_from_file_location("flags_reference", ROOT / "scripts" / "flags_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("scripts/flags_reference.py", "flags_reference")
 
 
 def _documents() -> list[Path]:

@@ -1,7 +1,6 @@
 """benchmarks/accuracy.py: BF16 vs COAT validation loss over seeds with the noise floors and the
 ablations, on the tiny preset; and its verdict rule on made-up gaps."""
 
-import importlib.util
 import json
 import math
 import os
@@ -9,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from load_file import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "accuracy.py")
@@ -42,10 +42,7 @@ def accuracy(out, *args):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("accuracy_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("benchmarks/accuracy.py", "accuracy_script")
 
 
 def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_path):

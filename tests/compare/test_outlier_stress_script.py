@@ -1,6 +1,5 @@
 """benchmarks/outlier_stress.py on the tiny preset (CPU: bf16 and coat train, TE modes are skipped rows)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -8,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from load_file import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "outlier_stress.py")
@@ -116,10 +116,7 @@ def test_residual_target_in_every_layer(tmp_path):
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("outlier_stress", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("benchmarks/outlier_stress.py", "outlier_stress")
 
 
 def test_summary_finds_the_blowup_the_first_non_finite_loss_and_the_range_crossings():

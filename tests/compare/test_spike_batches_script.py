@@ -1,7 +1,6 @@
 """benchmarks/spike_batches.py: each step's batch statistics beside the losses of runs that trained
 on those batches, on the tiny preset."""
 
-import importlib.util
 import json
 import math
 import os
@@ -10,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from load_file import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "spike_batches.py")
@@ -17,10 +17,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("spike_batches_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("benchmarks/spike_batches.py", "spike_batches_script")
 
 
 def test_batch_statistics_by_hand():

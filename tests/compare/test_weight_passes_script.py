@@ -1,21 +1,18 @@
 """benchmarks/weight_passes.py: the weight shapes it times, the passes each recipe runs, and its
 refusal without a GPU (the timing itself is a GPU run)."""
 
-import importlib.util
 import os
 
 import pytest
 import torch
+from load_file import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "weight_passes.py")
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("weight_passes_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("benchmarks/weight_passes.py", "weight_passes_script")
 
 
 def test_one_layers_linear_weights_are_the_layers_matmul_parameters():

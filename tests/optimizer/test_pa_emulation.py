@@ -2,20 +2,14 @@
 moments, i.e. TE FusedAdam's per-tensor E4M3 m and v) diverges, and that coat-compare asks Megatron
 for exactly what megatron.training's flags ask for."""
 
-import importlib.util
 import math
-import os
 import sys
 
 import pytest
 import torch
+from load_file import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "pa_optimizer_emulation", os.path.join(ROOT, "benchmarks", "pa_optimizer_emulation.py")
-)
-emulation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(emulation)
+emulation = load_file("benchmarks/pa_optimizer_emulation.py", "pa_optimizer_emulation")
 
 BETAS = (0.9, 0.95)
 # E4M3's smallest subnormal is 2^-9 and one scale maps the tensor's amax to 448: an element below

@@ -1,23 +1,20 @@
 """benchmarks/state_drift.py: stochastic rounding onto the FP8 grids, and the teacher-forced drift
 of FP8 states written every step, on a model small enough for a CPU."""
 
-import importlib.util
 import json
 import os
 import sys
 
 import pytest
 import torch
+from load_file import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "state_drift.py")
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("state_drift_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file("benchmarks/state_drift.py", "state_drift_script")
 
 
 @pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
