@@ -30,7 +30,7 @@
 #   bash scripts/gpu_default.sh gc             # gpt-1b micro-batch 4, eager, 40 steps: bf16 and coat with
 #                                              # manual garbage collection (the default now) and with Python's
 #                                              # (COAT_COMPARE_GC=auto) (~3 min)
-#   bash scripts/gpu_two.sh "PART" "PART"      # on a two-GPU machine: two parts at once, one per GPU
+#   bash scripts/gpu_parts.sh "PART" "PART" ...  # on a machine with several GPUs: parts at once, one per GPU
 #
 #   bash scripts/gpu_default.sh speed7b        # H200: the quantization kernels against a device copy (with the
 #                                              # tile sweep: the byte transpose of W^T);
@@ -58,14 +58,18 @@
 #                                              # with Adam's epsilon at Llama 2's 1e-5 instead of 1e-8, then with a
 #                                              # third of the learning rate (5e-5): does the step-8 and step-12
 #                                              # spike go? (~6 min)
-#   bash scripts/gpu_two.sh "acc1b coat-opt-states 2" "acc1b bf16-grads 2"  # coat-opt's parts alone at seed 2
-#                                              # (coat-opt +3.96%: its FP8 states, or its BF16 gradient sum?)
-#   bash scripts/gpu_two.sh "acc1b bf16 3" "acc1b coat 3"   # goal (b)'s third seed (then 4, 5, and bf16 2 2:
-#                                              # the same-seed noise floor at seed 2)
-#   SEEDS=5,6 STEPS=1000 JOBS=6 TIME_LIMIT=150 bash scripts/gpu_default.sh accuracy  # goal (a), declared
-#                                              # before running: gpt-125m seeds 5-8 beside 1-4 (bf16, coat,
-#                                              # te-fp8-delayed), the verdict over all 8 whatever they show;
-#                                              # seeds 5,6 and 7,8 at once with gpu_two.sh, one round each
+#   bash scripts/gpu_parts.sh "acc1b coat-opt-states 2" "acc1b bf16-grads 2" "acc1b bf16 3" "acc1b coat 3"
+#                                              # four GPUs: coat-opt's parts alone at seed 2 (coat-opt +3.96%: its
+#                                              # FP8 states or its BF16 gradient sum? a part is named the cost only
+#                                              # if its gap passes 2%, twice the same-seed noise), and goal (b)'s
+#                                              # third seed (the verdict over seeds 1234, 2, 3, rule unchanged)
+#   bash scripts/gpu_parts.sh "batches + spike13b" "SEEDS=5,6 STEPS=1000 JOBS=6 TIME_LIMIT=150 accuracy" \
+#                             "SEEDS=7,8 STEPS=1000 JOBS=6 TIME_LIMIT=150 accuracy" "acc1b te-fp8-delayed 2"
+#                                              # four H200s: goal (e) at 13B (the text, if steps 8 and 12 are the two
+#                                              # highest in surprisal or non-ASCII of steps 1-40; eps or lr, if that
+#                                              # run stays under ln(vocab) after step 10); goal (a), declared before
+#                                              # running: gpt-125m seeds 5-8 beside 1-4 (bf16, coat, te-fp8-delayed),
+#                                              # the verdict over all 8 whatever they show; (b)'s TE row at seed 2
 #   bash scripts/gpu_default.sh acc1b-eager MODE PART  # the same eagerly, in two halves (PART 1 saves after
 #                                              # step 230 into $CKPT, PART 2 loads and finishes): where
 #                                              # graphed validation fails its test
