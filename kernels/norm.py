@@ -4,9 +4,10 @@ Forward, two passes over x (a per-tensor scale needs the whole tensor's amax bef
 written):
 
     stats pass     per row: mean (LayerNorm), rstd, the amax of the normalised output y, and the
-                   1xG FP8 copy of x (all the backward needs of x), from one read of x
+                   1xG FP8 copy of x (all the backward needs of x), from one read of x; its last
+                   program reduces the row amaxes to the tensor's (``amax.finish_amax``)
     quantize pass  y = (x - mean) * rstd * w (+ b), computed again from the exact x, quantized
-                   per tensor with the scale of the reduced row amaxes, with its transposed copy
+                   per tensor with the scale of that amax, with its transposed copy
                    (the next GEMM's wgrad operand), from a second read of x
 
 The forward is exact (computed from x, not from its FP8 copy); the backward reads x from the 1xG
@@ -36,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, check_group_size, fp8_format
 from .per_group import dequantize_per_group_reference, quantize_groups, quantize_per_group_reference, store_groups
@@ -85,7 +87,9 @@ def _norm_stats_kernel(
     xs_ptr,
     mean_ptr,
     rstd_ptr,
+    row_amax_ptr,
     amax_ptr,
+    counter_ptr,
     n_cols,
     stride_x,
     eps,
@@ -110,13 +114,14 @@ def _norm_stats_kernel(
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = _normalize(x, mean, rstd, w, b, IS_LAYERNORM, HAS_BIAS)
-    tl.store(amax_ptr + row, tl.max(tl.where(mask, abs_or_inf(y), 0.0), axis=0))
+    tl.store(row_amax_ptr + row, tl.max(tl.where(mask, abs_or_inf(y), 0.0), axis=0))
     tl.store(rstd_ptr + row, rstd)
     if IS_LAYERNORM:
         tl.store(mean_ptr + row, mean)
     rows = row + tl.arange(0, 1)
     xg, scale = quantize_groups(tl.reshape(x, (1, BLOCK_N)), 1, BLOCK_N, GROUP, FMAX_SAVED)
     store_groups(xq_ptr, xs_ptr, xg, scale, rows, 0, row + 1, n_cols, BLOCK_N, GROUP)
+    finish_amax(row_amax_ptr, amax_ptr, counter_ptr)
 
 
 @triton.jit
@@ -330,7 +335,7 @@ def norm_to_fp8(
     dev = x.device
     rstd = torch.empty(n_rows, dtype=torch.float32, device=dev)
     mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if is_ln else None
-    row_amax = torch.empty(n_rows, dtype=torch.float32, device=dev)  # the stats kernel writes every row's
+    row_amax, amax, count = amax_outputs(n_rows, dev)  # every row's amax, and their max (the stats kernel's)
     x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
     q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev)
@@ -345,6 +350,8 @@ def norm_to_fp8(
             mean if is_ln else rstd,
             rstd,
             row_amax,
+            amax,
+            count,
             n_cols,
             rows.stride(0),
             eps,
@@ -356,7 +363,6 @@ def norm_to_fp8(
             num_warps=min(16, max(4, block_n // 512)),
             enable_fp_fusion=False,
         )
-        amax = row_amax.amax()
         if reduce_amax is not None:
             reduce_amax(amax)
         block_m, block_n, warps = _quantize_blocks(n_cols, transpose)

@@ -14,9 +14,9 @@ over the codes, because Triton 3.6 miscompiles the in-register transpose there (
 ``transpose_in_pass``).
 
 The scale comes from the tensor's current amax by group scaling: a first pass writes one amax per
-tile (or the producer of x writes them, fused into its own pass, and hands them over as ``amax``);
-the small amax tensor is reduced to one value (where tensor parallelism all-reduces it, MAX, so
-that every rank shares one scale), and the quantizing pass derives the scale from it in-kernel.
+tile and its last program reduces them to one value (``amax.finish_amax``; or the producer of x does
+the same in its own pass and hands the amax over as ``amax``); where tensor parallelism all-reduces
+it (MAX), every rank shares one scale; the quantizing pass derives the scale from it in-kernel.
 
 Shapes: ``x`` is (N,), (M, N) or (B, S, N), read as R = x.numel() // N rows of N; ``q`` has x's
 shape; ``q_t`` is the (N, R) row-major transpose of that (R, N) matrix; ``scale`` is a 0-d FP32
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, fp8_format
 from .scaling import (
@@ -43,13 +44,16 @@ from .scaling import (
 
 
 @triton.jit
-def _tile_amax_kernel(x_ptr, amax_ptr, n_rows, n_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_amax_kernel(
+    x_ptr, tiles_ptr, amax_ptr, counter_ptr, n_rows, n_cols, stride_x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     tile_amax = tl.max(tl.max(abs_or_inf(x.to(tl.float32)), axis=1), axis=0)
-    tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_amax)
+    tl.store(tiles_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile_amax)
+    finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
 @triton.jit
@@ -200,7 +204,8 @@ def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pas
 def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """max |x| as a 0-d FP32 tensor (+inf if x holds inf or NaN), by group scaling.
 
-    A pass writes one amax per tile of x; the small tile-amax tensor is then reduced. Use it where
+    One pass: every program writes the amax of its tile of x, and the last one reduces them (no
+    second launch: ``amax.finish_amax``). Use it where
     the amax must be shared before quantizing (all-reduce MAX over the tensor-parallel group),
     then hand it to ``quantize_per_tensor(..., amax=...)``.
     """
@@ -211,11 +216,20 @@ def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         return abs_or_inf_reference(rows.float()).amax()
     block_m, block_n, warps = _AMAX_BLOCKS
     grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(rows.shape[1], block_n))
-    tiles = torch.empty(grid, dtype=torch.float32, device=x.device)
+    tiles, amax, count = amax_outputs(grid[0] * grid[1], x.device)
     _tile_amax_kernel[grid](
-        rows, tiles, rows.shape[0], rows.shape[1], rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
+        rows,
+        tiles,
+        amax,
+        count,
+        rows.shape[0],
+        rows.shape[1],
+        rows.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
     )
-    return tiles.amax()
+    return amax
 
 
 def _reduce_amax(amax: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

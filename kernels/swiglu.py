@@ -5,15 +5,17 @@ with FP32 scales (F a multiple of G, so no group straddles the two halves). The 
 
     a = silu(gate) * up = gate * sigmoid(gate) * up
 
-feeds fc2, so it is quantized per tensor: an amax pass computes a per tile, then the quantizing
-pass computes a again (from the same codes, so bit-identically) and writes its codes. The
+feeds fc2, so it is quantized per tensor: an amax pass computes a per tile (its last program reduces
+the tiles: ``amax.finish_amax``), then the quantizing pass computes a again (from the same codes,
+so bit-identically) and writes its codes. The
 backward recomputes sigmoid from the saved codes (nothing else is saved):
 
     d_up   = da * silu(gate)
     d_gate = da * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
 
-and writes dh (..., 2F) in [d_gate | d_up] order with one amax per tile of the values as
-written, the "group scaling" amax that fc1's backward needs to quantize dh to E5M2 in one pass.
+and writes dh (..., 2F) in [d_gate | d_up] order with the amax of the values as written (per tile,
+reduced by the pass's last program), the "group scaling" amax that fc1's backward needs to quantize
+dh to E5M2 in one pass.
 
 Because the output is a deterministic function of the saved input, fc2 does not need to keep
 its FP8 input for wgrad: ``swiglu_to_fp8(..., amax=a_amax, store_q=False, transpose=True)``
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, check_group_size, fp8_format
 from .per_group import dequantize_per_group_reference, quantize_per_group_reference
@@ -84,7 +87,9 @@ def _quantize_swiglu_input_kernel(
     h_ptr,
     hq_ptr,
     hs_ptr,
+    tiles_ptr,
     amax_ptr,
+    counter_ptr,
     n_rows,
     n_ffn,
     stride_h,
@@ -104,14 +109,17 @@ def _quantize_swiglu_input_kernel(
         up, hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, FMAX, GROUP
     )
     tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    tl.store(amax_ptr + tile, _tile_max(gate * tl.sigmoid(gate) * up))
+    tl.store(tiles_ptr + tile, _tile_max(gate * tl.sigmoid(gate) * up))
+    finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
 @triton.jit
 def _swiglu_forward_kernel(
     hq_ptr,
     hs_ptr,
+    tiles_ptr,
     amax_ptr,
+    counter_ptr,
     q_ptr,
     scale_ptr,
     n_rows,
@@ -129,7 +137,8 @@ def _swiglu_forward_kernel(
     up = _load_half(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, groups, cols, mask2, 2 * n_ffn, GROUP)
     a = gate * tl.sigmoid(gate) * up
     if AMAX_PASS:
-        tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _tile_max(a))
+        tl.store(tiles_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _tile_max(a))
+        finish_amax(tiles_ptr, amax_ptr, counter_ptr)
     else:
         scale = scale_from_amax(tl.load(amax_ptr), FMAX)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -144,7 +153,9 @@ def _swiglu_backward_kernel(
     hq_ptr,
     hs_ptr,
     dh_ptr,
+    tiles_ptr,
     amax_ptr,
+    counter_ptr,
     n_rows,
     n_ffn,
     GROUP: tl.constexpr,
@@ -165,7 +176,8 @@ def _swiglu_backward_kernel(
     tl.store(dh, d_gate, mask=mask)
     tl.store(dh + n_ffn, d_up, mask=mask)
     tile = tl.maximum(_tile_max(d_gate.to(tl.float32)), _tile_max(d_up.to(tl.float32)))
-    tl.store(amax_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
+    tl.store(tiles_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
+    finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
 def _launch(n_rows: int, n_ffn: int, group_size: int) -> tuple[tuple[int, int], dict]:
@@ -250,17 +262,18 @@ def swiglu_to_fp8(
     q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
     grid, launch = _launch(n_rows, n_ffn, group_size)
     if amax is None:
-        tiles = torch.empty(grid, dtype=torch.float32, device=h_q.device)  # every program writes its tile
-        if n_rows:
+        if n_rows:  # the amax pass: every program writes its tile's, the last one their max
+            tiles, amax, count = amax_outputs(grid[0] * grid[1], h_q.device)
             _swiglu_forward_kernel[grid](
-                h_q, h_scales, tiles, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=True, **launch
+                h_q, h_scales, tiles, amax, count, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=True, **launch
             )
-        amax = tiles.amax() if tiles.numel() else torch.zeros((), dtype=torch.float32, device=h_q.device)
+        else:
+            amax = torch.zeros((), dtype=torch.float32, device=h_q.device)
     elif amax.numel() > 1:
         amax = amax.amax()
     if n_rows:
         _swiglu_forward_kernel[grid](
-            h_q, h_scales, amax, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=False, **launch
+            h_q, h_scales, amax, amax, amax, q, scale, n_rows, n_ffn, FMAX=f.max, AMAX_PASS=False, **launch
         )
         finish_transpose(q, q_t, transpose, in_pass=False)
     return SwigluFp8(q if store_q else None, scale, q_t if transpose else None, amax.reshape(()))
@@ -282,8 +295,9 @@ def quantize_swiglu_input(
     the amax of the SwiGLU output from the quantized values (group scaling on the producer side):
     ``swiglu_to_fp8(h_q, h_scales, amax=amax)`` then needs a single pass.
 
-    Returns ``(h_q, h_scales, amax)``: codes (..., 2F), FP32 scales (..., 2F // G) and FP32 amax
-    tiles (reduce with ``.amax()``), equal to those of ``quantize_per_group`` + ``swiglu_to_fp8``.
+    Returns ``(h_q, h_scales, amax)``: codes (..., 2F), FP32 scales (..., 2F // G) and the 0-d FP32
+    amax (reduced by the pass's last program), equal to those of ``quantize_per_group`` +
+    ``swiglu_to_fp8``.
     """
     if h.shape[-1] % (2 * group_size):
         raise ValueError(f"SwiGLU input width {h.shape[-1]} must be 2 x a multiple of the FP8 group size {group_size}")
@@ -295,12 +309,13 @@ def quantize_swiglu_input(
     h_q = torch.empty(h.shape, dtype=f.dtype, device=h.device)
     h_scales = torch.empty(*h.shape[:-1], h.shape[-1] // group_size, dtype=torch.float32, device=h.device)
     grid, launch = _launch(n_rows, n_ffn, group_size)
-    tiles = torch.empty(grid, dtype=torch.float32, device=h.device)  # every program writes its tile
-    if n_rows:
-        _quantize_swiglu_input_kernel[grid](
-            rows, h_q, h_scales, tiles, n_rows, n_ffn, rows.stride(0), FMAX=f.max, **launch
-        )
-    return h_q, h_scales, tiles
+    if not n_rows:
+        return h_q, h_scales, torch.zeros((), dtype=torch.float32, device=h.device)
+    tiles, amax, count = amax_outputs(grid[0] * grid[1], h.device)  # every program's tile, and their max
+    _quantize_swiglu_input_kernel[grid](
+        rows, h_q, h_scales, tiles, amax, count, n_rows, n_ffn, rows.stride(0), FMAX=f.max, **launch
+    )
+    return h_q, h_scales, amax
 
 
 def swiglu_backward_reference(
@@ -329,8 +344,9 @@ def swiglu_backward(
     Args:
         da: gradient of the SwiGLU output, (..., F), contiguous.
     Returns:
-        ``(dh, amax)``: dh (..., 2F) in ``dh_dtype`` ([d_gate | d_up]) and amax, the FP32 tile
-        maxima of |dh| as written (hand them to ``quantize_per_tensor(dh, ..., amax=amax)``).
+        ``(dh, amax)``: dh (..., 2F) in ``dh_dtype`` ([d_gate | d_up]) and amax, the 0-d FP32 max
+        of |dh| as written, reduced by the pass's last program (hand it to
+        ``quantize_per_tensor(dh, ..., amax=amax)``).
     """
     n_ffn = _check(h_q, h_scales, group_size)
     if da.shape[-1] != n_ffn or da.numel() * 2 != h_q.numel() or not da.is_contiguous():
@@ -340,7 +356,8 @@ def swiglu_backward(
     n_rows = h_q.numel() // h_q.shape[-1]
     dh = torch.empty(h_q.shape, dtype=dh_dtype, device=da.device)
     grid, launch = _launch(n_rows, n_ffn, group_size)
-    tiles = torch.empty(grid, dtype=torch.float32, device=da.device)  # every program writes its tile
-    if n_rows:
-        _swiglu_backward_kernel[grid](da, h_q, h_scales, dh, tiles, n_rows, n_ffn, **launch)
-    return dh, tiles
+    if not n_rows:
+        return dh, torch.zeros((), dtype=torch.float32, device=da.device)
+    tiles, amax, count = amax_outputs(grid[0] * grid[1], da.device)  # every program's tile, and their max
+    _swiglu_backward_kernel[grid](da, h_q, h_scales, dh, tiles, amax, count, n_rows, n_ffn, **launch)
+    return dh, amax

@@ -40,8 +40,8 @@ class _SwigluFp8(torch.autograd.Function):
     def backward(ctx, da):
         h_q, h_scales = ctx.saved_tensors
         group_size, dtype = ctx.meta
-        dh, tile_amax = swiglu_backward(da.contiguous(), h_q, h_scales, group_size, dh_dtype=dtype)
-        return attach_amax(dh, tile_amax), None, None, None
+        dh, dh_amax = swiglu_backward(da.contiguous(), h_q, h_scales, group_size, dh_dtype=dtype)
+        return attach_amax(dh, dh_amax), None, None, None
 
 
 def swiglu_fp8(h: torch.Tensor, *, group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3") -> Fp8Tensor:

@@ -1,0 +1,68 @@
+"""A per-tensor amax finished inside the kernel that computes its parts: no reduction launch.
+
+Group scaling (DESIGN 3.2): the kernel that produces a tensor, or reads it once, has every program
+store the amax of its tile or row (a *partial*). Reducing those partials used to take a separate
+launch (``partials.amax()``), 8 per transformer layer fwd+bwd. Here the program that finishes last
+reduces them in the same launch:
+
+    every program:  store its partial; barrier; ticket = atomic_add(counter, 1)   (acquire-release)
+    last program:   (ticket == programs - 1) amax = max of all partials; counter = 0
+
+The atomic's release makes each program's partial visible before its ticket is counted, its acquire
+makes every partial visible to the program that draws the last ticket, and the partials are read
+through L2 (``.cg``). The counter is one int32 of a small per-device pool, handed out in turn and
+left at zero by the last program of each launch: it needs no reset launch either. Launches that
+share a stream run one after another; the pool has ``SLOTS`` counters, so that kernels running at
+once on other streams (fewer than ``SLOTS`` of them) never share one.
+
+Partials are ``abs_or_inf`` maxima (never NaN), so the maximum is exact and equals
+``partials.amax()`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+SLOTS = 256
+_REDUCE_BLOCK = tl.constexpr(1024)
+_pools: dict[torch.device, torch.Tensor] = {}
+_turn = itertools.count()
+
+
+@triton.jit
+def finish_amax(partials_ptr, amax_ptr, counter_ptr):
+    """Called by every program of a launch after it stored its partial at ``partials_ptr + its index``
+    (one partial per program: ``partials`` holds as many as the grid has programs): the program that
+    arrives last writes their maximum to ``amax_ptr`` and resets the counter."""
+    tl.debug_barrier()  # every thread's store of this program's partial precedes its ticket
+    n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if ticket == n_programs - 1:
+        acc = tl.zeros((_REDUCE_BLOCK,), dtype=tl.float32)
+        for start in range(0, n_programs, _REDUCE_BLOCK):
+            offs = start + tl.arange(0, _REDUCE_BLOCK)
+            part = tl.load(partials_ptr + offs, mask=offs < n_programs, other=0.0, cache_modifier=".cg")
+            acc = tl.maximum(acc, part)
+        tl.store(amax_ptr, tl.max(acc, axis=0))
+        tl.atomic_xchg(counter_ptr, 0)
+
+
+def counter(device: torch.device) -> torch.Tensor:
+    """The next int32 counter of ``device``'s pool (a one-element view; zero between launches)."""
+    pool = _pools.get(device)
+    if pool is None:
+        pool = _pools[device] = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+    i = next(_turn) % SLOTS
+    return pool[i : i + 1]
+
+
+def amax_outputs(n_programs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(partials, amax, counter)`` for a launch of ``n_programs`` programs that calls
+    ``finish_amax``: one partial per program, the 0-d FP32 amax it leaves (one allocation for both),
+    and its counter."""
+    buf = torch.empty(n_programs + 1, dtype=torch.float32, device=device)
+    return buf[:n_programs], buf[n_programs], counter(device)
