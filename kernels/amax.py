@@ -51,13 +51,21 @@ def finish_amax(partials_ptr, amax_ptr, counter_ptr):
         tl.atomic_xchg(counter_ptr, 0)
 
 
+def pool(device: torch.device) -> torch.Tensor:
+    """``device``'s pool of ``SLOTS`` int32 counters ("cuda" means the current CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    counters = _pools.get(device)
+    if counters is None:
+        counters = _pools[device] = torch.zeros(SLOTS, dtype=torch.int32, device=device)
+    return counters
+
+
 def counter(device: torch.device) -> torch.Tensor:
     """The next int32 counter of ``device``'s pool (a one-element view; zero between launches)."""
-    pool = _pools.get(device)
-    if pool is None:
-        pool = _pools[device] = torch.zeros(SLOTS, dtype=torch.int32, device=device)
     i = next(_turn) % SLOTS
-    return pool[i : i + 1]
+    return pool(device)[i : i + 1]
 
 
 def amax_outputs(n_programs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
