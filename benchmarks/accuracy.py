@@ -1,7 +1,7 @@
 """BF16 vs COAT validation loss over several seeds: the accuracy claim, with its noise floor.
 
     python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--modes bf16,coat,bf16@data2]
-                                  [--micro-batch N] [--global-batch N]
+                                  [--micro-batch N] [--global-batch N] [--lr-decay cosine]
                                   [--tail 0.1] [--eval-every N] [--max-runs N] [--jobs N] [--out DIR]
     bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (as many runs per command as fit)
 
@@ -120,9 +120,15 @@ def data_seed(seed: int, order: int) -> int:
     return seed + DATA_ORDER_STRIDE * (order - 1)
 
 
-def read_runs(directory: str, seed: int, steps: int) -> dict[str, dict]:
-    """The finished train rows (with a validation loss) of ``seed`` in the reports (``*.jsonl``) of
-    its directory, by mode key."""
+def lr_decay_of(row: dict) -> str:
+    """A row's learning-rate schedule after the warm-up (rows written before it was recorded held
+    the peak: constant)."""
+    return row.get("lr_decay") or "constant"
+
+
+def read_runs(directory: str, seed: int, steps: int, lr_decay: str = "constant") -> dict[str, dict]:
+    """The finished train rows (with a validation loss) of ``seed`` with schedule ``lr_decay`` in
+    the reports (``*.jsonl``) of its directory, by mode key."""
     runs = {}
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         if not name.endswith(".jsonl"):
@@ -136,6 +142,7 @@ def read_runs(directory: str, seed: int, steps: int) -> dict[str, dict]:
                     or row.get("seed") != seed
                     or len(row.get("losses", [])) != steps
                     or row.get("valid_loss") is None
+                    or lr_decay_of(row) != lr_decay
                 ):
                     continue
                 order, rest = divmod(row.get("data_seed", seed) - seed, DATA_ORDER_STRIDE)
@@ -149,7 +156,7 @@ def finished_runs(args, seed: int) -> dict[str, dict]:
     the order given), then ``--out``'s, which win where a key is in both."""
     runs = {}
     for directory in [*args.rows, args.out]:
-        runs.update(read_runs(os.path.join(directory, f"seed{seed}"), seed, args.steps))
+        runs.update(read_runs(os.path.join(directory, f"seed{seed}"), seed, args.steps, args.lr_decay))
     return runs
 
 
@@ -162,6 +169,7 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int, run: in
         + (f"-dp{dp}" if dp > 1 else "")
         + (f"-data{order}" if order > 1 else "")
         + (f"-run{run}" if run > 1 else "")
+        + (f"-{args.lr_decay}" if args.lr_decay != "constant" else "")  # beside the constant runs' reports
     )
     cmd = [
         "-m",
@@ -184,6 +192,8 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int, run: in
     ]
     if args.eval_every is not None:
         cmd += ["--eval-every", str(args.eval_every)]
+    if args.lr_decay != "constant":
+        cmd += ["--lr-decay", args.lr_decay]
     if run > 1:
         cmd += ["--repeat", str(run)]
     micro_batch = args.micro_batch or preset.micro_batch
@@ -468,7 +478,20 @@ def data_line(rows: list[dict]) -> str:
         f"({windows * width / first['corpus_train_bytes']:.1%} of the train split, each byte at most once). Validation: "
         f"{first['eval_windows']} windows of {width} held-out bytes (SHA-256 `{first['valid_windows_sha256'][:16]}`), the same "
         f"for every mode and seed, every {first['eval_every']} steps and after the last (forward only, mean per-token loss)."
+        + schedule_line(first)
     )
+
+
+def schedule_line(row: dict) -> str:
+    """The runs' learning-rate schedule, where their rows record it."""
+    if row.get("lr") is None or row.get("lr_warmup_steps") is None:
+        return ""
+    after = {
+        "constant": "then held to the end",
+        "cosine": "then a cosine down to 10% of it at the last step",
+        "linear": "then a straight line down to 10% of it at the last step",
+    }
+    return f" Learning rate: peak {row['lr']:g} after a {row['lr_warmup_steps']}-step linear warm-up, {after[lr_decay_of(row)]}."
 
 
 def check_same_data(runs: dict[int, dict[str, dict]], out: str) -> list[dict]:
@@ -551,6 +574,13 @@ def parse_args(argv=None):
         type=int,
         help="sequences per optimizer step: global batch / micro-batch micro-batches "
         "accumulated per step (default: one micro-batch per step)",
+    )
+    p.add_argument(
+        "--lr-decay",
+        choices=("constant", "cosine", "linear"),
+        default="constant",
+        help="every run's learning rate after the warm-up (coat-compare --lr-decay); rows of another schedule in "
+        "--out or --rows are neither used nor counted as done",
     )
     p.add_argument(
         "--tail", type=float, default=0.1, help="fraction of the last steps whose mean training loss is shown"
@@ -675,6 +705,8 @@ def main(argv=None) -> int:
             command += f" --{name.replace('_', '-')} {getattr(args, name)}"
     if args.eval_every is not None:
         command += f" --eval-every {args.eval_every}"
+    if args.lr_decay != "constant":
+        command += f" --lr-decay {args.lr_decay}"
     command += "".join(f" --rows {d}" for d in args.rows)
     lines = [
         f"# BF16 vs COAT validation loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}",

@@ -281,12 +281,31 @@ def lr_warmup_steps(preset: Preset) -> int:
 WEIGHT_DECAY = 0.1
 
 
+LR_DECAYS = ("constant", "cosine", "linear")
+
+
+def learning_rate(preset: Preset, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of a ``preset.steps``-step run: a
+    linear warm-up over ``lr_warmup_steps`` steps to ``preset.lr``, then ``preset.lr_decay``:
+    constant, or cosine / linear down to ``lr_min_ratio`` x the peak at the last step (Megatron's
+    OptimizerParamScheduler, whose decay also starts where the warm-up ends)."""
+    if preset.lr_decay not in LR_DECAYS:
+        raise ValueError(f"lr_decay {preset.lr_decay!r}: use one of {', '.join(LR_DECAYS)}")
+    warmup = lr_warmup_steps(preset)
+    if step + 1 <= warmup or preset.lr_decay == "constant":
+        return preset.lr * min(1.0, (step + 1) / warmup)
+    progress = min(1.0, (step + 1 - warmup) / max(1, preset.steps - warmup))
+    floor = preset.lr * preset.lr_min_ratio
+    if preset.lr_decay == "cosine":
+        return floor + (preset.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return preset.lr - (preset.lr - floor) * progress
+
+
 def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
-    """Linear warm-up (``lr_warmup_steps``), then constant; and each group's weight decay as
+    """``learning_rate(preset, step)`` into every group, and each group's weight decay as
     Megatron's scheduler sets it (``WEIGHT_DECAY`` x the group's ``wd_mult``: 0 for biases and
     norm weights), which the groups do not hold until a scheduler writes it."""
-    warmup = lr_warmup_steps(preset)
-    lr = preset.lr * min(1.0, (step + 1) / warmup)
+    lr = learning_rate(preset, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
         group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)

@@ -109,6 +109,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "20 steps; tiny 10, llama2-7b 50, llama2-13b 100)",
     )
     p.add_argument(
+        "--lr-decay",
+        choices=("constant", "cosine", "linear"),
+        help="after the warm-up: hold the peak (constant, the default) or decay it, cosine or linear, to 10%% of the "
+        "peak at the last step (Megatron's --lr-decay-style; Llama 2: cosine)",
+    )
+    p.add_argument(
         "--lr",
         type=float,
         metavar="LR",
@@ -240,6 +246,7 @@ def preset_of(args) -> Preset:
         "global_batch",
         "seq",
         "lr_warmup_steps",
+        "lr_decay",
         "lr",
         "adam_eps",
         "corpus",

@@ -37,7 +37,8 @@ class Preset:
         global batch).
     steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
         left out of the timing and memory statistics (allocation, FP8 scale start-up).
-    lr: peak learning rate, reached by a linear warm-up (``build.lr_warmup_steps``), then constant.
+    lr: peak learning rate, reached by a linear warm-up (``build.lr_warmup_steps``), then held or
+        decayed (``lr_decay``).
     lr_warmup_steps: the warm-up's length in steps; None: 10% of the steps, at least
         ``lr_warmup_min_steps`` (20; the tiny presets 10; Llama-2-7B 50 and 13B 100), also where
         that is longer than the run. At 7B a 20-step warm-up left the loss above ln(vocab) after
@@ -45,6 +46,11 @@ class Preset:
         (8.85, 8.59: benchmarks/results/default-h100x2/spike7b). 13B, which spiked higher (14.5 after a
         20-step warm-up), takes the longer one, which did not keep it under: 15.41 at step 12
         (benchmarks/results/default-h200x2/llama13b).
+    lr_decay: after the warm-up, "constant" (the peak to the end: every run before 2026-11-26),
+        "cosine" or "linear" down to ``lr_min_ratio`` x the peak at the last step, as Megatron's
+        ``--lr-decay-style`` (Llama 2: cosine to 10%). A decayed run ends in a settled minimum, so its
+        final validation loss moves less between runs that differ only in rounding.
+    lr_min_ratio: the decayed learning rate's floor, a fraction of the peak.
     adam_eps: Adam's epsilon, every mode's (Megatron's default 1e-8; Llama 2 was trained with 1e-5,
         which damps the steps of weights whose gradients are below it: ``--adam-eps``).
     needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
@@ -66,6 +72,8 @@ class Preset:
     lr: float = 3e-4
     lr_warmup_steps: int | None = None
     lr_warmup_min_steps: int = 20
+    lr_decay: str = "constant"
+    lr_min_ratio: float = 0.1
     adam_eps: float = 1e-8
     corpus: str = "packages"
     corpus_bytes: int | None = None
@@ -103,7 +111,7 @@ class Preset:
 
     def with_overrides(self, **overrides) -> "Preset":
         """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``,
-        ``--global-batch``, ``--seq``, ``--lr``, ``--lr-warmup-steps``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
+        ``--global-batch``, ``--seq``, ``--lr``, ``--lr-warmup-steps``, ``--lr-decay``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
         ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 

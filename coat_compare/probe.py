@@ -82,6 +82,7 @@ def data_args(args, **overrides) -> list[str]:
     for name in (
         "global_batch",
         "lr_warmup_steps",
+        "lr_decay",
         "lr",
         "adam_eps",
         "data_seed",

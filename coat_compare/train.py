@@ -216,6 +216,7 @@ def train(
         "vocab": preset.vocab,
         "lr": preset.lr,
         "lr_warmup_steps": lr_warmup_steps(preset),
+        "lr_decay": preset.lr_decay,
         "adam_eps": preset.adam_eps,
         "losses": losses,
         "data_seed": data_seed,

@@ -42,7 +42,8 @@
 #                                              # recipe (te-fp8-delayed) or an ablation (~6-8 min each); SEED
 #                                              # (default 1234); RUN 2: the same run again (--repeat 2;
 #                                              # accuracy.py's MODE@run2, the noise floor of one paired gap);
-#                                              # GPU_TESTS=1: the gputests part beside it
+#                                              # GPU_TESTS=1: the gputests part beside it; LR_DECAY=cosine: the
+#                                              # learning rate decays to 10% at the last step (reports named apart)
 #   bash scripts/gpu_default.sh pretrain       # --coat-fp8 through Megatron's own pretrain() (gpt-1b shape, 30
 #                                              # iterations of global batch 32 = 8 micro-batches, per-layer
 #                                              # graphs) against BF16, with the default (scripts/gpu_pretrain.sh;
@@ -64,6 +65,13 @@
 #                                              # the Llama presets' default iff no training loss after step 10 passes
 #                                              # ln(32000) = 10.37 AND the final validation loss is at most the 1e-8
 #                                              # run's 3.09 (default-h200x2/llama13b) (~7 min)
+#   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b bf16 1234 2" \
+#                             "LR_DECAY=cosine acc1b coat 1234" "LR_DECAY=cosine acc1b te-fp8-delayed 1234"
+#                                              # four GPUs: goal (b)'s run with the learning rate decayed (cosine to
+#                                              # 10%) as real pretraining does. Declared before it runs: it is read as
+#                                              # quieter if BF16 against itself ends within 0.5% (constant: 0.99%); then
+#                                              # seeds 2 and 3 the same way, and (b) judged on the cosine runs of seeds
+#                                              # 1234, 2, 3 by the unchanged rule, beside the constant runs' verdict
 #   bash scripts/gpu_parts.sh "acc1b bf16 2 2" "acc1b bf16 5" "acc1b coat 5" "acc1b te-fp8-delayed 4"
 #                                              # four GPUs: the same-seed noise at seed 2, where every FP8 mode ended
 #                                              # 1.8-4.0% behind BF16; a fifth gpt-1b seed (reported beside the
@@ -127,8 +135,11 @@ case $part in
       timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_per_tensor.py tests/kernels/test_refresh.py \
         tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py >"$out/pytest-gpu.log" 2>&1 &
     fi
+    decay=()  # LR_DECAY=cosine (or linear): the learning rate decays to 10% at the last step; reports apart
+    [ -n "${LR_DECAY:-}" ] && [ "$LR_DECAY" != constant ] && { decay=(--lr-decay "$LR_DECAY"); tag="$tag-$LR_DECAY"; }
     run 590 "acc1b-$mode-$seed$tag" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 \
-      --cuda-graphs local --modes "$mode" --seed "$seed" "${again[@]}" --out "$out/seed$seed" --name "gpt-1b-acc-$mode$tag" --no-plots
+      --cuda-graphs local --modes "$mode" --seed "$seed" "${again[@]}" "${decay[@]}" --out "$out/seed$seed" \
+      --name "gpt-1b-acc-$mode$tag" --no-plots
     grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$mode$tag.md" | cut -c1-260
     if [ "${GPU_TESTS:-0}" = 1 ]; then wait; tail -15 "$out/pytest-gpu.log"; fi ;;
   acc1b-eager)

@@ -161,6 +161,26 @@ def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for
     assert f"--rows {tmp_path} --rows {tmp_path / 'earlier'}`" in (report / "accuracy.md").read_text()
 
 
+def test_runs_of_another_learning_rate_schedule_are_neither_used_nor_counted_as_done(tmp_path):
+    """--lr-decay reaches every run, and the rows in --out of the other schedule do not stand in for
+    its runs: a cosine report trains its own, beside the constant ones (14 steps: tiny warms up for 10)."""
+    longer = ["--steps", "14"]
+    constant = accuracy(tmp_path, "--modes", "bf16,coat", *longer)
+    assert constant.returncode == 0, constant.stderr[-3000:]
+    first = json.loads((tmp_path / "accuracy.jsonl").read_text().splitlines()[0])
+    cosine = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--lr-decay", "cosine", "--max-runs", "0")
+    assert cosine.returncode == 75 and "2 run(s) left (seed 1 bf16, seed 1 coat)" in cosine.stdout
+    cosine = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--lr-decay", "cosine")
+    assert cosine.returncode == 0, cosine.stderr[-3000:]
+    for name, decay in (("tiny-bf16+coat", "constant"), ("tiny-bf16+coat-cosine", "cosine")):
+        lines = (tmp_path / "seed1" / f"{name}.jsonl").read_text().splitlines()  # both kept, side by side
+        assert {json.loads(line).get("lr_decay") for line in lines if '"train"' in line} == {decay}
+    second = json.loads((tmp_path / "accuracy.jsonl").read_text().splitlines()[0])
+    assert second["valid"]["bf16"] != first["valid"]["bf16"]
+    text = (tmp_path / "accuracy.md").read_text()
+    assert "--lr-decay cosine`" in text and "then a cosine down to 10% of it at the last step" in text
+
+
 def test_mode_keys_name_the_dp_size_data_order_and_run():
     script = load_script()
     assert script.parse_key("bf16@run2") == ("bf16", 1, 1, 2)

@@ -466,6 +466,19 @@ def test_clipping_sees_the_same_gradient_norm_in_every_optimizer_path():
         assert norms[name] == pytest.approx(norms["bf16"], rel=1e-3), name
 
 
+def test_lr_decay_reaches_the_row_and_changes_only_the_steps_after_the_warm_up(tmp_path):
+    common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "14", "--no-plots", "--lr-warmup-steps", "4"]
+    run_job(*common, "--out", str(tmp_path / "constant"))
+    run_job(*common, "--lr-decay", "cosine", "--out", str(tmp_path / "cosine"))
+    constant = {r["mode"]: r for r in read_jsonl(tmp_path / "constant" / "tiny.jsonl") if r["kind"] == "train"}
+    cosine = {r["mode"]: r for r in read_jsonl(tmp_path / "cosine" / "tiny.jsonl") if r["kind"] == "train"}
+    for mode in ("bf16", "coat"):
+        assert (constant[mode]["lr_decay"], cosine[mode]["lr_decay"]) == ("constant", "cosine")
+        # the warm-up is the same: the losses of its steps (and of the step after it) match bit for bit
+        assert cosine[mode]["losses"][:5] == constant[mode]["losses"][:5]
+        assert cosine[mode]["losses"][-1] != constant[mode]["losses"][-1]
+
+
 def test_adam_eps_and_lr_reach_every_optimizer_and_its_row(tmp_path):
     """--adam-eps (and --lr) set Adam's epsilon for Megatron's Adam and COAT's optimizer alike (Llama 2 was
     trained with 1e-5, Megatron's default is 1e-8); a huge one all but stops the steps."""

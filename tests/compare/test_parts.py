@@ -233,6 +233,35 @@ def test_learning_rate_warm_up_is_10_percent_but_never_shorter_than_the_presets_
     assert lr_warmup_steps(replace(gpt, steps=10, lr_warmup_steps=3)) == 3  # --lr-warmup-steps
 
 
+def test_learning_rate_schedules_warm_up_then_hold_or_decay_to_a_tenth():
+    from dataclasses import replace
+
+    import pytest as _pytest
+
+    from coat_compare.build import learning_rate
+    from coat_compare.presets import get_preset
+
+    gpt = replace(get_preset("gpt-1b"), steps=120, lr=6e-4, lr_warmup_steps=20)
+    for decay in ("constant", "cosine", "linear"):
+        p = replace(gpt, lr_decay=decay)
+        # the same warm-up: 1/20 of the peak after the first step, the peak after the 20th
+        assert learning_rate(p, 0) == _pytest.approx(3e-5) and learning_rate(p, 19) == _pytest.approx(6e-4)
+    constant, cosine, linear = (replace(gpt, lr_decay=d) for d in ("constant", "cosine", "linear"))
+    assert all(learning_rate(constant, s) == _pytest.approx(6e-4) for s in range(19, 120))
+    # halfway through the decay (50 of its 100 steps): the cosine and the line both stand midway
+    assert learning_rate(cosine, 69) == _pytest.approx(6e-5 + 0.5 * 5.4e-4)
+    assert learning_rate(linear, 69) == _pytest.approx(6e-5 + 0.5 * 5.4e-4)
+    # the cosine leaves the peak slowly and ends at a tenth of it, at the last step
+    assert learning_rate(cosine, 29) > learning_rate(linear, 29)
+    assert learning_rate(cosine, 119) == _pytest.approx(6e-5) == learning_rate(linear, 119)
+    decayed = [learning_rate(cosine, s) for s in range(19, 120)]
+    assert all(a >= b for a, b in zip(decayed, decayed[1:]))
+    # a run no longer than its warm-up never decays
+    assert learning_rate(replace(cosine, steps=10), 9) == _pytest.approx(6e-4 * 10 / 20)
+    with _pytest.raises(ValueError, match="use one of constant, cosine, linear"):
+        learning_rate(replace(gpt, lr_decay="step"), 30)
+
+
 def test_an_out_of_memory_row_says_which_bytes_dominate():
     from coat_compare.memory import expected_bytes_per_param, why_it_does_not_fit
     from coat_compare.modes import MODES
