@@ -65,6 +65,11 @@
 #                                              # the Llama presets' default iff no training loss after step 10 passes
 #                                              # ln(32000) = 10.37 AND the final validation loss is at most the 1e-8
 #                                              # run's 3.09 (default-h200x2/llama13b) (~7 min)
+#   bash scripts/gpu_default.sh wgrad          # issue 23: the accumulating FP8 GEMM (kernels/gemm_accumulate.py,
+#                                              # cuBLASLt with beta = 1) against the FP32 temporary and an add: its
+#                                              # GPU tests, then the wgrad times of gpt-1b's and Llama-2-7B's linears
+#                                              # (benchmarks/wgrad_accumulate.py). Wired into the linear's gradient
+#                                              # accumulation only once both pass (~2 min)
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b bf16 1234 2" \
 #                             "LR_DECAY=cosine acc1b coat 1234" "LR_DECAY=cosine acc1b te-fp8-delayed 1234"
 #                                              # four GPUs: goal (b)'s run with the learning rate decayed (cosine to
@@ -82,7 +87,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -170,6 +175,13 @@ case $part in
       --micro-batch 2 --global-batch 4 --steps 150 --eval-every 25 --eval-windows 48 --adam-eps 1e-5 --modes coat \
       --out "$out" --name llama2-13b-eps1e-5-150 --no-plots
     grep -E "^\| (coat|training loss)" "$out/llama2-13b-eps1e-5-150.md" | cut -c1-260 ;;
+  wgrad)
+    run 240 pytest-wgrad python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_accumulate.py
+    tail -3 "$out/pytest-wgrad.log"
+    for preset in gpt-1b llama2-7b; do
+      run 120 "wgrad-$preset" python3 benchmarks/wgrad_accumulate.py --preset "$preset" --out "$out/$preset"
+    done
+    grep -h -E "^\| \*\*layer|^Per micro-batch" "$out"/*/wgrad_accumulate.md ;;
   spike13b)
     for change in "eps1e-5 --adam-eps 1e-5" "lr5e-5 --lr 5e-5"; do
       read -r tag flags <<<"$change"
@@ -194,6 +206,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
