@@ -102,12 +102,49 @@ class _CublasLt:
             "cublasLtMatmul",
         ):
             getattr(self.lib, name).restype = ctypes.c_int
+        # every argument typed: an untyped Python int goes as a 32-bit int, wrong for size_t
+        out_ptr, vp, size = ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_size_t
+        self.lib.cublasLtCreate.argtypes = [out_ptr]
+        self.lib.cublasLtMatmulDescCreate.argtypes = [out_ptr, ctypes.c_int, ctypes.c_int]
+        self.lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, ctypes.c_int, vp, size]
         self.lib.cublasLtMatrixLayoutCreate.argtypes = [
-            ctypes.POINTER(ctypes.c_void_p),
+            out_ptr,
             ctypes.c_int,
             ctypes.c_uint64,
             ctypes.c_uint64,
             ctypes.c_int64,
+        ]
+        self.lib.cublasLtMatmulPreferenceCreate.argtypes = [out_ptr]
+        self.lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, ctypes.c_int, vp, size]
+        self.lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            ctypes.c_int,
+            ctypes.POINTER(_Heuristic),
+            ctypes.POINTER(ctypes.c_int),
+        ]
+        self.lib.cublasLtMatmul.argtypes = [
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            ctypes.POINTER(_Algo),
+            vp,
+            size,
+            vp,
         ]
         self.handles: dict[int, ctypes.c_void_p] = {}
         self.workspaces: dict[int, torch.Tensor] = {}
@@ -213,7 +250,7 @@ class _CublasLt:
                 lt_c,
                 ctypes.byref(algo),
                 ctypes.c_void_p(workspace.data_ptr()),
-                ctypes.c_size_t(_WORKSPACE_BYTES),
+                _WORKSPACE_BYTES,
                 ctypes.c_void_p(torch.cuda.current_stream(out.device).cuda_stream),
             ),
             "cublasLtMatmul",

@@ -53,6 +53,33 @@ def test_the_library_is_the_one_torch_ships(monkeypatch):
     assert ga.backend_for(torch.zeros(1)) == "add"
 
 
+def test_the_binding_builds_descriptors_without_a_gpu():
+    """cuBLASLt makes its descriptors on the host: the argument types of those calls are checked here,
+    where a wrong one (an untyped size_t) would otherwise first show on a GPU."""
+    import ctypes
+
+    lt = ga._cublaslt()
+    if lt is None:
+        pytest.skip("this torch ships no cuBLASLt")
+    desc = ctypes.c_void_p()
+    lt._check(lt.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), ga._CUBLAS_COMPUTE_32F, ga._CUDA_R_32F), "create")
+    lt._set(desc, ga._DESC_TRANSA, ctypes.c_int32(ga._OP_T))
+    lt._set(desc, ga._DESC_FAST_ACCUM, ctypes.c_int8(1))
+    scale = torch.ones(())
+    lt._set(desc, ga._DESC_A_SCALE_POINTER, ctypes.c_void_p(scale.data_ptr()))
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32):
+        assert lt._layout(dtype, 8192, 2048, 8192).value
+    pref = ctypes.c_void_p()
+    lt._check(lt.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "preference")
+    size = ctypes.c_uint64(ga._WORKSPACE_BYTES)
+    status = lt.lib.cublasLtMatmulPreferenceSetAttribute(
+        pref, ga._PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.sizeof(size)
+    )
+    assert status == 0
+    with pytest.raises(ga.CublasLtError, match="cublasLtMatmulDescSetAttribute returned cuBLAS status"):
+        lt._set(desc, 10_000, ctypes.c_int32(0))  # no such attribute
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n", [(2048, 8192, 2048), (11264, 8192, 2048), (4096, 2047, 4096)], ids=str)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
