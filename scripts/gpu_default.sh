@@ -176,7 +176,8 @@ case $part in
       --out "$out" --name llama2-13b-eps1e-5-150 --no-plots
     grep -E "^\| (coat|training loss)" "$out/llama2-13b-eps1e-5-150.md" | cut -c1-260 ;;
   wgrad)
-    run 240 pytest-wgrad python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_accumulate.py
+    run 240 pytest-wgrad python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_accumulate.py \
+      tests/fp8/test_ops.py -k "accumulate or main_grad"
     tail -3 "$out/pytest-wgrad.log"
     for preset in gpt-1b llama2-7b; do
       run 120 "wgrad-$preset" python3 benchmarks/wgrad_accumulate.py --preset "$preset" --out "$out/$preset"

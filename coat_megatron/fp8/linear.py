@@ -16,6 +16,7 @@ On a CPU the GEMMs dequantize and multiply in FP32.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -29,11 +30,18 @@ from coat_kernels import (
 )
 from coat_kernels.formats import fp8_format
 from coat_kernels.gemm import fp8_gemm
+from coat_kernels.gemm_accumulate import fp8_gemm_accumulate
 from coat_kernels.swiglu import quantize_swiglu_input
 
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
 from .weights import Fp8WeightCache, weight_cache_for
+
+# How a wgrad is added into a gradient buffer that already holds a sum: "add" (the product in an FP32
+# temporary, then an add) until `bash scripts/gpu_default.sh wgrad` has checked and timed the GEMM
+# that accumulates into the buffer itself ("cublaslt": beta = 1, no temporary); COAT_WGRAD_ACCUMULATE
+# picks either.
+WGRAD_ACCUMULATE = os.environ.get("COAT_WGRAD_ACCUMULATE", "add")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -143,12 +151,13 @@ def _wgrad_into_main_grad(weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale)
     second time. While DDP has added nothing to main_grad since it zeroed it
     (``grad_added_to_main_grad`` False: the first micro-batch of a step), the GEMM writes straight
     into it, with no FP32 temporary to add (8 bytes per weight element less traffic); later
-    micro-batches, and a captured per-layer graph, which serves every micro-batch, add."""
+    micro-batches, and a captured per-layer graph, which serves every micro-batch, add
+    (``WGRAD_ACCUMULATE``)."""
     main = weight.main_grad  # FP32, or BF16 where DDP reduces gradients in BF16
     if getattr(weight, "grad_added_to_main_grad", None) is False and not _capturing_a_per_layer_graph():
         fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
     else:
-        main.add_(fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=torch.float32))
+        fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=WGRAD_ACCUMULATE)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True

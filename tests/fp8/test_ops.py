@@ -192,6 +192,29 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
     assert torch.equal(bf.main_grad, (plain[0].to(torch.bfloat16).float() + plain[1]).to(torch.bfloat16))
 
 
+@pytest.mark.gpu
+def test_wgrad_accumulated_in_the_gemm_matches_the_temporary_and_add(monkeypatch, seed):
+    """COAT_WGRAD_ACCUMULATE=cublaslt: later micro-batches add their wgrad into a BF16 main_grad inside
+    the GEMM (beta = 1); the sum equals the FP32 temporary's and add's within BF16 rounding."""
+    from coat_megatron.fp8 import linear as linear_mod
+
+    dev = torch.device("cuda")
+    xs = [activations((512, 1024), seed + i) for i in range(3)]
+    dys = [activations((512, 2048), seed + 10 + i) for i in range(3)]
+    w = activations((2048, 1024), seed + 20)
+    sums = {}
+    for way in ("add", "cublaslt"):
+        monkeypatch.setattr(linear_mod, "WGRAD_ACCUMULATE", way)
+        weight = leaf(w, device=dev)
+        weight.main_grad = torch.zeros(w.shape, dtype=torch.bfloat16, device=dev)
+        weight.grad_added_to_main_grad = False
+        for x, dy in zip(xs, dys):
+            fp8_linear(leaf(x, device=dev), weight, accumulate_into_main_grad=True).backward(dy.to(dev))
+        sums[way] = weight.main_grad.float()
+    assert (sums["cublaslt"] - sums["add"]).abs().max() <= 2**-6 * sums["add"].abs().max()
+    assert (sums["cublaslt"] != 0).any()
+
+
 def test_linear_fp8_output_is_1x16(seed):
     x, w = activations((24, 320), seed), activations((256, 320), seed + 1) / 18
     xr, wr = x.float(), w.float()
