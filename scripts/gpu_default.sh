@@ -59,7 +59,10 @@
 #                                              # spike go? (~3 min)
 #   (run 2026-11-26 on four H200s with scripts/gpu_parts.sh: benchmarks/results/default-h200x4/commands.txt)
 #
-# Still to run (each part one command; one mode per command where a run is long):
+# Still to run (each part one command; one mode per command where a run is long). First, on four GPUs:
+#   bash scripts/gpu_parts.sh "gputests + wgrad" "eps13b" "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b coat 1234"
+#                                              # (the CUDA-graph tests did not all run after the in-kernel amax
+#                                              # landed: gputests goes first; then the parts below)
 #   bash scripts/gpu_default.sh eps13b         # H200: the llama13b run again with --adam-eps 1e-5 (150 steps,
 #                                              # validation every 25). Rule, declared before it runs: 1e-5 becomes
 #                                              # the Llama presets' default iff no training loss after step 10 passes
