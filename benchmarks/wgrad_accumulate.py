@@ -11,23 +11,20 @@ result (the first micro-batch's), and the sum per layer and per model micro-batc
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 
 import torch
 import triton
 
 from coat_compare.presets import get_preset
+from coat_compare.report import write_markdown_and_rows
 from coat_kernels import quantize_per_tensor
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.gemm_accumulate import fp8_gemm_accumulate
 
-
-def linears(preset) -> dict[str, tuple[int, int]]:
-    """(out, in) of each linear of one layer (Llama-shaped: fused QKV, SwiGLU's [gate | up] fc1)."""
-    h, f = preset.hidden, preset.ffn
-    kv = (preset.kv_heads or preset.heads) * (h // preset.heads)
-    return {"qkv": (h + 2 * kv, h), "proj": (h, h), "fc1": (2 * f, h), "fc2": (h, f)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from weight_passes import linear_shapes  # noqa: E402  (one layer's (name, out, in), as the weights are kept)
 
 
 def main(argv=None) -> int:
@@ -41,7 +38,7 @@ def main(argv=None) -> int:
     preset = get_preset(args.preset)
     tokens = args.tokens or preset.seq * preset.micro_batch
     rows = []
-    for name, (n_out, n_in) in linears(preset).items():
+    for name, n_out, n_in in linear_shapes(preset):
         g = torch.Generator(device="cuda").manual_seed(0)
         dy_t, dy_s = quantize_per_tensor(torch.randn(n_out, tokens, device="cuda", generator=g), "e5m2")
         x_t, x_s = quantize_per_tensor(torch.randn(n_in, tokens, device="cuda", generator=g), "e4m3")
@@ -83,13 +80,9 @@ def main(argv=None) -> int:
         f"Per micro-batch of the model ({preset.layers} layers): {preset.layers * layer['cublaslt_ms']:.1f} ms in the GEMM "
         f"against {preset.layers * layer['add_ms']:.1f} ms by the temporary and an add.",
     ]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "wgrad_accumulate.jsonl"), "w") as f:
-        for r in rows:
-            f.write(json.dumps({**r, "preset": preset.name, "device": torch.cuda.get_device_name()}) + "\n")
-    with open(os.path.join(args.out, "wgrad_accumulate.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    device = torch.cuda.get_device_name()
+    rows = [{**r, "preset": preset.name, "device": device} for r in rows]
+    write_markdown_and_rows(args.out, "wgrad_accumulate", "\n".join(lines) + "\n", rows)
     return 0
 
 

@@ -25,6 +25,25 @@ def fp8_gemm_reference(a, a_scale, b, b_scale, *, out_dtype=torch.bfloat16, bias
     return out.to(out_dtype)
 
 
+def check_operands(a: torch.Tensor, b: torch.Tensor, caller: str) -> None:
+    """FP8 ``a`` (M, K) and ``b`` (K, N), not both E5M2 (cuBLASLt has no such GEMM)."""
+    if a.dtype not in _FP8 or b.dtype not in _FP8:
+        raise TypeError(f"{caller} takes FP8 operands, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{caller} shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}")
+
+
+def check_gpu_layout(a: torch.Tensor, b: torch.Tensor, caller: str) -> None:
+    """What cuBLASLt's FP8 GEMM takes: ``a`` row-major, ``b`` column-major, an output width N that
+    is a multiple of 16 (K is padded by ``_pad_k``)."""
+    if not (a.is_contiguous() and b.t().is_contiguous()):
+        raise ValueError(f"{caller} needs a row-major and b column-major (b.t() contiguous)")
+    if b.shape[1] % 16:
+        raise ValueError(f"the output width {b.shape[1]} of an FP8 GEMM must be a multiple of 16; pad the layer")
+
+
 def _pad_k(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad = -a.shape[1] % 16
     if not pad:
@@ -57,12 +76,7 @@ def fp8_gemm(
     Returns:
         (M, N) in ``out_dtype`` (``out`` when given).
     """
-    if a.dtype not in _FP8 or b.dtype not in _FP8:
-        raise TypeError(f"fp8_gemm takes FP8 operands, got {a.dtype} and {b.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"fp8_gemm shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    check_operands(a, b, "fp8_gemm")
     if out is not None and (out.shape != (a.shape[0], b.shape[1]) or out.dtype != out_dtype or not out.is_contiguous()):
         raise ValueError(
             f"out must be a contiguous {out_dtype} tensor of shape {(a.shape[0], b.shape[1])}, got {out.dtype} {tuple(out.shape)}"
@@ -70,10 +84,7 @@ def fp8_gemm(
     if not a.is_cuda or not use_triton(a, backend):
         result = fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
         return result if out is None else out.copy_(result)
-    if not (a.is_contiguous() and b.t().is_contiguous()):
-        raise ValueError("fp8_gemm needs a row-major and b column-major (b.t() contiguous)")
-    if b.shape[1] % 16:
-        raise ValueError(f"the output width {b.shape[1]} of an FP8 GEMM must be a multiple of 16; pad the layer")
+    check_gpu_layout(a, b, "fp8_gemm")
     a, b = _pad_k(a, b)
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)

@@ -32,7 +32,7 @@ import threading
 
 import torch
 
-from .gemm import _FP8, _pad_k, fp8_gemm, fp8_gemm_reference
+from .gemm import _pad_k, check_gpu_layout, check_operands, fp8_gemm, fp8_gemm_reference
 
 # cublasLt.h / library_types.h / cublas_api.h (CUDA 13)
 _CUBLAS_COMPUTE_32F = 68
@@ -116,36 +116,12 @@ class _CublasLt:
         ]
         self.lib.cublasLtMatmulPreferenceCreate.argtypes = [out_ptr]
         self.lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, ctypes.c_int, vp, size]
-        self.lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            ctypes.c_int,
-            ctypes.POINTER(_Heuristic),
-            ctypes.POINTER(ctypes.c_int),
-        ]
-        self.lib.cublasLtMatmul.argtypes = [
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            vp,
-            ctypes.POINTER(_Algo),
-            vp,
-            size,
-            vp,
-        ]
+        heuristic_out = [ctypes.POINTER(_Heuristic), ctypes.POINTER(ctypes.c_int)]
+        # (handle, descriptor, the layouts of A, B, C and D, preference), count, results, returned
+        self.lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp] * 7 + [ctypes.c_int] + heuristic_out
+        # (handle, descriptor, alpha, A, its layout, B, its layout, beta, C, its layout, D, its layout),
+        # algo, workspace, its size, stream
+        self.lib.cublasLtMatmul.argtypes = [vp] * 12 + [ctypes.POINTER(_Algo), vp, size, vp]
         self.handles: dict[int, ctypes.c_void_p] = {}
         self.workspaces: dict[int, torch.Tensor] = {}
         self.plans: dict[tuple, tuple] = {}
@@ -284,11 +260,7 @@ def accumulate_by_add(a, a_scale, b, b_scale, out, *, use_fast_accum: bool = Fal
 
 def backend_for(out: torch.Tensor) -> str:
     """Which way ``fp8_gemm_accumulate`` goes for ``out``: "cublaslt" or "add"."""
-    if not out.is_cuda:
-        return "add"
-    if os.environ.get("COAT_GEMM_ACCUMULATE", "cublaslt") == "add" or _cublaslt() is None:
-        return "add"
-    return "cublaslt"
+    return "cublaslt" if out.is_cuda and _cublaslt() is not None else "add"
 
 
 def fp8_gemm_accumulate(
@@ -304,15 +276,10 @@ def fp8_gemm_accumulate(
     """``out += (a * a_scale) @ (b * b_scale)``, the product accumulated in FP32 and added to ``out``
     (BF16 or FP32, (M, N) contiguous) in one rounding. Returns ``out``.
 
-    ``backend``: "auto" (``backend_for``), "cublaslt" or "add" (the FP32 temporary and an add; set
-    ``COAT_GEMM_ACCUMULATE=add`` to make "auto" take it).
+    ``backend``: "auto" (``backend_for``), "cublaslt" or "add" (the FP32 temporary and an add).
+    Scales are 0-d (or one-element) FP32 tensors, as the quantizers return them.
     """
-    if a.dtype not in _FP8 or b.dtype not in _FP8:
-        raise TypeError(f"fp8_gemm_accumulate takes FP8 operands, got {a.dtype} and {b.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        raise TypeError("E5M2 x E5M2 GEMMs are not supported by cuBLASLt; quantize one operand to E4M3")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"fp8_gemm_accumulate shapes do not match: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    check_operands(a, b, "fp8_gemm_accumulate")
     if out.shape != (a.shape[0], b.shape[1]) or out.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(
             f"out must be a BF16 or FP32 tensor of shape {(a.shape[0], b.shape[1])}, got {out.dtype} {tuple(out.shape)}"
@@ -322,10 +289,9 @@ def fp8_gemm_accumulate(
     chosen = backend_for(out) if backend == "auto" else backend
     if chosen == "add" or not out.is_cuda:
         return accumulate_by_add(a, a_scale, b, b_scale, out, use_fast_accum=use_fast_accum)
-    if not (a.is_contiguous() and b.t().is_contiguous()):
-        raise ValueError("fp8_gemm_accumulate needs a row-major and b column-major (b.t() contiguous)")
-    if b.shape[1] % 16 or a.shape[0] % 16:
-        raise ValueError(f"FP8 GEMM sizes must be multiples of 16, got out {tuple(out.shape)}; pad the layer")
+    check_gpu_layout(a, b, "fp8_gemm_accumulate")
+    if a.shape[0] % 16:  # out's rows are cuBLASLt's columns of D here: its leading dimension
+        raise ValueError(f"the output height {a.shape[0]} of an accumulating FP8 GEMM must be a multiple of 16")
     a, b = _pad_k(a, b)
     sa = a_scale if a_scale.dim() == 0 else a_scale.reshape(())
     sb = b_scale if b_scale.dim() == 0 else b_scale.reshape(())
@@ -334,5 +300,5 @@ def fp8_gemm_accumulate(
     lt = _cublaslt()
     if lt is None:
         raise CublasLtError(f"cuBLASLt is not available here ({_LT_ERROR}); use backend='add'")
-    lt.accumulate(a, sa.float().contiguous(), b, sb.float().contiguous(), out, use_fast_accum)
+    lt.accumulate(a, sa, b, sb, out, use_fast_accum)
     return out
