@@ -73,6 +73,9 @@
 #                                              # GPU tests, then the wgrad times of gpt-1b's and Llama-2-7B's linears
 #                                              # (benchmarks/wgrad_accumulate.py). Wired into the linear's gradient
 #                                              # accumulation only once both pass (~2 min)
+#   bash scripts/gpu_default.sh speed1b        # issue 23: gpt-1b, micro-batch 4, global batch 32, per-layer graphs:
+#                                              # bf16, te-fp8-delayed (TE's fastest) and coat; then coat again with the
+#                                              # wgrad accumulated by cuBLASLt (COAT_WGRAD_ACCUMULATE=cublaslt) (~5 min)
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b bf16 1234 2" \
 #                             "LR_DECAY=cosine acc1b coat 1234" "LR_DECAY=cosine acc1b te-fp8-delayed 1234"
 #                                              # four GPUs: goal (b)'s run with the learning rate decayed (cosine to
@@ -90,7 +93,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -186,6 +189,12 @@ case $part in
       run 120 "wgrad-$preset" python3 benchmarks/wgrad_accumulate.py --preset "$preset" --out "$out/$preset"
     done
     grep -h -E "^\| \*\*layer|^Per micro-batch" "$out"/*/wgrad_accumulate.md ;;
+  speed1b)
+    run 330 speed1b coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
+      --modes bf16,te-fp8-delayed,coat --cuda-graphs local --out "$out" --name gpt-1b-te-local --no-plots
+    run 180 speed1b-cublaslt env COAT_WGRAD_ACCUMULATE=cublaslt coat-compare --preset gpt-1b --micro-batch 4 \
+      --global-batch 32 --steps 12 --modes coat --cuda-graphs local --out "$out" --name gpt-1b-cublaslt-local --no-plots
+    grep -h -E "^\| (bf16|te-fp8|coat) " "$out"/gpt-1b-*.md | cut -c1-200 ;;
   spike13b)
     for change in "eps1e-5 --adam-eps 1e-5" "lr5e-5 --lr 5e-5"; do
       read -r tag flags <<<"$change"
@@ -210,6 +219,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
