@@ -124,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--adam-eps",
         type=float,
         metavar="EPS",
-        help="Adam's epsilon for every mode (default 1e-8, Megatron's; Llama 2 was trained with 1e-5)",
+        help="Adam's epsilon for every mode (default: the preset's: 1e-8, Megatron's; llama2-7b and llama2-13b 1e-5, Llama 2's)",
     )
     p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
     p.add_argument(

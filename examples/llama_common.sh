@@ -17,6 +17,8 @@ launch_llama() {
     if python -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
     # Megatron's default gradient-accumulation fusion needs apex's fused wgrad kernel
     if python -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
+    # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
+    # warm-up began (benchmarks/results/cosine-h200x4/eps13b)
     [[ "${COAT:-1}" == 1 ]] && precision=(--coat-fp8) || precision=()
 
     exec python -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch "$HERE/pretrain_gpt.py" \
@@ -27,7 +29,7 @@ launch_llama() {
         --bf16 --transformer-impl "$impl" --use-distributed-optimizer --overlap-grad-reduce "${fusion[@]}" \
         --micro-batch-size "${MICRO_BATCH:-$MICRO_BATCH_DEFAULT}" --global-batch-size "${GLOBAL_BATCH:-$GLOBAL_BATCH_DEFAULT}" \
         --train-iters "${ITERS:-10000}" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" \
-        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 \
+        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --clip-grad 1.0 \
         "${data[@]}" --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10 \
         "${precision[@]}" "$@"
 }
