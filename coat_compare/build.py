@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import zlib
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +102,48 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
     return TransformerConfig(**fields)
 
 
+def wgrad_fusion() -> bool:
+    """Whether each mode adds its wgrad into DDP's gradient buffer inside the GEMM, as fast Megatron
+    training does: TE's linears (bf16, te-fp8-*) with TE's own ``fuse_wgrad_accumulation``, COAT's with
+    theirs (``CoatConfig.fuse_wgrad_accumulation``); neither needs apex, which Megatron's own flag waits
+    for. ``COAT_COMPARE_WGRAD_FUSION=off`` turns it off in every mode (Megatron then adds a BF16 wgrad
+    tensor per micro-batch), to measure what it is worth."""
+    value = os.environ.get("COAT_COMPARE_WGRAD_FUSION", "on")
+    if value not in ("on", "off"):
+        raise ValueError(f"COAT_COMPARE_WGRAD_FUSION={value!r}: use on (the default) or off")
+    return value == "on"
+
+
 def coat_config(mode: Mode) -> CoatConfig:
-    return mode.coat_config()
+    config = mode.coat_config()
+    return config if wgrad_fusion() else replace(config, fuse_wgrad_accumulation=False)
+
+
+def fuse_te_wgrad_accumulation(model: torch.nn.Module) -> None:
+    """Turn on TE's in-GEMM wgrad accumulation in every TE module of ``model`` (read by each forward),
+    which Megatron's TE spec sets from ``gradient_accumulation_fusion`` and so leaves off without apex.
+    Call before DDP wraps the model: DDP gives every weight the ``main_grad`` it writes."""
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    for module in model.modules():
+        if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+            module.fuse_wgrad_accumulation = True
+
+
+def fused_wgrad_linears(model: torch.nn.Module) -> tuple[int, int]:
+    """(linears that add their wgrad into main_grad inside the GEMM, linears): a row's record."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    fused = total = 0
+    for module in model.modules():
+        coat = getattr(module, "coat", None)
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            total += 1
+            fused += bool(module.gradient_accumulation_fusion or (coat is not None and coat.fuse_wgrad_accumulation))
+        elif hasattr(module, "fuse_wgrad_accumulation") and hasattr(module, "weight"):
+            total += 1
+            fused += bool(module.fuse_wgrad_accumulation)
+    return fused, total
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -222,6 +264,8 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
     if torch.cuda.is_available():
         gpt = gpt.cuda()
     init_weights_by_name(gpt, seed, preset.layers)
+    if torch.cuda.is_available() and mode.resolved_spec() == "te" and wgrad_fusion():
+        fuse_te_wgrad_accumulation(gpt)
     module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=mode.grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from . import parallel
+from .build import wgrad_fusion
 from .corpus import SOURCES
 from .goals import evaluate
 from .modes import DEFAULT_MODES, MODES, Mode, parse_modes, unavailable_reason
@@ -282,6 +283,7 @@ def check_args(args) -> None:
     if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
         raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
     parallel.gc_mode()  # COAT_COMPARE_GC: refused here, before any work, where it is neither manual nor auto
+    wgrad_fusion()  # COAT_COMPARE_WGRAD_FUSION: likewise, where it is neither on nor off
     if args.probe and len(args.cuda_graphs) != 1:
         raise ValueError("--probe is one run: give one --cuda-graphs value")
     for name in (

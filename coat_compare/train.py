@@ -30,7 +30,7 @@ from collections import Counter
 import torch
 
 from . import parallel
-from .build import build_gpt, lr_warmup_steps, set_learning_rate, unwrap_optimizers
+from .build import build_gpt, fused_wgrad_linears, lr_warmup_steps, set_learning_rate, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
 from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
@@ -218,6 +218,7 @@ def train(
         "lr_warmup_steps": lr_warmup_steps(preset),
         "lr_decay": preset.lr_decay,
         "adam_eps": preset.adam_eps,
+        "wgrad_fused_linears": list(fused_wgrad_linears(model)),  # [in-GEMM wgrad accumulation, linears]
         "losses": losses,
         "data_seed": data_seed,
         **corpus.identity(),

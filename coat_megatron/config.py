@@ -102,6 +102,12 @@ class CoatConfig:
             the BF16 buffer in place and accumulates in FP32 from there) and "fp32" with it off
             (Megatron's own default for BF16 training). A setting for whoever builds the DDP
             wrapper (``ddp_grad_reduce_in_fp32``): the COAT modules and optimizer read either.
+        fuse_wgrad_accumulation: COAT's linears add each micro-batch's weight gradient into the
+            weight's ``main_grad`` (Megatron DDP's gradient buffer) themselves, in the wgrad GEMM's
+            output, whenever DDP gave the weight one: no BF16 wgrad tensor for Megatron to add
+            afterwards. Megatron ties its own ``gradient_accumulation_fusion`` to apex's fused wgrad
+            kernel; COAT's linears need no apex, so they fuse with that flag on or off. False
+            leaves the addition to Megatron (the flag's behaviour).
     """
 
     activations: bool = True
@@ -123,6 +129,7 @@ class CoatConfig:
     cache_weight_transpose: bool = False
     master_weights: str | None = None
     grad_buffers: str | None = None
+    fuse_wgrad_accumulation: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -133,6 +140,7 @@ class CoatConfig:
             "fprop_fast_accumulation",
             "recompute_norm_output",
             "cache_weight_transpose",
+            "fuse_wgrad_accumulation",
         ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         # unset: W's codes are kept exactly where W^T's are (the cached configuration)

@@ -84,6 +84,10 @@ KNOBS: dict[str, tuple[dict, str]] = {
         dict(choices=GRAD_BUFFERS),
         "dtype of DDP's gradient buffers, where micro-batch gradients are summed and reduced: bf16 (default with COAT's optimizer: 2 bytes per parameter) or fp32 (4; Megatron's default, and the default with --coat-optimizer off). Sets Megatron's --accumulate-allreduce-grads-in-fp32 / --grad-reduce-in-bf16",
     ),
+    "fuse_wgrad_accumulation": (
+        dict(type=_switch, metavar="on|off"),
+        "COAT's linears add each micro-batch's weight gradient into DDP's gradient buffer inside the wgrad GEMM, with or without apex (--no-gradient-accumulation-fusion governs Megatron's own linears only). Default on; off leaves the addition to Megatron",
+    ),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"

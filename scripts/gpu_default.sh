@@ -76,6 +76,12 @@
 #   bash scripts/gpu_default.sh speed1b        # issue 23: gpt-1b, micro-batch 4, global batch 32, per-layer graphs:
 #                                              # bf16, te-fp8-delayed (TE's fastest) and coat; then coat again with the
 #                                              # wgrad accumulated by cuBLASLt (COAT_WGRAD_ACCUMULATE=cublaslt) (~5 min)
+#   bash scripts/gpu_default.sh fusion1b       # issue 23: every mode adds its wgrad into DDP's buffer inside the GEMM
+#                                              # (TE's fuse_wgrad_accumulation, COAT's own; no apex on the image, so
+#                                              # before this every mode ran unfused): gpt-1b as speed1b, bf16,
+#                                              # te-fp8-delayed and coat fused, then all three unfused
+#                                              # (COAT_COMPARE_WGRAD_FUSION=off), then coat fused by cuBLASLt; then the
+#                                              # CUDA-graph tests (COAT's fused path inside captured graphs) (~8 min)
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b bf16 1234 2" \
 #                             "LR_DECAY=cosine acc1b coat 1234" "LR_DECAY=cosine acc1b te-fp8-delayed 1234"
 #                                              # four GPUs: goal (b)'s run with the learning rate decayed (cosine to
@@ -93,7 +99,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -195,6 +201,15 @@ case $part in
     run 180 speed1b-cublaslt env COAT_WGRAD_ACCUMULATE=cublaslt coat-compare --preset gpt-1b --micro-batch 4 \
       --global-batch 32 --steps 12 --modes coat --cuda-graphs local --out "$out" --name gpt-1b-cublaslt-local --no-plots
     grep -h -E "^\| (bf16|te-fp8|coat) " "$out"/gpt-1b-*.md | cut -c1-200 ;;
+  fusion1b)
+    common=(--preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 --cuda-graphs local --out "$out" --no-plots)
+    run 200 fusion1b coat-compare "${common[@]}" --modes bf16,te-fp8-delayed,coat --name gpt-1b-fused
+    run 200 fusion1b-off env COAT_COMPARE_WGRAD_FUSION=off coat-compare "${common[@]}" --modes bf16,te-fp8-delayed,coat \
+      --name gpt-1b-unfused
+    run 100 fusion1b-cublaslt env COAT_WGRAD_ACCUMULATE=cublaslt coat-compare "${common[@]}" --modes coat --name gpt-1b-fused-cublaslt
+    grep -h -E "^\| (bf16|te-fp8-delayed|coat) \| local \| 4" "$out"/gpt-1b-*.md | cut -c1-120
+    run 240 pytest-graphs python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_cuda_graphs.py
+    tail -3 "$out/pytest-graphs.log" ;;
   spike13b)
     for change in "eps1e-5 --adam-eps 1e-5" "lr5e-5 --lr 5e-5"; do
       read -r tag flags <<<"$change"
@@ -219,6 +234,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

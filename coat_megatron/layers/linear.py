@@ -61,7 +61,7 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
             config=self.coat,
             weight_cache=self.weight_cache,
             fp8_output=self.fp8_output,
-            accumulate_into_main_grad=self.gradient_accumulation_fusion,
+            accumulate_into_main_grad=self.gradient_accumulation_fusion or self.coat.fuse_wgrad_accumulation,
         )
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -94,7 +94,7 @@ class CoatRowParallelLinear(RowParallelLinear):
             config=self.coat,
             weight_cache=self.weight_cache,
             save_original_input=self.input_saved_by_producer and not isinstance(x, Fp8Tensor),
-            accumulate_into_main_grad=self.gradient_accumulation_fusion,
+            accumulate_into_main_grad=self.gradient_accumulation_fusion or self.coat.fuse_wgrad_accumulation,
         )
         if self.sequence_parallel:
             out = reduce_scatter_with_fp8_grad(out, self.tp_group, self.coat.backward_format)

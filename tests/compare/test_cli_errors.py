@@ -430,3 +430,9 @@ def test_manual_collection_is_off_inside_the_block_and_restored_after():
         assert not gc.isenabled()  # what was off before stays off
     finally:
         gc.enable()
+
+
+def test_a_bad_wgrad_fusion_setting_is_refused_before_any_work(tmp_path, capsys, no_work, monkeypatch):
+    monkeypatch.setenv("COAT_COMPARE_WGRAD_FUSION", "maybe")
+    line = refused(["--out", str(tmp_path / "out")], capsys)
+    assert "COAT_COMPARE_WGRAD_FUSION='maybe': use on (the default) or off" in line

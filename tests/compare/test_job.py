@@ -514,3 +514,23 @@ def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
     assert eps("--preset", "llama2-7b") == eps("--preset", "llama2-13b") == 1e-5
     assert eps("--preset", "gpt-1b") == eps("--preset", "tiny") == 1e-8
     assert eps("--preset", "llama2-13b", "--adam-eps", "1e-8") == 1e-8
+
+
+def test_rows_count_the_linears_that_add_their_wgrad_in_the_gemm(tmp_path):
+    """Each row says how many of its linears add their wgrad into DDP's buffer inside the GEMM: all of
+    COAT's by default (no apex needed), none with COAT_COMPARE_WGRAD_FUSION=off; on a CPU the BF16 local
+    spec's never (Megatron's own fusion wants apex and CUDA)."""
+    common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
+    run_job(*common, "--out", str(tmp_path / "on"))
+    os.environ["COAT_COMPARE_WGRAD_FUSION"] = "off"
+    try:
+        run_job(*common, "--out", str(tmp_path / "off"))
+    finally:
+        del os.environ["COAT_COMPARE_WGRAD_FUSION"]
+    on = {r["mode"]: r for r in read_jsonl(tmp_path / "on" / "tiny.jsonl") if r["kind"] == "train"}
+    off = {r["mode"]: r for r in read_jsonl(tmp_path / "off" / "tiny.jsonl") if r["kind"] == "train"}
+    fused, linears = on["coat"]["wgrad_fused_linears"]
+    assert linears >= 4 * 2 and fused == linears - 1  # every layer's four; GPTModel's output layer is Megatron's
+    assert off["coat"]["wgrad_fused_linears"] == [0, linears]
+    assert on["bf16"]["wgrad_fused_linears"][0] == 0
+    assert on["coat"]["losses"][0] == off["coat"]["losses"][0]

@@ -210,3 +210,37 @@ def test_weight_caches_keeping_fewer_codes_train_identically_on_fewer_bytes():
         assert a["cache_bytes"] == 2 * a["weight_elements"] + scalars
         assert b["cache_bytes"] == a["weight_elements"] + scalars
         assert c["cache_bytes"] == scalars
+
+
+def _grads_with_wgrad_fusion(fuse: bool) -> dict:
+    """4 micro-batches through Megatron's schedule and DDP with Megatron's gradient_accumulation_fusion
+    off (what it must be without apex): COAT's linears add their wgrad into main_grad themselves or
+    hand it to Megatron; which did it shows in DDP's grad_added_to_main_grad flag (DDP resets it only
+    at zero_grad_buffer)."""
+    config = tiny_config(gradient_accumulation_fusion=False)
+    model = tiny_ddp(
+        coat_gpt(config, coat_config=CoatConfig(fuse_wgrad_accumulation=fuse)), distributed_optimizer=False
+    )
+    loss = forward_backward(model, synthetic_batches(MICROBATCHES))
+    linears = [m for m in model.modules() if hasattr(m, "weight_cache")]
+    return dict(
+        loss=loss,
+        grads=local_shards(model, "main_grad"),
+        added_in_gemm=[bool(m.weight.grad_added_to_main_grad) for m in linears],
+    )
+
+
+@pytest.mark.parametrize("world_size, tp", [(1, 1), (2, 2)])
+def test_coat_linears_add_their_wgrad_into_main_grad_without_apex(world_size, tp):
+    """With the fusion on (the default) every COAT linear adds its wgrad into DDP's buffer inside the
+    GEMM although Megatron's flag is off; off, Megatron's hook adds it. The micro-batches' sums agree
+    (FP32 weights here: the same products, added in another order)."""
+    fused = run_distributed(_grads_with_wgrad_fusion, world_size, args=(True,), tensor_parallel=tp)
+    plain = run_distributed(_grads_with_wgrad_fusion, world_size, args=(False,), tensor_parallel=tp)
+    for f, p in zip(fused, plain):
+        assert f["added_in_gemm"] and all(f["added_in_gemm"])
+        assert not any(p["added_in_gemm"])
+        assert f["loss"] == p["loss"]
+        assert f["grads"].keys() == p["grads"].keys()
+        for name in f["grads"]:
+            torch.testing.assert_close(f["grads"][name].tensor, p["grads"][name].tensor, rtol=1e-5, atol=1e-6, msg=name)
