@@ -134,7 +134,8 @@ case $part in
       --micro-batch 2 --global-batch 4 --steps 150 --eval-every 25 --eval-windows 48 --modes coat \
       --out "$out" --name llama2-13b-mb2 --no-plots
     grep -E "^\| (coat|llama|training loss)" "$out/llama2-13b-mb2.md" | cut -c1-260 ;;
-  speed7b)  # the goal's run first: the kernels' sweep is what a part cut short by its limit loses
+  speed7b)
+    # the goal's run first: the kernels' sweep is what a part cut short by its limit loses
     run 470 speed7b coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-codes,coat-cached \
       --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
     grep -E "^\| (coat|default)" "$out/llama2-7b-default-vs-cached.md" | cut -c1-260
