@@ -259,8 +259,10 @@ def accumulate_by_add(a, a_scale, b, b_scale, out, *, use_fast_accum: bool = Fal
 
 
 def backend_for(out: torch.Tensor) -> str:
-    """Which way ``fp8_gemm_accumulate`` goes for ``out``: "cublaslt" or "add"."""
-    return "cublaslt" if out.is_cuda and _cublaslt() is not None else "add"
+    """Which way ``fp8_gemm_accumulate`` goes for ``out``: "cublaslt" on a GPU where torch ships
+    cuBLASLt and ``out``'s height is a multiple of 16 (cuBLASLt's FP8 leading-dimension rule), else
+    "add"."""
+    return "cublaslt" if out.is_cuda and out.shape[0] % 16 == 0 and _cublaslt() is not None else "add"
 
 
 def fp8_gemm_accumulate(

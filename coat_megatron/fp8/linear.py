@@ -37,11 +37,14 @@ from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
 from .weights import Fp8WeightCache, weight_cache_for
 
-# How a wgrad is added into a gradient buffer that already holds a sum: "add" (the product in an FP32
-# temporary, then an add) until `bash scripts/gpu_default.sh wgrad` has checked and timed the GEMM
-# that accumulates into the buffer itself ("cublaslt": beta = 1, no temporary); COAT_WGRAD_ACCUMULATE
-# picks either.
-WGRAD_ACCUMULATE = os.environ.get("COAT_WGRAD_ACCUMULATE", "add")
+# How a wgrad is added into a gradient buffer that already holds a sum: "auto" (the default) has the
+# GEMM itself add it where cuBLASLt can ("cublaslt": beta = 1, no temporary; gpt-1b on an H200 ran
+# 4.5% faster than with "add": benchmarks/results/fusion-h200), else "add" (the product in an FP32
+# temporary, then an add: on a CPU, or for an output height that is not a multiple of 16).
+# COAT_WGRAD_ACCUMULATE picks one.
+WGRAD_ACCUMULATE = os.environ.get("COAT_WGRAD_ACCUMULATE", "auto")
+if WGRAD_ACCUMULATE not in ("auto", "cublaslt", "add"):
+    raise ValueError(f"COAT_WGRAD_ACCUMULATE={WGRAD_ACCUMULATE!r}: use auto (the default), cublaslt or add")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ adds half its step, 2^-8 of the value; FP32 statistics (rstd, mean) add ~1e-5 re
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -213,6 +214,18 @@ def test_wgrad_accumulated_in_the_gemm_matches_the_temporary_and_add(monkeypatch
         sums[way] = weight.main_grad.float()
     assert (sums["cublaslt"] - sums["add"]).abs().max() <= 2**-6 * sums["add"].abs().max()
     assert (sums["cublaslt"] != 0).any()
+
+
+def test_an_unknown_wgrad_accumulation_is_refused_at_import():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COAT_WGRAD_ACCUMULATE": "sometimes"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import coat_megatron.fp8.linear"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode != 0
+    assert "COAT_WGRAD_ACCUMULATE='sometimes': use auto (the default), cublaslt or add" in proc.stderr
 
 
 def test_linear_fp8_output_is_1x16(seed):

@@ -120,3 +120,15 @@ def test_new_scales_reach_a_cached_plan_and_a_cuda_graph_replays_it():
         graph.replay()
     torch.cuda.synchronize()
     assert torch.allclose(out, 3 * once, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_auto_takes_the_add_where_cublaslt_cannot_write_the_output():
+    """cuBLASLt's FP8 GEMM wants the output's height (its leading dimension here) a multiple of 16:
+    "auto" adds through the temporary there, and the result is the same sum."""
+    a, sa, b, sb = operands(40, 64, 32, seed=1, device="cuda")
+    ragged = torch.zeros(40, 32, device="cuda")
+    assert ga.backend_for(ragged) == "add" and ga.backend_for(torch.zeros(48, 32, device="cuda")) == "cublaslt"
+    ga.fp8_gemm_accumulate(a, sa, b, sb, ragged)
+    want = fp8_gemm_reference(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), out_dtype=torch.float32)
+    torch.testing.assert_close(ragged.cpu(), want, rtol=1e-5, atol=1e-4)  # FP32 sums in another order
