@@ -58,16 +58,11 @@
 #                                              # third of the learning rate (5e-5): does the step-8 and step-12
 #                                              # spike go? (~3 min)
 #   (run 2026-11-26 on four H200s with scripts/gpu_parts.sh: benchmarks/results/default-h200x4/commands.txt)
-#
-# Still to run (each part one command; one mode per command where a run is long). First, on four GPUs:
-#   bash scripts/gpu_parts.sh "gputests + wgrad" "eps13b" "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b coat 1234"
-#                                              # (the CUDA-graph tests did not all run after the in-kernel amax
-#                                              # landed: gputests goes first; then the parts below)
 #   bash scripts/gpu_default.sh eps13b         # H200: the llama13b run again with --adam-eps 1e-5 (150 steps,
 #                                              # validation every 25). Rule, declared before it runs: 1e-5 becomes
 #                                              # the Llama presets' default iff no training loss after step 10 passes
 #                                              # ln(32000) = 10.37 AND the final validation loss is at most the 1e-8
-#                                              # run's 3.09 (default-h200x2/llama13b) (~7 min)
+#                                              # run's 3.09 (default-h200x2/llama13b): held, 1e-5 is the default (~7 min)
 #   bash scripts/gpu_default.sh wgrad          # issue 23: the accumulating FP8 GEMM (kernels/gemm_accumulate.py,
 #                                              # cuBLASLt with beta = 1) against the FP32 temporary and an add: its
 #                                              # GPU tests, then the wgrad times of gpt-1b's and Llama-2-7B's linears
@@ -76,19 +71,30 @@
 #   bash scripts/gpu_default.sh speed1b        # issue 23: gpt-1b, micro-batch 4, global batch 32, per-layer graphs:
 #                                              # bf16, te-fp8-delayed (TE's fastest) and coat; then coat again with the
 #                                              # wgrad accumulated by cuBLASLt (COAT_WGRAD_ACCUMULATE=cublaslt) (~5 min)
+#   (these three, and acc1b with LR_DECAY=cosine at seeds 1234 (twice), 2, 3, on four H200s 2026-11-26:
+#   benchmarks/results/cosine-h200x4/commands.txt)
 #   bash scripts/gpu_default.sh fusion1b       # issue 23: every mode adds its wgrad into DDP's buffer inside the GEMM
 #                                              # (TE's fuse_wgrad_accumulation, COAT's own; no apex on the image, so
 #                                              # before this every mode ran unfused): gpt-1b as speed1b, bf16,
 #                                              # te-fp8-delayed and coat fused, then all three unfused
 #                                              # (COAT_COMPARE_WGRAD_FUSION=off), then coat fused by cuBLASLt; then the
-#                                              # CUDA-graph tests (COAT's fused path inside captured graphs) (~8 min)
-#   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 1234" "LR_DECAY=cosine acc1b bf16 1234 2" \
-#                             "LR_DECAY=cosine acc1b coat 1234" "LR_DECAY=cosine acc1b te-fp8-delayed 1234"
-#                                              # four GPUs: goal (b)'s run with the learning rate decayed (cosine to
-#                                              # 10%) as real pretraining does. Declared before it runs: it is read as
-#                                              # quieter if BF16 against itself ends within 0.5% (constant: 0.99%); then
-#                                              # seeds 2 and 3 the same way, and (b) judged on the cosine runs of seeds
-#                                              # 1234, 2, 3 by the unchanged rule, beside the constant runs' verdict
+#                                              # CUDA-graph tests (COAT's fused path inside captured graphs) (~8 min;
+#                                              # on one H200 2026-11-26: benchmarks/results/fusion-h200)
+#
+# Still to run (each part one command; one mode per command where a run is long). First, on one GPU:
+#   bash scripts/gpu_default.sh gputests       # first: the CUDA-graph tests have not run on a GPU since COAT's linears
+#                                              # add their wgrad inside the GEMM (fusion1b ran out of device time in
+#                                              # them), nor the accumulating GEMM's ragged-height test
+#   bash scripts/gpu_default.sh speed23        # H100 (issue 23's gpt-1b goal): micro-batch 4, global batch 32,
+#                                              # bf16, te-fp8-delayed, te-fp8-current and coat, eager and with
+#                                              # per-layer graphs, every mode's wgrad added inside its GEMMs (~7 min)
+#   bash scripts/gpu_default.sh profile23      # issue 23: where one Llama-2-7B layer's fwd+bwd spends its GPU time
+#                                              # against TE FP8 (benchmarks/layer_profile.py), and the host time per
+#                                              # op and layer (benchmarks/host_overhead.py, not yet run on a GPU) (~4 min)
+#   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 4" "LR_DECAY=cosine acc1b coat 4" \
+#                             "LR_DECAY=cosine acc1b te-fp8-delayed 2" "LR_DECAY=cosine acc1b te-fp8-delayed 3"
+#                                              # four GPUs: the cosine runs' fourth seed and TE FP8 at seeds 2 and 3,
+#                                              # reported beside the 3-seed verdict of 2026-11-26 (which stays)
 #   bash scripts/gpu_parts.sh "acc1b bf16 2 2" "acc1b bf16 5" "acc1b coat 5" "acc1b te-fp8-delayed 4"
 #                                              # four GPUs: the same-seed noise at seed 2, where every FP8 mode ended
 #                                              # 1.8-4.0% behind BF16; a fifth gpt-1b seed (reported beside the
@@ -99,7 +105,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -143,7 +149,8 @@ case $part in
     grep -E "transpose|copy" "$out/quantize.md" ;;
   gputests)
     run 560 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_per_tensor.py \
-      tests/kernels/test_refresh.py tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
+      tests/kernels/test_refresh.py tests/kernels/test_gemm_accumulate.py tests/fp8/test_ops.py \
+      tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
     tail -3 "$out/pytest-gpu.log" ;;
   acc1b)
     mode=${2:?acc1b MODE [SEED [RUN]]}; seed=${3:-1234}; rerun=${4:-1}
@@ -211,6 +218,15 @@ case $part in
     grep -h -E "^\| (bf16|te-fp8-delayed|coat) \| local \| 4" "$out"/gpt-1b-*.md | cut -c1-120
     run 240 pytest-graphs python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_cuda_graphs.py
     tail -3 "$out/pytest-graphs.log" ;;
+  speed23)
+    run 560 speed23 coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
+      --modes bf16,te-fp8-delayed,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name gpt-1b-fastest --no-plots
+    grep -E "^\| (bf16|te-fp8-delayed|te-fp8-current|coat) \|" "$out/gpt-1b-fastest.md" | cut -c1-140 ;;
+  profile23)
+    run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
+      --out "$out"
+    run 240 host-overhead python3 benchmarks/host_overhead.py --out "$out"
+    tail -25 "$out/layer_profile.md" ;;
   spike13b)
     for change in "eps1e-5 --adam-eps 1e-5" "lr5e-5 --lr 5e-5"; do
       read -r tag flags <<<"$change"
@@ -235,6 +251,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
