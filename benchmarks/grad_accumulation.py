@@ -8,7 +8,10 @@ micro-batches, this builds the model twice from the same weights (``coat``: BF16
 ``coat-fp32-grads``: FP32 buffers), runs one forward-backward of N micro-batches of the same
 windows through Megatron's schedule, and compares the summed gradients:
 
-- rounding error: ||g_bf16 - g_fp32|| / ||g_fp32|| over all parameters, and its worst parameter;
+- rounding error: ||g_bf16 - g_fp32|| / ||g_fp32|| over all parameters, and its worst parameter.
+  COAT's linears write each wgrad's FP32 product into the buffer inside the GEMM, so the FP32
+  buffer holds it unrounded, and at one micro-batch the error is one rounding to BF16 (the storage's
+  own); the sum's roundings come on top with every further micro-batch;
 - sampling noise, the yardstick: ||g_A - g_B|| / ||g_fp32|| for the FP32 gradients of the two halves
   of the micro-batches (each rescaled to the whole), i.e. how much the gradient moves when other
   text is drawn. Rounding error far below it is invisible to training.

@@ -21,7 +21,12 @@ def test_bf16_summation_error_is_measured_against_the_sampling_noise(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     one, four = [json.loads(line) for line in (tmp_path / "grad_accumulation.jsonl").read_text().splitlines()]
-    assert one["micro_batches"] == 1 and one["rounding_error"] == 0.0  # one BF16 gradient, nothing summed yet
-    assert 0 < four["rounding_error"] < 0.02 and four["worst_parameter_error"] >= four["rounding_error"]
+    # one micro-batch: COAT's GEMM writes its FP32 product into the buffer (no BF16 wgrad in between), so
+    # the BF16 buffer differs from the FP32 one by one rounding of the gradient to BF16 (2^-9 relative at most)
+    assert one["micro_batches"] == 1 and 0 < one["rounding_error"] < 2**-9
+    assert (
+        one["rounding_error"] < four["rounding_error"] < 0.02
+        and four["worst_parameter_error"] >= four["rounding_error"]
+    )
     assert four["sampling_noise"] > 10 * four["rounding_error"]
     assert "| 4 | " in (tmp_path / "grad_accumulation.md").read_text()
