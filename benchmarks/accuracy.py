@@ -1,7 +1,7 @@
 """BF16 vs COAT validation loss over several seeds: the accuracy claim, with its noise floor.
 
     python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--modes bf16,coat,bf16@data2]
-                                  [--micro-batch N] [--global-batch N] [--lr-decay cosine]
+                                  [--micro-batch N] [--global-batch N] [--lr-decay cosine] [--adam-eps EPS]
                                   [--tail 0.1] [--eval-every N] [--max-runs N] [--jobs N] [--out DIR]
     bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (as many runs per command as fit)
 
@@ -126,9 +126,16 @@ def lr_decay_of(row: dict) -> str:
     return row.get("lr_decay") or "constant"
 
 
-def read_runs(directory: str, seed: int, steps: int, lr_decay: str = "constant") -> dict[str, dict]:
-    """The finished train rows (with a validation loss) of ``seed`` with schedule ``lr_decay`` in
-    the reports (``*.jsonl``) of its directory, by mode key."""
+def adam_eps_of(row: dict) -> float:
+    """A row's Adam epsilon (rows written before it was recorded ran with Megatron's 1e-8)."""
+    return row.get("adam_eps", 1e-8)
+
+
+def read_runs(
+    directory: str, seed: int, steps: int, lr_decay: str = "constant", adam_eps: float = 1e-8
+) -> dict[str, dict]:
+    """The finished train rows (with a validation loss) of ``seed`` with schedule ``lr_decay`` and
+    Adam epsilon ``adam_eps`` in the reports (``*.jsonl``) of its directory, by mode key."""
     runs = {}
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
         if not name.endswith(".jsonl"):
@@ -143,6 +150,7 @@ def read_runs(directory: str, seed: int, steps: int, lr_decay: str = "constant")
                     or len(row.get("losses", [])) != steps
                     or row.get("valid_loss") is None
                     or lr_decay_of(row) != lr_decay
+                    or adam_eps_of(row) != adam_eps
                 ):
                     continue
                 order, rest = divmod(row.get("data_seed", seed) - seed, DATA_ORDER_STRIDE)
@@ -151,12 +159,17 @@ def read_runs(directory: str, seed: int, steps: int, lr_decay: str = "constant")
     return runs
 
 
+def adam_eps(args) -> float:
+    """The epsilon this report's runs train with: ``--adam-eps``, else the preset's."""
+    return args.adam_eps if args.adam_eps is not None else get_preset(args.preset).adam_eps
+
+
 def finished_runs(args, seed: int) -> dict[str, dict]:
     """The finished rows of ``seed``: those in ``--rows`` folders (earlier sessions' results, in
     the order given), then ``--out``'s, which win where a key is in both."""
     runs = {}
     for directory in [*args.rows, args.out]:
-        runs.update(read_runs(os.path.join(directory, f"seed{seed}"), seed, args.steps, args.lr_decay))
+        runs.update(read_runs(os.path.join(directory, f"seed{seed}"), seed, args.steps, args.lr_decay, adam_eps(args)))
     return runs
 
 
@@ -194,6 +207,8 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int, run: in
         cmd += ["--eval-every", str(args.eval_every)]
     if args.lr_decay != "constant":
         cmd += ["--lr-decay", args.lr_decay]
+    if args.adam_eps is not None:
+        cmd += ["--adam-eps", str(args.adam_eps)]
     if run > 1:
         cmd += ["--repeat", str(run)]
     micro_batch = args.micro_batch or preset.micro_batch
@@ -583,6 +598,13 @@ def parse_args(argv=None):
         "--out or --rows are neither used nor counted as done",
     )
     p.add_argument(
+        "--adam-eps",
+        type=float,
+        metavar="EPS",
+        help="every run's Adam epsilon (coat-compare --adam-eps; default: the preset's, 1e-8, llama2-7b and llama2-13b "
+        "1e-5); rows of another epsilon in --out or --rows are neither used nor counted as done",
+    )
+    p.add_argument(
         "--tail", type=float, default=0.1, help="fraction of the last steps whose mean training loss is shown"
     )
     p.add_argument(
@@ -707,6 +729,8 @@ def main(argv=None) -> int:
         command += f" --eval-every {args.eval_every}"
     if args.lr_decay != "constant":
         command += f" --lr-decay {args.lr_decay}"
+    if args.adam_eps is not None:
+        command += f" --adam-eps {args.adam_eps:g}"
     command += "".join(f" --rows {d}" for d in args.rows)
     lines = [
         f"# BF16 vs COAT validation loss, preset {args.preset}, {args.steps} steps, seeds {args.seeds}",

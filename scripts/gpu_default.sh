@@ -15,7 +15,8 @@
 #                                         # again until it prints "all runs done")
 #   bash scripts/gpu_default.sh acc7b MODE     # H200: Llama-2-7B, 200 steps, global batch 4, validation
 #                                              # every 25 steps on 48 held-out windows; MODE = bf16,
-#                                              # te-fp8-current or coat (~5 min each, same seed and data);
+#                                              # te-fp8-current or coat (~5 min each, same seed and data; Adam's
+#                                              # epsilon: the preset's, 1e-5 since 2026-11-26, 1e-8 before);
 #                                              # GPU_TESTS=1: the GPU tests of the kernels, the COAT ops and
 #                                              # layers run beside it (pytest-gpu.log; accuracy is not timing)
 #   bash scripts/gpu_default.sh llama13b       # H200: Llama-2-13B, default coat, micro-batch 2, global batch 4,

@@ -170,6 +170,11 @@ def test_runs_of_another_learning_rate_schedule_are_neither_used_nor_counted_as_
     first = json.loads((tmp_path / "accuracy.jsonl").read_text().splitlines()[0])
     cosine = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--lr-decay", "cosine", "--max-runs", "0")
     assert cosine.returncode == 75 and "2 run(s) left (seed 1 bf16, seed 1 coat)" in cosine.stdout
+    # likewise another Adam epsilon (the Llama presets' default changed; rows recorded without one had 1e-8)
+    other_eps = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--adam-eps", "1e-5", "--max-runs", "0")
+    assert other_eps.returncode == 75 and "2 run(s) left (seed 1 bf16, seed 1 coat)" in other_eps.stdout
+    same_eps = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--adam-eps", "1e-8", "--max-runs", "0")
+    assert same_eps.returncode == 0 and "--adam-eps 1e-08`" in (tmp_path / "accuracy.md").read_text()
     cosine = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--lr-decay", "cosine")
     assert cosine.returncode == 0, cosine.stderr[-3000:]
     for name, decay in (("tiny-bf16+coat", "constant"), ("tiny-bf16+coat-cosine", "cosine")):
