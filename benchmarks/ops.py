@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 from torch.autograd.graph import saved_tensors_hooks
 
+from coat_kernels import norm as norm_module
 from coat_kernels import quantize_per_group, quantize_per_tensor
 from coat_kernels import swiglu as swiglu_module
 from coat_kernels.norm import norm_backward, norm_to_fp8
@@ -180,13 +181,58 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs, sweep):
         ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
         rows.append({"kernel": name, "ms": ms, "of_copy": nbytes / ms / 1e6 / copy_gbs})
     if sweep:
-        default = swiglu_module._BLOCKS
-        for cfg in [(32, 128, 4), (16, 128, 4), (64, 128, 8), (32, 256, 8), (16, 256, 4), (8, 256, 4), (64, 64, 4)]:
-            swiglu_module._BLOCKS = cfg
-            for name, fn, nbytes in cases[3:8]:
-                ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
-                rows.append({"kernel": f"{name} {cfg}", "ms": ms, "of_copy": nbytes / ms / 1e6 / copy_gbs})
-        swiglu_module._BLOCKS = default
+        rows += sweep_rows(cases, copy_gbs, hidden)
+    return rows
+
+
+# The tile shapes the sweep tries: SwiGLU's (BLOCK_M, BLOCK_N, num_warps), the norm stats pass's
+# (rows per program, num_warps), the norm backward's (programs per multiprocessor, num_warps)
+SWIGLU_TILES = [
+    (8, 256, 4),
+    (16, 256, 4),
+    (32, 256, 8),
+    (16, 512, 8),
+    (32, 128, 4),
+    (64, 128, 8),
+    (8, 512, 4),
+    (4, 1024, 4),
+]
+STATS_TILES = [(1, 8), (1, 4), (2, 8), (4, 8), (4, 16), (8, 16), (2, 4)]
+BACKWARD_TILES = [(4, None), (8, None), (2, None), (8, 4), (16, 4), (4, 16)]
+
+
+def sweep_rows(cases, copy_gbs, hidden) -> list[dict]:
+    """Each kernel's cases again at every tile of its sweep list, one kernel's tiles changed at a time."""
+    by_name = {name: (fn, nbytes) for name, fn, nbytes in cases}
+    plans = [
+        ("input", ["quantize_swiglu_input (fc1 output 1x16 + SwiGLU amax)"]),
+        ("forward", ["swiglu_to_fp8, amax from fc1's pass", "swiglu transposed recompute (backward)"]),
+        ("backward", ["swiglu_backward"]),
+    ]
+    rows = []
+
+    def timed(name, label):
+        fn, nbytes = by_name[name]
+        ms = triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+        rows.append({"kernel": f"{name} {label}", "ms": ms, "of_copy": nbytes / ms / 1e6 / copy_gbs, "sweep": True})
+
+    for kernel, names in plans:
+        default = swiglu_module._BLOCKS[kernel]
+        for cfg in SWIGLU_TILES:
+            swiglu_module._BLOCKS[kernel] = cfg
+            for name in names:
+                timed(name, f"[{kernel} {cfg}]")
+        swiglu_module._BLOCKS[kernel] = default
+    block_n = triton.next_power_of_2(hidden)
+    for cfg in STATS_TILES:
+        norm_module._STATS_BLOCKS[block_n] = cfg
+        timed("norm_to_fp8 (stats + quantize passes, x read twice)", f"[stats {cfg}]")
+    norm_module._STATS_BLOCKS.pop(block_n, None)
+    default = norm_module._BACKWARD_BLOCKS
+    for cfg in BACKWARD_TILES:
+        norm_module._BACKWARD_BLOCKS = cfg
+        timed("norm_backward", f"[backward {cfg}]")
+    norm_module._BACKWARD_BLOCKS = default
     return rows
 
 
@@ -208,7 +254,11 @@ def main():
     p.add_argument("--ffn", type=int, default=11008)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--profile", action="store_true", help="also print the COAT block's kernels by CUDA time")
-    p.add_argument("--sweep", action="store_true", help="also time the SwiGLU kernels at other tile shapes")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the SwiGLU and norm kernels at other tile shapes (SWIGLU_TILES, ...)",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/ops.py measures the GPU: run it on a CUDA machine")

@@ -4,8 +4,9 @@ Forward, two passes over x (a per-tensor scale needs the whole tensor's amax bef
 written):
 
     stats pass     per row: mean (LayerNorm), rstd, the amax of the normalised output y, and the
-                   1xG FP8 copy of x (all the backward needs of x), from one read of x; its last
-                   program reduces the row amaxes to the tensor's (``amax.finish_amax``)
+                   1xG FP8 copy of x (all the backward needs of x), from one read of x, a tile of
+                   rows per program; its last program reduces the tiles' amaxes to the tensor's
+                   (``amax.finish_amax``)
     quantize pass  y = (x - mean) * rstd * w (+ b), computed again from the exact x, quantized
                    per tensor with the scale of that amax, with its transposed copy
                    (the next GEMM's wgrad operand), from a second read of x
@@ -87,9 +88,10 @@ def _norm_stats_kernel(
     xs_ptr,
     mean_ptr,
     rstd_ptr,
-    row_amax_ptr,
+    tiles_ptr,
     amax_ptr,
     counter_ptr,
+    n_rows,
     n_cols,
     stride_x,
     eps,
@@ -97,31 +99,33 @@ def _norm_stats_kernel(
     GROUP: tl.constexpr,
     IS_LAYERNORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = 0.0
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
     centred = x
     if IS_LAYERNORM:
-        mean = tl.div_rn(tl.sum(x, axis=0), n_cols.to(tl.float32))
-        centred = tl.where(mask, x - mean, 0.0)
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(centred * centred, axis=0), n_cols.to(tl.float32)) + eps))
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.div_rn(tl.sum(x, axis=1), n_cols.to(tl.float32))
+        centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(centred * centred, axis=1), n_cols.to(tl.float32)) + eps))
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     b = 0.0
     if HAS_BIAS:
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = _normalize(x, mean, rstd, w, b, IS_LAYERNORM, HAS_BIAS)
-    tl.store(row_amax_ptr + row, tl.max(tl.where(mask, abs_or_inf(y), 0.0), axis=0))
-    tl.store(rstd_ptr + row, rstd)
+        b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y = _normalize(x, mean[:, None], rstd[:, None], w, b, IS_LAYERNORM, HAS_BIAS)
+    tl.store(tiles_ptr + tl.program_id(0), tl.max(tl.max(tl.where(mask, abs_or_inf(y), 0.0), axis=1), axis=0))
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
     if IS_LAYERNORM:
-        tl.store(mean_ptr + row, mean)
-    rows = row + tl.arange(0, 1)
-    xg, scale = quantize_groups(tl.reshape(x, (1, BLOCK_N)), 1, BLOCK_N, GROUP, FMAX_SAVED)
-    store_groups(xq_ptr, xs_ptr, xg, scale, rows, 0, row + 1, n_cols, BLOCK_N, GROUP)
-    finish_amax(row_amax_ptr, amax_ptr, counter_ptr)
+        tl.store(mean_ptr + rows, mean, mask=row_ok)
+    xg, scale = quantize_groups(x, BLOCK_M, BLOCK_N, GROUP, FMAX_SAVED)
+    store_groups(xq_ptr, xs_ptr, xg, scale, rows, 0, n_rows, n_cols, BLOCK_N, GROUP)
+    finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
 @triton.jit
@@ -286,6 +290,19 @@ def norm_to_fp8_reference(
     )
 
 
+# Rows per program and warps of the stats pass, by the padded row length (None: the default rule).
+# Each program ends with one atomic ticket (``finish_amax``): fewer, larger programs take fewer.
+_STATS_BLOCKS: dict[int, tuple[int, int]] = {}
+
+
+def _stats_blocks(n_cols: int, group_size: int) -> tuple[int, int]:
+    """(rows per program, num_warps) of the stats pass: a tile of about 8192 elements."""
+    block_n = max(group_size, triton.next_power_of_2(n_cols))
+    if block_n in _STATS_BLOCKS:
+        return _STATS_BLOCKS[block_n]
+    return max(1, 8192 // block_n), min(16, max(4, block_n // 512))
+
+
 def norm_to_fp8(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -335,13 +352,14 @@ def norm_to_fp8(
     dev = x.device
     rstd = torch.empty(n_rows, dtype=torch.float32, device=dev)
     mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if is_ln else None
-    row_amax, amax, count = amax_outputs(n_rows, dev)  # every row's amax, and their max (the stats kernel's)
+    stats_rows, stats_warps = _stats_blocks(n_cols, group_size)
+    stats_grid = (triton.cdiv(n_rows, stats_rows),)
+    tiles, amax, count = amax_outputs(stats_grid[0], dev)  # every program's amax, and their max (the stats kernel's)
     x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
     q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev)
     if n_rows:
-        block_n = max(group_size, triton.next_power_of_2(n_cols))
-        _norm_stats_kernel[(n_rows,)](
+        _norm_stats_kernel[stats_grid](
             rows,
             weight,
             bias if bias is not None else weight,
@@ -349,9 +367,10 @@ def norm_to_fp8(
             x_scales,
             mean if is_ln else rstd,
             rstd,
-            row_amax,
+            tiles,
             amax,
             count,
+            n_rows,
             n_cols,
             rows.stride(0),
             eps,
@@ -359,8 +378,9 @@ def norm_to_fp8(
             GROUP=group_size,
             IS_LAYERNORM=is_ln,
             HAS_BIAS=bias is not None,
-            BLOCK_N=block_n,
-            num_warps=min(16, max(4, block_n // 512)),
+            BLOCK_M=stats_rows,
+            BLOCK_N=max(group_size, triton.next_power_of_2(n_cols)),
+            num_warps=stats_warps,
             enable_fp_fusion=False,
         )
         if reduce_amax is not None:
@@ -481,6 +501,11 @@ def norm_backward_reference(
     return dx, dw, dy2.sum(dim=0) if has_bias else None
 
 
+# The backward's programs per multiprocessor (each walks its rows in turn) and warps (None: by
+# the row length)
+_BACKWARD_BLOCKS: tuple[int, int | None] = (4, None)
+
+
 def norm_backward(
     dy: torch.Tensor,
     x_q: torch.Tensor,
@@ -515,7 +540,8 @@ def norm_backward(
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
         return dx, zeros, zeros.clone() if has_bias else None
-    programs = min(n_rows, 4 * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
+    per_sm, warps = _BACKWARD_BLOCKS
+    programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
     rows_per_program = triton.cdiv(n_rows, programs)
     programs = triton.cdiv(n_rows, rows_per_program)
     dw = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
@@ -538,6 +564,6 @@ def norm_backward(
         IS_LAYERNORM=mean is not None,
         HAS_BIAS=has_bias,
         BLOCK_N=block_n,
-        num_warps=min(16, max(4, block_n // 512)),
+        num_warps=warps or min(16, max(4, block_n // 512)),
     )
     return dx, dw.sum(dim=0), db.sum(dim=0) if has_bias else None

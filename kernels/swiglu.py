@@ -37,7 +37,9 @@ from .per_group import dequantize_per_group_reference, quantize_per_group_refere
 from .per_tensor import finish_transpose, per_tensor_outputs, quantize_per_tensor_reference
 from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, scale_from_amax
 
-_BLOCKS = (8, 256, 4)  # BLOCK_M, BLOCK_N (columns of each half), num_warps: the best of 7 measured on an H200
+# (BLOCK_M, BLOCK_N (columns of each half), num_warps) of each kernel: the input's quantization, the
+# forward (its amax pass and its quantizing pass) and the backward
+_BLOCKS = {"input": (8, 256, 4), "forward": (8, 256, 4), "backward": (8, 256, 4)}
 
 
 class SwigluFp8(NamedTuple):
@@ -180,8 +182,8 @@ def _swiglu_backward_kernel(
     finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
-def _launch(n_rows: int, n_ffn: int, group_size: int) -> tuple[tuple[int, int], dict]:
-    block_m, block_n, warps = _BLOCKS
+def _launch(n_rows: int, n_ffn: int, group_size: int, kernel: str) -> tuple[tuple[int, int], dict]:
+    block_m, block_n, warps = _BLOCKS[kernel]
     block_n = max(block_n, group_size)
     grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
     return grid, {"GROUP": group_size, "BLOCK_M": block_m, "GROUPS": block_n // group_size, "num_warps": warps}
@@ -260,7 +262,7 @@ def swiglu_to_fp8(
     # the transposed copy comes from a pass over the codes (see per_tensor.transpose_in_pass):
     # q is then written even when not returned
     q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
-    grid, launch = _launch(n_rows, n_ffn, group_size)
+    grid, launch = _launch(n_rows, n_ffn, group_size, "forward")
     if amax is None:
         if n_rows:  # the amax pass: every program writes its tile's, the last one their max
             tiles, amax, count = amax_outputs(grid[0] * grid[1], h_q.device)
@@ -308,7 +310,7 @@ def quantize_swiglu_input(
     n_rows, n_ffn = rows.shape[0], rows.shape[1] // 2
     h_q = torch.empty(h.shape, dtype=f.dtype, device=h.device)
     h_scales = torch.empty(*h.shape[:-1], h.shape[-1] // group_size, dtype=torch.float32, device=h.device)
-    grid, launch = _launch(n_rows, n_ffn, group_size)
+    grid, launch = _launch(n_rows, n_ffn, group_size, "input")
     if not n_rows:
         return h_q, h_scales, torch.zeros((), dtype=torch.float32, device=h.device)
     tiles, amax, count = amax_outputs(grid[0] * grid[1], h.device)  # every program's tile, and their max
@@ -355,7 +357,7 @@ def swiglu_backward(
         return swiglu_backward_reference(da, h_q, h_scales, group_size, dh_dtype)
     n_rows = h_q.numel() // h_q.shape[-1]
     dh = torch.empty(h_q.shape, dtype=dh_dtype, device=da.device)
-    grid, launch = _launch(n_rows, n_ffn, group_size)
+    grid, launch = _launch(n_rows, n_ffn, group_size, "backward")
     if not n_rows:
         return dh, torch.zeros((), dtype=torch.float32, device=da.device)
     tiles, amax, count = amax_outputs(grid[0] * grid[1], da.device)  # every program's tile, and their max

@@ -89,6 +89,10 @@
 #   bash scripts/gpu_default.sh speed23        # H100 (issue 23's gpt-1b goal): micro-batch 4, global batch 32,
 #                                              # bf16, te-fp8-delayed, te-fp8-current and coat, eager and with
 #                                              # per-layer graphs, every mode's wgrad added inside its GEMMs (~7 min)
+#   bash scripts/gpu_default.sh sweep23        # issue 23: the GPU tests of the norm and SwiGLU kernels and of the
+#                                              # accumulating GEMM, then each SwiGLU kernel's and the norm passes'
+#                                              # tiles timed at Llama-2-7B's and gpt-1b's shapes (benchmarks/ops.py
+#                                              # --sweep), to choose their defaults (~5 min)
 #   bash scripts/gpu_default.sh profile23      # issue 23: where one Llama-2-7B layer's fwd+bwd spends its GPU time
 #                                              # against TE FP8 (benchmarks/layer_profile.py), and the host time per
 #                                              # op and layer (benchmarks/host_overhead.py, not yet run on a GPU) (~4 min)
@@ -106,7 +110,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -223,6 +227,15 @@ case $part in
     run 560 speed23 coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
       --modes bf16,te-fp8-delayed,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name gpt-1b-fastest --no-plots
     grep -E "^\| (bf16|te-fp8-delayed|te-fp8-current|coat) \|" "$out/gpt-1b-fastest.md" | cut -c1-140 ;;
+  sweep23)
+    # the GPU tests of the kernels changed (multi-row norm stats pass, per-kernel SwiGLU tiles) and the
+    # two tests whose bounds were mended after the 2026-11-26 H100 run, then the tile sweeps
+    run 300 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_norm.py tests/kernels/test_swiglu.py \
+      tests/kernels/test_gemm_accumulate.py tests/fp8/test_ops.py -k "norm or swiglu or accumulate or main_grad or ragged"
+    tail -3 "$out/pytest-gpu.log"
+    run 240 ops-7b python3 benchmarks/ops.py --sweep --out "$out/7b"
+    run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
+    for shape in 7b 1b; do grep -E "^\| (norm|quantize_swiglu|swiglu)" "$out/$shape/ops.md" | cut -c1-120; done ;;
   profile23)
     run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
       --out "$out"
@@ -252,6 +265,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

@@ -190,7 +190,12 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
     fp8_linear(leaf(x1, device=device), bf, accumulate_into_main_grad=True).backward(dy1.to(device))
     assert bf.main_grad.dtype == torch.bfloat16 and torch.equal(bf.main_grad, plain[0].to(torch.bfloat16))
     fp8_linear(leaf(x2, device=device), bf, accumulate_into_main_grad=True).backward(dy2.to(device))
-    assert torch.equal(bf.main_grad, (plain[0].to(torch.bfloat16).float() + plain[1]).to(torch.bfloat16))
+    want = (plain[0].to(torch.bfloat16).float() + plain[1]).to(torch.bfloat16)
+    if device == "cpu":
+        assert torch.equal(bf.main_grad, want)
+    else:  # cuBLASLt adds inside the GEMM (beta = 1): its FP32 sum runs in another order than the
+        # separate product's, so one rounding to BF16 may land one ulp apart (measured on an H100)
+        assert ((bf.main_grad.float() - want.float()).abs() <= 2**-7 * want.float().abs() + 1e-30).all()
 
 
 @pytest.mark.gpu
