@@ -93,6 +93,12 @@
 #                                              # accumulating GEMM, then each SwiGLU kernel's and the norm passes'
 #                                              # tiles timed at Llama-2-7B's and gpt-1b's shapes (benchmarks/ops.py
 #                                              # --sweep), to choose their defaults (~5 min)
+#   bash scripts/gpu_default.sh search7b MODES [START]  # H200 and H100 (issue 23's max-batch goal): each mode's
+#                                              # largest Llama-2-7B micro-batch (coat-compare --search, eager, one
+#                                              # micro-batch per step, doubling from START then bisection) and its
+#                                              # tokens/s there; the modes share the command's 9 minutes
+#   bash scripts/gpu_default.sh speed7b23      # H200 (issue 23): Llama-2-7B micro-batch 1, global batch 8, bf16,
+#                                              # te-fp8-current and coat, eager and with per-layer graphs (~8 min)
 #   bash scripts/gpu_default.sh profile23      # issue 23: where one Llama-2-7B layer's fwd+bwd spends its GPU time
 #                                              # against TE FP8 (benchmarks/layer_profile.py), and the host time per
 #                                              # op and layer (benchmarks/host_overhead.py, not yet run on a GPU) (~4 min)
@@ -110,7 +116,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START]|speed7b23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -236,6 +242,16 @@ case $part in
     run 240 ops-7b python3 benchmarks/ops.py --sweep --out "$out/7b"
     run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
     for shape in 7b 1b; do grep -E "^\| (norm|quantize_swiglu|swiglu)" "$out/$shape/ops.md" | cut -c1-120; done ;;
+  search7b)
+    modes=${2:?search7b MODES [START]}; start=${3:-1}; tag=${modes//,/-}
+    n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
+    run 585 "search7b-$tag" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --modes "$modes" \
+      --search --search-start "$start" --search-time-limit $((540 / n_modes)) --out "$out" --name "llama2-7b-search-$tag" --no-plots
+    grep -E "^\| ($(tr , '|' <<<"$modes")) " "$out/llama2-7b-search-$tag.md" | cut -c1-200 ;;
+  speed7b23)
+    run 585 speed7b23 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 1 \
+      --global-batch 8 --steps 8 --modes bf16,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name llama2-7b-mb1 --no-plots
+    grep -E "^\| (bf16|te-fp8-current|coat) \|" "$out/llama2-7b-mb1.md" | cut -c1-160 ;;
   profile23)
     run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
       --out "$out"
@@ -265,6 +281,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

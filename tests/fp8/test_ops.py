@@ -193,9 +193,12 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
     want = (plain[0].to(torch.bfloat16).float() + plain[1]).to(torch.bfloat16)
     if device == "cpu":
         assert torch.equal(bf.main_grad, want)
-    else:  # cuBLASLt adds inside the GEMM (beta = 1): its FP32 sum runs in another order than the
-        # separate product's, so one rounding to BF16 may land one ulp apart (measured on an H100)
-        assert ((bf.main_grad.float() - want.float()).abs() <= 2**-7 * want.float().abs() + 1e-30).all()
+    else:  # cuBLASLt adds inside the GEMM (beta = 1), in another kernel than the separate product's:
+        # one BF16 rounding apart, plus Hopper's FP8 accumulation error (about 2^-13 of sum |dy||x|),
+        # which shows where the two micro-batches' gradients cancel (measured on an H100)
+        magnitude = (dy2.abs().t() @ x2.abs()).to(device)
+        err = (bf.main_grad.float() - want.float()).abs()
+        assert (err <= 2**-7 * want.float().abs() + 2**-11 * magnitude).all()
 
 
 @pytest.mark.gpu
