@@ -193,12 +193,14 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
     want = (plain[0].to(torch.bfloat16).float() + plain[1]).to(torch.bfloat16)
     if device == "cpu":
         assert torch.equal(bf.main_grad, want)
-    else:  # cuBLASLt adds inside the GEMM (beta = 1), in another kernel than the separate product's:
-        # one BF16 rounding apart, plus Hopper's FP8 accumulation error (about 2^-13 of sum |dy||x|),
-        # which shows where the two micro-batches' gradients cancel (measured on an H100)
+    else:  # cuBLASLt adds inside the GEMM (beta = 1), in another kernel than the separate product's.
+        # Measured on an H100 and an H200 (pytest only; a lone script matched bit for bit): up to 3 BF16
+        # ulps of a small sum, as if the product were rounded to BF16 before the add (an in-place
+        # split-K reduction in the output type). Bound: one rounding of the sum, one of the product,
+        # and Hopper's FP8 accumulation error (about 2^-13 of sum |dy||x|)
         magnitude = (dy2.abs().t() @ x2.abs()).to(device)
         err = (bf.main_grad.float() - want.float()).abs()
-        assert (err <= 2**-7 * want.float().abs() + 2**-11 * magnitude).all()
+        assert (err <= 2**-7 * want.float().abs() + 2**-8 * plain[1].abs() + 2**-11 * magnitude).all()
 
 
 @pytest.mark.gpu
