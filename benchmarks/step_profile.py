@@ -1,13 +1,17 @@
 """Where one end-to-end training step spends its time: GPU kernels vs the host, per mode.
 
-    python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--cuda-graphs none,local,full] [--out DIR]
+    python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--cuda-graphs none,local,full]
+        [--micro-batch N] [--global-batch N] [--out DIR]
 
 Builds the model and optimizer exactly as ``coat-compare`` does (``coat_compare``), runs a
 few warm-up steps, then profiles ``--steps`` steps with ``torch.profiler``. Per mode: the wall time
 of a step, the time the GPU was busy (the union of kernel intervals: a step whose GPU is busy far
 less than its wall time is bound by the host: Python, launches), the kernels run and the host's
 launch calls (a CUDA graph replay runs many kernels on one cudaGraphLaunch),
-the kernels that take the most GPU time and the host functions that take the most CPU time.
+the kernels that take the most GPU time and the host functions that take the most CPU time; then
+the same steps again under cProfile: the Python functions by cumulative and by own time (where an
+eager step's host time goes). ``--global-batch`` accumulates that many sequences per step in
+micro-batches, as coat-compare does.
 Writes step_profile.md and step_profile.jsonl to --out.
 """
 
@@ -51,6 +55,25 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 ROW_MARK = "STEP-PROFILE-ROW "
 
 
+def python_profile(run_steps) -> tuple[str, str]:
+    """(by cumulative time, by own time): cProfile of ``run_steps()``, the top 40 functions each."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    run_steps()
+    torch.cuda.synchronize()
+    prof.disable()
+    tables = []
+    for key in ("cumulative", "tottime"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(40)
+        tables.append(buf.getvalue().strip())
+    return tables[0], tables[1]
+
+
 def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -62,12 +85,16 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     parallel.seed_everything(seed)
     model, optimizer = build_gpt(preset, mode, seed, graphs=graphs)
     forward_backward = forward_backward_function(graphs)
-    data = training_windows(preset.with_overrides(steps=preset.warmup_steps + 1 + steps), seed)
+    data = training_windows(preset.with_overrides(steps=preset.warmup_steps + 1 + 2 * steps), seed)
+
+    count = preset.micro_batches(1)
 
     def step(i):
-        batch = {k: v.cuda() for k, v in data.batch(i).items()}
+        batch = data.batch(i)
+        size = preset.micro_batch
+        batches = [{k: v[j * size : (j + 1) * size].cuda() for k, v in batch.items()} for j in range(count)]
         set_learning_rate(optimizer, preset, i)
-        return train_step(model, optimizer, [batch], preset, None, forward_backward)
+        return train_step(model, optimizer, batches, preset, None, forward_backward)
 
     for i in range(preset.warmup_steps + 1):
         step(i)
@@ -84,6 +111,8 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
     table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
     table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
+    first = preset.warmup_steps + 1 + steps
+    by_cumulative, by_own = python_profile(lambda: [step(first + i) for i in range(steps)])
     return {
         "mode": mode.name,
         "graphs": graphs,
@@ -95,6 +124,8 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
         "host_launch_calls_per_step": len(host_launches) / steps,
         "top_gpu": table_gpu,
         "top_cpu": table_cpu,
+        "top_python_cumulative": by_cumulative,
+        "top_python_own": by_own,
     }
 
 
@@ -104,6 +135,7 @@ def main():
     p.add_argument("--modes", default="bf16,coat")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batch", type=int, default=None)
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (micro-batches accumulated)")
     p.add_argument(
         "--cuda-graphs", default="none", help="comma-separated: none, local, full (as coat-compare --cuda-graphs)"
     )
@@ -119,7 +151,9 @@ def main():
     from coat_compare.modes import parse_modes
     from coat_compare.presets import get_preset
 
-    preset = get_preset(args.preset).with_overrides(micro_batch=args.micro_batch, steps=100)
+    preset = get_preset(args.preset).with_overrides(
+        micro_batch=args.micro_batch, global_batch=args.global_batch, steps=100
+    )
     configs = [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]
     if args.one:
         with contextlib.ExitStack() as stack:
@@ -149,6 +183,8 @@ def main():
         ]
         if args.micro_batch:
             cmd += ["--micro-batch", str(args.micro_batch)]
+        if args.global_batch:
+            cmd += ["--global-batch", str(args.global_batch)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         found = [line[len(ROW_MARK) :] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
         if not found:
@@ -163,9 +199,10 @@ def main():
             flush=True,
         )
     lines = [
-        f"# One training step, {args.preset} (micro-batch {preset.micro_batch}), {torch.cuda.get_device_name()}",
+        f"# One training step, {args.preset} (micro-batch {preset.micro_batch}, global batch "
+        f"{preset.global_batch_for(1)}), {torch.cuda.get_device_name()}",
         "",
-        f"`python benchmarks/step_profile.py --preset {args.preset} --modes {args.modes} --steps {args.steps} --cuda-graphs {args.cuda_graphs}`",
+        "`python " + " ".join(sys.argv) + "`",
         "",
         "| mode | CUDA graphs | wall ms/step | GPU busy ms/step | busy fraction | kernels run/step | host launch calls/step |",
         "|---|---|---|---|---|---|---|",
@@ -189,6 +226,18 @@ def main():
             "",
             "```",
             r["top_cpu"],
+            "```",
+            "",
+            f"## {name}: Python functions by cumulative time (cProfile, {args.steps} more steps)",
+            "",
+            "```",
+            r["top_python_cumulative"],
+            "```",
+            "",
+            f"## {name}: Python functions by own time",
+            "",
+            "```",
+            r["top_python_own"],
             "```",
         ]
     text = "\n".join(lines) + "\n"

@@ -99,6 +99,9 @@
 #                                              # tokens/s there; the modes share the command's 9 minutes
 #   bash scripts/gpu_default.sh speed7b23      # H200 (issue 23): Llama-2-7B micro-batch 1, global batch 8, bf16,
 #                                              # te-fp8-current and coat, eager and with per-layer graphs (~8 min)
+#   bash scripts/gpu_default.sh eager23        # H100 (issue 23's eager path): benchmarks/step_profile.py on gpt-1b eager,
+#                                              # bf16 and coat at global batch 32 and 4, and coat with its wgrad fusion
+#                                              # off: GPU-busy fraction and the Python functions by time (~6 min)
 #   bash scripts/gpu_default.sh profile23      # issue 23: where one Llama-2-7B layer's fwd+bwd spends its GPU time
 #                                              # against TE FP8 (benchmarks/layer_profile.py), and the host time per
 #                                              # op and layer (benchmarks/host_overhead.py, not yet run on a GPU) (~4 min)
@@ -116,7 +119,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START]|speed7b23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START]|speed7b23|eager23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -252,6 +255,16 @@ case $part in
     run 585 speed7b23 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 1 \
       --global-batch 8 --steps 8 --modes bf16,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name llama2-7b-mb1 --no-plots
     grep -E "^\| (bf16|te-fp8-current|coat) \|" "$out/llama2-7b-mb1.md" | cut -c1-160 ;;
+  eager23)
+    # where an eager gpt-1b step's host time goes, at the issue's global batch and at one micro-batch per
+    # step, and with COAT's wgrad fusion off (eager COAT fell to 0.71x BF16 at global batch 32 on an H100)
+    run 200 eager-gb32 python3 benchmarks/step_profile.py --preset gpt-1b --micro-batch 4 --global-batch 32 \
+      --modes bf16,coat --steps 2 --out "$out/gb32"
+    run 120 eager-gb32-unfused env COAT_COMPARE_WGRAD_FUSION=off python3 benchmarks/step_profile.py --preset gpt-1b \
+      --micro-batch 4 --global-batch 32 --modes coat --steps 2 --out "$out/gb32-unfused"
+    run 160 eager-gb4 python3 benchmarks/step_profile.py --preset gpt-1b --micro-batch 4 --global-batch 4 \
+      --modes bf16,coat --steps 2 --out "$out/gb4"
+    for d in gb32 gb32-unfused gb4; do grep -E "^\| (bf16|coat) " "$out/$d/step_profile.md"; done ;;
   profile23)
     run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
       --out "$out"
@@ -281,6 +294,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
