@@ -102,6 +102,8 @@
 #   bash scripts/gpu_default.sh eager23        # H100 (issue 23's eager path): benchmarks/step_profile.py on gpt-1b eager,
 #                                              # bf16 and coat at global batch 32 and 4, and coat with its wgrad fusion
 #                                              # off: GPU-busy fraction and the Python functions by time (~6 min)
+#   bash scripts/gpu_default.sh eagerab        # H100: eager gpt-1b, bf16, coat and coat-cached at global batch 4 (one
+#                                              # micro-batch per step) and 32 (eight): what made eager COAT 0.71x BF16 (~4 min)
 #   bash scripts/gpu_default.sh profile23      # issue 23: where one Llama-2-7B layer's fwd+bwd spends its GPU time
 #                                              # against TE FP8 (benchmarks/layer_profile.py), and the host time per
 #                                              # op and layer (benchmarks/host_overhead.py, not yet run on a GPU) (~4 min)
@@ -119,7 +121,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START]|speed7b23|eager23|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START]|speed7b23|eager23|eagerab|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -265,6 +267,14 @@ case $part in
     run 160 eager-gb4 python3 benchmarks/step_profile.py --preset gpt-1b --micro-batch 4 --global-batch 4 \
       --modes bf16,coat --steps 2 --out "$out/gb4"
     for d in gb32 gb32-unfused gb4; do grep -E "^\| (bf16|coat) " "$out/$d/step_profile.md"; done ;;
+  eagerab)
+    # one machine, one code: eager gpt-1b at one micro-batch per step and at 8, the default against the cached
+    # recipe (2026-11-25's eager 1.04x BF16 was the cached recipe at one micro-batch per step on another host)
+    for gb in 4 32; do
+      run 280 "eager-gb$gb" coat-compare --preset gpt-1b --micro-batch 4 --global-batch "$gb" --steps 10 \
+        --modes bf16,coat,coat-cached --out "$out" --name "gpt-1b-eager-gb$gb" --no-plots
+      grep -E "^\| (bf16|coat|coat-cached) \|" "$out/gpt-1b-eager-gb$gb.md" | cut -c1-120
+    done ;;
   profile23)
     run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
       --out "$out"
@@ -294,6 +304,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
