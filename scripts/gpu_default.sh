@@ -82,10 +82,7 @@
 #                                              # CUDA-graph tests (COAT's fused path inside captured graphs) (~8 min;
 #                                              # on one H200 2026-11-26: benchmarks/results/fusion-h200)
 #
-# Still to run (each part one command; one mode per command where a run is long). First, on one GPU:
-#   bash scripts/gpu_default.sh gputests       # first: the CUDA-graph tests have not run on a GPU since COAT's linears
-#                                              # add their wgrad inside the GEMM (fusion1b ran out of device time in
-#                                              # them), nor the accumulating GEMM's ragged-height test
+#   bash scripts/gpu_default.sh gputests       # the GPU tests of the kernels and ops changed since the last GPU run
 #   bash scripts/gpu_default.sh speed23        # H100 (issue 23's gpt-1b goal): micro-batch 4, global batch 32,
 #                                              # bf16, te-fp8-delayed, te-fp8-current and coat, eager and with
 #                                              # per-layer graphs, every mode's wgrad added inside its GEMMs (~7 min)
@@ -106,7 +103,14 @@
 #                                              # micro-batch per step) and 32 (eight): what made eager COAT 0.71x BF16 (~4 min)
 #   bash scripts/gpu_default.sh profile23      # issue 23: where one Llama-2-7B layer's fwd+bwd spends its GPU time
 #                                              # against TE FP8 (benchmarks/layer_profile.py), and the host time per
-#                                              # op and layer (benchmarks/host_overhead.py, not yet run on a GPU) (~4 min)
+#                                              # op and layer (benchmarks/host_overhead.py) (~4 min)
+#   (these ran 2026-11-26 on H100s and an H200: benchmarks/results/issue23-h100/commands.txt and
+#   benchmarks/results/issue23-h200/commands.txt)
+#
+# Still to run (each part one command; one mode per command where a run is long):
+#   bash scripts/gpu_default.sh gputests       # first, after any kernel change (none since 2026-11-26's runs)
+#   bash scripts/gpu_default.sh speed23        # and profile23 and eagerab: again after issue 23's next kernel or
+#                                              # host-path change, against the 2026-11-26 figures (same GPU kind)
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 4" "LR_DECAY=cosine acc1b coat 4" \
 #                             "LR_DECAY=cosine acc1b te-fp8-delayed 2" "LR_DECAY=cosine acc1b te-fp8-delayed 3"
 #                                              # four GPUs: the cosine runs' fourth seed and TE FP8 at seeds 2 and 3,
