@@ -301,7 +301,10 @@ def _stats_blocks(n_cols: int, group_size: int) -> tuple[int, int]:
     0.119 ms for norm_to_fp8) and within 5% at 2048 (benchmarks/results/issue23-h100/sweep23)."""
     block_n = max(group_size, triton.next_power_of_2(n_cols))
     if block_n in _STATS_BLOCKS:
-        return _STATS_BLOCKS[block_n]
+        rows, warps = _STATS_BLOCKS[block_n]
+        if rows < 1 or rows & (rows - 1):
+            raise ValueError(f"_STATS_BLOCKS[{block_n}] asks {rows} rows per program: give a power of 2")
+        return rows, warps
     return 1, min(16, max(4, block_n // 512))
 
 

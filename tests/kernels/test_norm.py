@@ -48,6 +48,26 @@ def test_forward_matches_reference(device, shape, kind, seed):
     assert r.q_t.shape == (shape[-1], x.numel() // shape[-1])
 
 
+@pytest.mark.parametrize("rows_per_program", [2, 8])
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+def test_a_stats_pass_of_several_rows_per_program_is_the_one_row_pass(
+    device, kind, rows_per_program, monkeypatch, seed
+):
+    """_STATS_BLOCKS tiles the stats pass by several rows (a ragged last tile here: 37 rows): the same
+    statistics, codes and amax as one row per program, bit for bit."""
+    from coat_kernels import norm as norm_module
+
+    x = random_activations((37, 160), seed=seed)
+    w, b = weights(160, kind, seed)
+    one = run_forward(device, x, w, b, kind)
+    monkeypatch.setitem(norm_module._STATS_BLOCKS, 256, (rows_per_program, 4))
+    tiled = run_forward(device, x, w, b, kind)
+    for a, c in zip(one, tiled):
+        assert (a is None and c is None) or torch.equal(
+            as_bytes(a) if a.dtype.itemsize == 1 else a, as_bytes(c) if c.dtype.itemsize == 1 else c
+        )
+
+
 @pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
 def test_a_bf16_weight_is_read_as_its_fp32_value(device, kind, seed):
     # the COAT norm hands the kernels its BF16 parameter (no FP32 copy): same codes, same gradients
