@@ -192,6 +192,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed"
     )
     search.add_argument(
+        "--search-micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches each rank accumulates per optimizer step in every try (default 1): the global "
+        "batch of a try at micro-batch n is n x this x DP, a realistic step with gradient accumulation",
+    )
+    search.add_argument(
         "--search-steps",
         type=int,
         default=6,
@@ -295,6 +302,7 @@ def check_args(args) -> None:
         "eval_windows",
         "search_start",
         "search_max_micro_batch",
+        "search_micro_batches",
     ):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -357,7 +365,8 @@ def check_layout(preset: Preset, args) -> None:
             raise ValueError(f"{preset.name} is one layer's fwd+bwd: --global-batch needs {END_TO_END}")
         if args.search:
             raise ValueError(
-                "--search measures each micro-batch with one micro-batch per optimizer step: drop --global-batch"
+                "--search sets each try's global batch from its micro-batch: drop --global-batch, and give "
+                "--search-micro-batches N for N micro-batches per optimizer step"
             )
         preset.micro_batches(args.dp)  # raises, listing the global batches that divide
     if layer and (args.save or args.load or args.resume_check):
@@ -756,7 +765,9 @@ def search_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) ->
             graphs,
             *data_args(args, eval_every=0),
         ]
-        fits = probe_fits(probe_args, args.tp * args.dp, args.fit_memory)
+        fits = probe_fits(
+            probe_args, args.tp * args.dp, args.fit_memory, micro_batches=args.search_micro_batches, dp=args.dp
+        )
 
         def reporting(n, fits=fits, mode=mode, graphs=graphs):
             t = fits(n)
@@ -773,6 +784,7 @@ def search_all(args, preset: Preset, modes: list[Mode], keep=lambda row: row) ->
         top = result.best()
         row.update(
             status="ok",
+            micro_batches_per_step=args.search_micro_batches,
             largest_micro_batch=result.largest,
             smallest_failure=result.smallest_failure,
             stopped=result.stopped,

@@ -277,7 +277,11 @@ def search_table(rows: list[dict]) -> list[str]:
 
     def lines_of(r):
         tries = ", ".join(f"{t['micro_batch']}{'+' if t['fits'] else 'x'}" for t in r["tries"])
-        note = r.get("stopped") or ("does not fit at micro-batch 1" if r["largest_micro_batch"] == 0 else "")
+        first = r["tries"][0]["micro_batch"] if r["tries"] else 1
+        notes = [r.get("stopped") or (f"does not fit at micro-batch {first}" if r["largest_micro_batch"] == 0 else "")]
+        if r.get("micro_batches_per_step", 1) > 1:
+            notes.append(f"{r['micro_batches_per_step']} micro-batches per step")
+        note = "; ".join(n for n in notes if n)
         per_gpu = f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} |" if several else ""
         return [
             f"| {r['mode']} | {r.get('graphs', 'none')} | {r['largest_micro_batch']} | {_fmt(r.get('tokens_per_s'), 0)} |{per_gpu} "
@@ -381,7 +385,8 @@ COLUMNS = {
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter; loss: training "
     "loss of the first and last step; valid loss: mean per-token loss on the held-out validation windows after the last step "
     "(- without validation: --eval-every 0, or CUDA graphs without --eval-every).",
-    "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process); "
+    "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process; "
+    "one micro-batch per optimizer step unless the note says more: --search-micro-batches); "
     "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
     "resume": "A dist checkpoint (dp_reshardable) written after the step named, by the uninterrupted run; the resumed runs load it at "
     "DP 1 (micro-batch x DP: the same global batch) and at the saving DP size, and train the same steps on the same batches. "

@@ -95,13 +95,29 @@ def largest_micro_batch(
     return SearchResult(lo, hi, tries)
 
 
+def probe_args_for(args: list[str], micro_batch: int, micro_batches: int = 1, dp: int = 1) -> list[str]:
+    """A try's command line: ``args`` at ``micro_batch``, and where each step accumulates
+    ``micro_batches`` micro-batches per rank, the global batch that makes it so."""
+    if micro_batches < 1:
+        raise ValueError(f"micro-batches per step must be 1 or more, got {micro_batches}")
+    extra = [] if micro_batches == 1 else ["--global-batch", str(micro_batch * micro_batches * dp)]
+    return [*args, "--micro-batch", str(micro_batch), *extra]
+
+
 def probe_fits(
-    args: list[str], world_size: int, fit_memory_gib: float | None, timeout_s: float = 600
+    args: list[str],
+    world_size: int,
+    fit_memory_gib: float | None,
+    timeout_s: float = 600,
+    *,
+    micro_batches: int = 1,
+    dp: int = 1,
 ) -> Callable[[int], Try]:
-    """``fits`` for ``largest_micro_batch``: one fresh process per try (see the module docstring)."""
+    """``fits`` for ``largest_micro_batch``: one fresh process per try (see the module docstring);
+    each try's step accumulates ``micro_batches`` micro-batches per rank (``dp`` ranks)."""
 
     def fits(micro_batch: int) -> Try:
-        probe = run_probe([*args, "--micro-batch", str(micro_batch)], world_size, timeout_s)
+        probe = run_probe(probe_args_for(args, micro_batch, micro_batches, dp), world_size, timeout_s)
         row, seconds = probe.row, probe.seconds
         if row is None:
             return Try(micro_batch, False, probe.error.replace("the run", "the try"), seconds=seconds)

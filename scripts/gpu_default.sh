@@ -90,10 +90,10 @@
 #                                              # accumulating GEMM, then each SwiGLU kernel's and the norm passes'
 #                                              # tiles timed at Llama-2-7B's and gpt-1b's shapes (benchmarks/ops.py
 #                                              # --sweep), to choose their defaults (~5 min)
-#   bash scripts/gpu_default.sh search7b MODES [START]  # H200 and H100 (issue 23's max-batch goal): each mode's
-#                                              # largest Llama-2-7B micro-batch (coat-compare --search, eager, one
-#                                              # micro-batch per step, doubling from START then bisection) and its
-#                                              # tokens/s there; the modes share the command's 9 minutes
+#   bash scripts/gpu_default.sh search7b MODES [START [MICRO_BATCHES]]  # H200 and H100 (issue 23's max-batch goal):
+#                                              # each mode's largest Llama-2-7B micro-batch (coat-compare --search, eager,
+#                                              # MICRO_BATCHES per step (default 1), doubling from START then bisection)
+#                                              # and its tokens/s there; the modes share the command's 9 minutes
 #   bash scripts/gpu_default.sh speed7b23      # H200 (issue 23): Llama-2-7B micro-batch 1, global batch 8, bf16,
 #                                              # te-fp8-current and coat, eager and with per-layer graphs (~8 min)
 #   bash scripts/gpu_default.sh eager23        # H100 (issue 23's eager path): benchmarks/step_profile.py on gpt-1b eager,
@@ -111,6 +111,9 @@
 #   bash scripts/gpu_default.sh gputests       # first, after any kernel change (none since 2026-11-26's runs)
 #   bash scripts/gpu_default.sh speed23        # and profile23 and eagerab: again after issue 23's next kernel or
 #                                              # host-path change, against the 2026-11-26 figures (same GPU kind)
+#   bash scripts/gpu_default.sh search7b coat 8 8  # H200, then "search7b bf16,te-fp8-current 1 8": the max-batch
+#                                              # search at 8 micro-batches per step (--search-micro-batches, a
+#                                              # realistic step; 2026-11-26's ran at one per step); the same on an H100
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 4" "LR_DECAY=cosine acc1b coat 4" \
 #                             "LR_DECAY=cosine acc1b te-fp8-delayed 2" "LR_DECAY=cosine acc1b te-fp8-delayed 3"
 #                                              # four GPUs: the cosine runs' fourth seed and TE FP8 at seeds 2 and 3,
@@ -125,7 +128,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START]|speed7b23|eager23|eagerab|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -252,10 +255,12 @@ case $part in
     run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
     for shape in 7b 1b; do grep -E "^\| (norm|quantize_swiglu|swiglu)" "$out/$shape/ops.md" | cut -c1-120; done ;;
   search7b)
-    modes=${2:?search7b MODES [START]}; start=${3:-1}; tag=${modes//,/-}
+    modes=${2:?search7b MODES [START [MICRO_BATCHES]]}; start=${3:-1}; per_step=${4:-1}; tag=${modes//,/-}
+    [ "$per_step" != 1 ] && tag="$tag-x$per_step"
     n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
     run 585 "search7b-$tag" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --modes "$modes" \
-      --search --search-start "$start" --search-time-limit $((540 / n_modes)) --out "$out" --name "llama2-7b-search-$tag" --no-plots
+      --search --search-start "$start" --search-micro-batches "$per_step" --search-time-limit $((540 / n_modes)) \
+      --out "$out" --name "llama2-7b-search-$tag" --no-plots
     grep -E "^\| ($(tr , '|' <<<"$modes")) " "$out/llama2-7b-search-$tag.md" | cut -c1-200 ;;
   speed7b23)
     run 585 speed7b23 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --micro-batch 1 \

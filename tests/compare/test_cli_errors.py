@@ -81,7 +81,8 @@ BAD = [
     ),
     (["--search", "--search-steps", "0"], ["use --search-steps 3 or more"]),
     (["--search", "--search-start", "0"], ["--search-start 0: must be 1 or more"]),
-    (["--search", "--global-batch", "8"], ["drop --global-batch"]),
+    (["--search", "--global-batch", "8"], ["drop --global-batch", "--search-micro-batches N"]),
+    (["--search", "--search-micro-batches", "0"], ["--search-micro-batches 0: must be 1 or more"]),
     (["--preset", "tiny-layer", "--steps", "5"], ["drop --steps"]),
     (["--resume-check", "--dp", "2", "--steps", "4"], ["use --steps 5 or more"]),
     (["--resume-check", "--dp", "2", "--steps", "6", "--save-step", "4"], ["use --steps 7 or more"]),
@@ -284,7 +285,7 @@ def test_out_of_memory_and_skipped_rows_exit_0(tmp_path, monkeypatch, in_process
 
 
 def test_search_rows_are_kept_as_each_mode_is_done(tmp_path, monkeypatch, in_process):
-    def probe_fits(args, world_size, fit_memory_gib):
+    def probe_fits(args, world_size, fit_memory_gib, **per_step):
         if args[args.index("--modes") + 1] == "coat":
             raise KeyboardInterrupt
         return lambda n: Try(n, n <= 2, "" if n <= 2 else "OOM", {"tokens_per_s": 100.0 * n, "peak_MiB": 10.0 * n})

@@ -370,6 +370,14 @@ def test_one_search_try_in_a_fresh_process(monkeypatch):
     assert all(math.isfinite(x) for x in t.result["losses"]) and t.result["tokens_per_s"] > 0
     assert not t.fits and "--fit-memory" in t.reason  # it trained, but above the memory we allowed
     json.dumps(t.result)
+    accumulating = probe_fits(
+        ["--preset", "tiny", "--modes", "coat", "--steps", "4", "--seq", "64", "--seed", "1234"],
+        1,
+        fit_memory_gib=None,
+        micro_batches=2,
+    )
+    t = accumulating(2)
+    assert t.fits and (t.result["micro_batches"], t.result["global_batch"]) == (2, 4)
 
 
 def test_search_rows_and_their_report(tmp_path, monkeypatch):
@@ -380,8 +388,10 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     from coat_compare.search import Try
 
     limits = {"bf16": 5, "coat": 12}
+    per_step = []
 
-    def fake_probe_fits(args, world_size, fit_memory_gib):
+    def fake_probe_fits(args, world_size, fit_memory_gib, micro_batches=1, dp=1):
+        per_step.append((micro_batches, dp))
         mode = args[args.index("--modes") + 1]
         return lambda n: Try(
             n,
@@ -421,6 +431,43 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     )
     assert (goal["measured"], goal["met"], goal["missed_by"]) == (1.0, False, "33.3% below the target")
     assert not (tmp_path / "tiny-search.partial.jsonl").exists()  # the report replaced the rows kept as they came
+    assert set(per_step) == {(1, 1)} and by["coat"]["micro_batches_per_step"] == 1
+    # --search-micro-batches: every try accumulates that many micro-batches per step, and the table says so
+    per_step.clear()
+    out = tmp_path / "accumulated"
+    assert (
+        job.main(
+            [
+                "--preset",
+                "tiny",
+                "--modes",
+                "coat",
+                "--search",
+                "--search-micro-batches",
+                "4",
+                "--out",
+                str(out),
+                "--no-plots",
+            ]
+        )
+        == 0
+    )
+    (row,) = [r for r in read_jsonl(out / "tiny-search.jsonl") if r["kind"] == "search"]
+    assert per_step == [(4, 1)] and row["micro_batches_per_step"] == 4
+    assert "| 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x | 4 micro-batches per step |" in (out / "tiny-search.md").read_text()
+
+
+def test_a_try_accumulates_the_micro_batches_asked():
+    """Each try's command line: its micro-batch, and the global batch that makes a step of N micro-batches
+    per rank (none for one: the try's default)."""
+    from coat_compare.search import probe_args_for
+
+    base = ["--preset", "tiny", "--modes", "coat"]
+    assert probe_args_for(base, 3) == [*base, "--micro-batch", "3"]
+    assert probe_args_for(base, 3, micro_batches=8) == [*base, "--micro-batch", "3", "--global-batch", "24"]
+    assert probe_args_for(base, 3, micro_batches=8, dp=2)[-1] == "48"
+    with pytest.raises(ValueError, match="1 or more"):
+        probe_args_for(base, 3, micro_batches=0)
 
 
 GRAD_NORMS = """
