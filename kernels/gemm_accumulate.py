@@ -281,6 +281,8 @@ def fp8_gemm_accumulate(
     ``backend``: "auto" (``backend_for``), "cublaslt" or "add" (the FP32 temporary and an add).
     Scales are 0-d (or one-element) FP32 tensors, as the quantizers return them.
     """
+    if backend not in ("auto", "cublaslt", "add"):
+        raise ValueError(f"backend {backend!r}: use 'auto', 'cublaslt' or 'add'")
     check_operands(a, b, "fp8_gemm_accumulate")
     if out.shape != (a.shape[0], b.shape[1]) or out.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(
@@ -297,8 +299,6 @@ def fp8_gemm_accumulate(
     a, b = _pad_k(a, b)
     sa = a_scale if a_scale.dim() == 0 else a_scale.reshape(())
     sb = b_scale if b_scale.dim() == 0 else b_scale.reshape(())
-    if chosen != "cublaslt":
-        raise ValueError(f"backend {backend!r}: use 'auto', 'cublaslt' or 'add'")
     lt = _cublaslt()
     if lt is None:
         raise CublasLtError(f"cuBLASLt is not available here ({_LT_ERROR}); use backend='add'")

@@ -41,6 +41,8 @@ def test_bad_operands_and_outputs_are_refused():
         ga.fp8_gemm_accumulate(a, sa, b, sb, torch.zeros(32, 16, dtype=torch.float16))
     with pytest.raises(ValueError, match="must be contiguous"):
         ga.fp8_gemm_accumulate(a, sa, b, sb, torch.zeros(16, 32).t())
+    with pytest.raises(ValueError, match="use 'auto', 'cublaslt' or 'add'"):  # refused before any work, on any device
+        ga.fp8_gemm_accumulate(a, sa, b, sb, torch.zeros(32, 16), backend="cublas")
 
 
 def test_the_library_is_the_one_torch_ships():
