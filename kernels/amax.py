@@ -30,6 +30,8 @@ import triton.language as tl
 SLOTS = 256
 _REDUCE_BLOCK = tl.constexpr(1024)
 _pools: dict[torch.device, torch.Tensor] = {}
+# each pool's one-element views, sliced once: (the pool, its views), checked against _pools
+_counters: dict[torch.device, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 _turn = itertools.count()
 
 
@@ -64,8 +66,11 @@ def pool(device: torch.device) -> torch.Tensor:
 
 def counter(device: torch.device) -> torch.Tensor:
     """The next int32 counter of ``device``'s pool (a one-element view; zero between launches)."""
-    i = next(_turn) % SLOTS
-    return pool(device)[i : i + 1]
+    entry = _counters.get(device)
+    if entry is None or len(entry[1]) != SLOTS or _pools.get(entry[0].device) is not entry[0]:
+        counters = pool(device)
+        entry = _counters[device] = (counters, [counters[i : i + 1] for i in range(SLOTS)])
+    return entry[1][next(_turn) % SLOTS]
 
 
 def amax_outputs(n_programs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -48,6 +48,7 @@ import triton.language as tl
 
 from .backend import interpreter_enabled, use_triton
 from .formats import FP32_MIN_NORMAL, fp8_format
+from .launch import cdiv, lean
 from .scaling import (
     NonFiniteInputError,
     abs_or_inf,
@@ -439,6 +440,7 @@ class ExpandedFp8:
         )
 
 
+@lean
 @triton.jit
 def _quantize_expanded_kernel(
     x_ptr,
@@ -471,6 +473,7 @@ def _quantize_expanded_kernel(
         tl.store(c_ptr + groups, center, mask=gmask)
 
 
+@lean
 @triton.jit
 def _dequantize_expanded_kernel(
     q_ptr,
@@ -620,7 +623,7 @@ def quantize_expanded(
         if n:
             groups = _groups_per_program(group_size)
             fast = not use_exact_math(x, exact_math)
-            _quantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
+            _quantize_expanded_kernel[(cdiv(n_groups, groups),)](
                 x,
                 state.codes,
                 state.scale,
@@ -670,7 +673,7 @@ def dequantize_expanded(
         groups = _groups_per_program(state.group_size)
         fast = not use_exact_math(state.codes, exact_math)
         meta = state.scale
-        _dequantize_expanded_kernel[(triton.cdiv(n_groups, groups),)](
+        _dequantize_expanded_kernel[(cdiv(n_groups, groups),)](
             state.codes.contiguous(),
             state.scale,
             state.k if state.expansion else meta,

@@ -53,6 +53,7 @@ from .expanded import (
     use_exact_math,
 )
 from .formats import fp8_format
+from .launch import lean
 from .master import join_master, join_master_tile, split_master, split_master_tile
 from .scaling import fp8_bits
 
@@ -140,6 +141,7 @@ def _store_state(
     return tl.sum(tl.sum(underflow.to(tl.int32), axis=1), axis=0)
 
 
+@lean
 @triton.jit
 def _fp8_adamw_kernel(
     work_ptr,

@@ -41,6 +41,7 @@ import triton.language as tl
 from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, check_group_size, fp8_format
+from .launch import cdiv, lean, next_power_of_2
 from .per_group import dequantize_per_group_reference, quantize_groups, quantize_per_group_reference, store_groups
 from .per_tensor import (
     _quantize_blocks,
@@ -79,6 +80,7 @@ def _normalize(x, mean, rstd, w, b, IS_LAYERNORM: tl.constexpr, HAS_BIAS: tl.con
     return y
 
 
+@lean
 @triton.jit
 def _norm_stats_kernel(
     x_ptr,
@@ -128,6 +130,7 @@ def _norm_stats_kernel(
     finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
+@lean
 @triton.jit
 def _norm_quantize_kernel(
     x_ptr,
@@ -168,6 +171,7 @@ def _norm_quantize_kernel(
     store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, True)
 
 
+@lean
 @triton.jit
 def _norm_backward_kernel(
     dy_ptr,
@@ -299,7 +303,7 @@ def _stats_blocks(n_cols: int, group_size: int) -> tuple[int, int]:
     """(rows per program, num_warps) of the stats pass: one row per program by default. Two or four
     rows per program (fewer amax tickets) were no faster on an H100 at hidden 4096 (0.135 against
     0.119 ms for norm_to_fp8) and within 5% at 2048 (benchmarks/results/issue23-h100/sweep23)."""
-    block_n = max(group_size, triton.next_power_of_2(n_cols))
+    block_n = max(group_size, next_power_of_2(n_cols))
     if block_n in _STATS_BLOCKS:
         rows, warps = _STATS_BLOCKS[block_n]
         if rows < 1 or rows & (rows - 1):
@@ -358,7 +362,7 @@ def norm_to_fp8(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=dev)
     mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if is_ln else None
     stats_rows, stats_warps = _stats_blocks(n_cols, group_size)
-    stats_grid = (triton.cdiv(n_rows, stats_rows),)
+    stats_grid = (cdiv(n_rows, stats_rows),)
     tiles, amax, count = amax_outputs(stats_grid[0], dev)  # every program's amax, and their max (the stats kernel's)
     x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
@@ -384,7 +388,7 @@ def norm_to_fp8(
             IS_LAYERNORM=is_ln,
             HAS_BIAS=bias is not None,
             BLOCK_M=stats_rows,
-            BLOCK_N=max(group_size, triton.next_power_of_2(n_cols)),
+            BLOCK_N=max(group_size, next_power_of_2(n_cols)),
             num_warps=stats_warps,
             enable_fp_fusion=False,
         )
@@ -392,7 +396,7 @@ def norm_to_fp8(
             reduce_amax(amax)
         block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
         in_pass = transpose_in_pass(transpose, x.dtype)
-        _norm_quantize_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+        _norm_quantize_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             rows,
             weight,
             bias if bias is not None else weight,
@@ -447,7 +451,7 @@ def norm_quantize(
     if n_rows:
         block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
         in_pass = transpose_in_pass(transpose, x.dtype)
-        _norm_quantize_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))](
+        _norm_quantize_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
             rows,
             weight,
             bias if bias is not None else weight,
@@ -547,11 +551,11 @@ def norm_backward(
         return dx, zeros, zeros.clone() if has_bias else None
     per_sm, warps = _BACKWARD_BLOCKS
     programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
-    rows_per_program = triton.cdiv(n_rows, programs)
-    programs = triton.cdiv(n_rows, rows_per_program)
+    rows_per_program = cdiv(n_rows, programs)
+    programs = cdiv(n_rows, rows_per_program)
     dw = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
     db = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device) if has_bias else dw
-    block_n = max(group_size, triton.next_power_of_2(n_cols))
+    block_n = max(group_size, next_power_of_2(n_cols))
     _norm_backward_kernel[(programs,)](
         dy,
         x_q,

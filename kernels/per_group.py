@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .backend import use_triton
 from .formats import as_rows, check_group_size, fp8_format
+from .launch import cdiv, lean, next_power_of_2
 from .scaling import (
     abs_or_inf,
     abs_or_inf_reference,
@@ -89,6 +90,7 @@ def load_groups(
     return tl.reshape(x, (BLOCK_M, BLOCK_N))
 
 
+@lean
 @triton.jit
 def _quantize_per_group_kernel(
     x_ptr,
@@ -110,6 +112,7 @@ def _quantize_per_group_kernel(
     store_groups(q_ptr, s_ptr, y, scale, rows, tl.program_id(1) * BLOCK_N, n_rows, n_cols, BLOCK_N, GROUP)
 
 
+@lean
 @triton.jit
 def _dequantize_per_group_kernel(
     q_ptr,
@@ -131,7 +134,7 @@ def _dequantize_per_group_kernel(
 
 def _blocks(n_cols: int, group_size: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): tiles of about 8192 elements, a row segment of up to 256."""
-    block_n = max(group_size, min(256, triton.next_power_of_2(n_cols)))
+    block_n = max(group_size, min(256, next_power_of_2(n_cols)))
     block_m = max(1, 8192 // block_n)
     return block_m, block_n, 8 if block_m * block_n >= 8192 else 4
 
@@ -190,7 +193,7 @@ def quantize_per_group(
         scales = torch.empty(*x.shape[:-1], x.shape[-1] // group_size, dtype=torch.float32, device=x.device)
         if rows.numel():
             block_m, block_n, warps = _blocks(rows.shape[1], group_size)
-            grid = (triton.cdiv(rows.shape[0], block_m), triton.cdiv(rows.shape[1], block_n))
+            grid = (cdiv(rows.shape[0], block_m), cdiv(rows.shape[1], block_n))
             _quantize_per_group_kernel[grid](
                 rows,
                 q,
@@ -240,7 +243,7 @@ def dequantize_per_group(
     n_rows = q.numel() // max(n_cols, 1)
     if q.numel():
         block_m, block_n, warps = _blocks(n_cols, group_size)
-        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
         _dequantize_per_group_kernel[grid](
             q,
             scales,

@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .backend import use_triton
 from .formats import as_rows, fp8_format
+from .launch import cdiv, lean
 from .per_tensor import (
     _AMAX_BLOCKS,
     _quantize_blocks,
@@ -55,6 +56,7 @@ def _is_stale(gen_ptr, cur_ptr, force):
 # ``force`` is a run-time argument (not specialised): the forced refresh the host launches eagerly
 # and the gated one a CUDA graph records are one compiled kernel, so nothing compiles (or loads a
 # module) during a capture
+@lean
 @triton.jit(do_not_specialize=["force"])
 def _refresh_amax_kernel(
     x_ptr,
@@ -76,6 +78,7 @@ def _refresh_amax_kernel(
     tl.atomic_max(amax_ptr, tl.max(tl.max(abs_or_inf(x.to(tl.float32)), axis=1), axis=0), mask=stale)
 
 
+@lean
 @triton.jit(do_not_specialize=["force"])
 def _refresh_quantize_kernel(
     x_ptr,
@@ -110,6 +113,7 @@ def _refresh_quantize_kernel(
         tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
 
 
+@lean
 @triton.jit
 def _refresh_finish_kernel(amax_ptr, gen_ptr, cur_ptr, HAS_GENERATION: tl.constexpr):
     tl.store(amax_ptr, 0.0)
@@ -117,6 +121,7 @@ def _refresh_finish_kernel(amax_ptr, gen_ptr, cur_ptr, HAS_GENERATION: tl.conste
         tl.store(gen_ptr, tl.load(cur_ptr))
 
 
+@lean
 @triton.jit(do_not_specialize=["force"])
 def _refresh_keep_amax_kernel(amax_ptr, kept_ptr, gen_ptr, cur_ptr, force):
     stale = _is_stale(gen_ptr, cur_ptr, force)
@@ -160,7 +165,7 @@ def _gated_amax(rows: torch.Tensor, amax, gen, cur, forced: int) -> None:
         return
     n_rows, n_cols = rows.shape
     block_m, block_n, warps = _AMAX_BLOCKS
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
     _refresh_amax_kernel[grid](
         rows, amax, gen, cur, forced, n_rows, n_cols, rows.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
     )
@@ -233,7 +238,7 @@ def refresh_per_tensor_copy(
         _gated_amax(rows, amax, gen, cur, forced)
         in_pass = transpose_in_pass(q_t is not None, x.dtype)
         block_m, block_n, warps = _quantize_blocks(n_cols, q_t is not None)
-        grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+        grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
         _refresh_quantize_kernel[grid](
             rows,
             amax,

@@ -33,6 +33,7 @@ import triton.language as tl
 from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, check_group_size, fp8_format
+from .launch import cdiv, lean
 from .per_group import dequantize_per_group_reference, quantize_per_group_reference
 from .per_tensor import finish_transpose, per_tensor_outputs, quantize_per_tensor_reference
 from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, scale_from_amax
@@ -86,6 +87,7 @@ def _tile_max(x):
     return tl.max(tl.max(tl.max(abs_or_inf(x), axis=2), axis=1), axis=0)
 
 
+@lean
 @triton.jit
 def _quantize_swiglu_input_kernel(
     h_ptr,
@@ -117,6 +119,7 @@ def _quantize_swiglu_input_kernel(
     finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
+@lean
 @triton.jit
 def _swiglu_forward_kernel(
     hq_ptr,
@@ -151,6 +154,7 @@ def _swiglu_forward_kernel(
         tl.store(q_ptr + rows64[:, None, None] * n_ffn + cols, q, mask=mask2[:, :, None])
 
 
+@lean
 @triton.jit
 def _swiglu_backward_kernel(
     da_ptr,
@@ -187,7 +191,7 @@ def _swiglu_backward_kernel(
 def _launch(n_rows: int, n_ffn: int, group_size: int, kernel: str) -> tuple[tuple[int, int], dict]:
     block_m, block_n, warps = _BLOCKS[kernel]
     block_n = max(block_n, group_size)
-    grid = (triton.cdiv(n_rows, block_m), triton.cdiv(n_ffn, block_n))
+    grid = (cdiv(n_rows, block_m), cdiv(n_ffn, block_n))
     return grid, {"GROUP": group_size, "BLOCK_M": block_m, "GROUPS": block_n // group_size, "num_warps": warps}
 
 
