@@ -8,9 +8,11 @@ work takes microseconds and the time to *issue* it (Python, autograd, dispatch, 
 kernel launches) is what the clock sees. Sections:
 
 1. primitives: one bare Triton launch, torch.empty, torch._scaled_mm, a BF16 mm, ...: the floor
-   under any op built from them;
+   under any op built from them; COAT's quantizers with and without the lean launch path
+   (``coat_kernels.launch``);
 2. COAT's ops (quantize, norm, linear, SwiGLU; forward and forward+backward) and one whole
-   transformer layer per mode (COAT, TE BF16, TE FP8 current scaling, Megatron local BF16):
+   transformer layer per mode (COAT, also through Triton's launch path; TE BF16, TE FP8 current
+   scaling, Megatron local BF16):
    host microseconds per call, and kernel launches per call (torch.profiler);
 3. the same layer at the gpt-1b shape (2048 x 4 tokens, hidden 2048): host time to issue one
    fwd+bwd against the GPU time it takes, i.e. whether that layer is host-bound;
@@ -89,6 +91,24 @@ def primitives(rows: list) -> None:
     for name, fn in cases.items():
         host, wall = host_us(fn)
         rows.append({"section": "primitive", "name": name, "host_us": host, "wall_us": wall})
+    with triton_launch_path():
+        for name in ("tensor_amax", "quantize_per_tensor (own amax)", "quantize_per_tensor + transpose"):
+            host, wall = host_us(cases[name])
+            rows.append(
+                {"section": "primitive", "name": f"{name}, Triton's launch path", "host_us": host, "wall_us": wall}
+            )
+
+
+@contextlib.contextmanager
+def triton_launch_path():
+    """COAT's kernels launched through Triton's own path (``coat_kernels.launch`` off)."""
+    from coat_kernels import launch
+
+    launch.set_enabled(False)
+    try:
+        yield
+    finally:
+        launch.set_enabled(launch.ENABLED)
 
 
 def coat_ops(rows: list) -> None:
@@ -187,6 +207,16 @@ def layers(rows: list, profile_calls: int) -> str:
             }
         )
         if mode.name == "coat":
+            with triton_launch_path():
+                host_off, wall_off = host_us(step, calls=100)
+            rows.append(
+                {
+                    "section": "layer 256 tokens",
+                    "name": "coat, Triton's launch path",
+                    "host_us": host_off,
+                    "wall_us": wall_off,
+                }
+            )
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(profile_calls):
@@ -232,7 +262,8 @@ def main():
         "",
     ]
     section = None
-    for r in rows:
+    order = list(dict.fromkeys(r["section"] for r in rows))
+    for r in sorted(rows, key=lambda r: order.index(r["section"])):
         if r["section"] != section:
             section = r["section"]
             lines += ["", f"## {section}", "", "| name | host us | wall us | launches |", "|---|---|---|---|"]

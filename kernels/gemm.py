@@ -1,4 +1,4 @@
-"""Per-tensor-scaled FP8 GEMM: cuBLASLt through ``torch._scaled_mm`` on the GPU, FP32 on the CPU.
+"""Per-tensor-scaled FP8 GEMM: cuBLASLt on the GPU (a cached plan, or ``torch._scaled_mm``), FP32 on the CPU.
 
     out = (a * a_scale) @ (b * b_scale) (+ bias)
 
@@ -10,12 +10,24 @@ GEMM) is zero-padded here, which leaves the product unchanged.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
+from .cublaslt import _cublaslt, alignment
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LT_OUT = (torch.bfloat16, torch.float32)
+
+# Which library runs a GPU GEMM without bias: "auto" (cuBLASLt with a cached plan, through
+# coat_kernels.cublaslt, where the shapes and buffers allow; torch._scaled_mm otherwise) or "torch"
+# (always torch._scaled_mm, which asks cuBLASLt's heuristic on every call). Both are cuBLASLt's FP8
+# GEMM with FP32 accumulation; the cached plan saves host time per call.
+GEMM = os.environ.get("COAT_FP8_GEMM", "auto")
+if GEMM not in ("auto", "torch"):
+    raise ValueError(f"COAT_FP8_GEMM={GEMM!r}: use auto (the default) or torch")
 
 
 def fp8_gemm_reference(a, a_scale, b, b_scale, *, out_dtype=torch.bfloat16, bias=None):
@@ -42,6 +54,23 @@ def check_gpu_layout(a: torch.Tensor, b: torch.Tensor, caller: str) -> None:
         raise ValueError(f"{caller} needs a row-major and b column-major (b.t() contiguous)")
     if b.shape[1] % 16:
         raise ValueError(f"the output width {b.shape[1]} of an FP8 GEMM must be a multiple of 16; pad the layer")
+
+
+def _cached_plan_fits(a, a_scale, b, b_scale, out_dtype, out) -> bool:
+    """Whether the cached-plan cuBLASLt call takes this GEMM: an output height that is a multiple of
+    16 (cuBLASLt's FP8 rule for the leading dimension of its transposed view), a BF16 or FP32
+    output, one-element FP32 scales on the GPU, and 16-byte aligned buffers."""
+    return (
+        a.shape[0] % 16 == 0
+        and out_dtype in _LT_OUT
+        and a_scale.dtype == torch.float32
+        and b_scale.dtype == torch.float32
+        and a_scale.numel() == 1
+        and b_scale.numel() == 1
+        and a_scale.is_cuda
+        and b_scale.is_cuda
+        and alignment(a.data_ptr(), b.data_ptr(), 0 if out is None else out.data_ptr()) >= 16
+    )
 
 
 def _pad_k(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +115,13 @@ def fp8_gemm(
         return result if out is None else out.copy_(result)
     check_gpu_layout(a, b, "fp8_gemm")
     a, b = _pad_k(a, b)
+    if bias is None and GEMM == "auto" and _cached_plan_fits(a, a_scale, b, b_scale, out_dtype, out):
+        lt = _cublaslt()
+        if lt is not None:
+            if out is None:
+                out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+            lt.matmul(a, a_scale, b, b_scale, out, 0.0, use_fast_accum)
+            return out
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     kwargs = {} if out is None else {"out": out}

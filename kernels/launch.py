@@ -27,7 +27,6 @@ import functools
 import os
 
 import torch
-import triton
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
@@ -89,6 +88,7 @@ class LeanKernel:
         self.constexprs = {p.name for p in params if p.is_constexpr}
         self.entries: dict = {}
         self.misses = 0  # launches that took Triton's path (for tests and benchmarks)
+        _ALL.append(self)
 
     def __getattr__(self, name):
         if name == "kernel":  # not set yet (copy, unpickling): no recursion
@@ -146,9 +146,19 @@ class LeanKernel:
         return compiled
 
 
+_ALL: list[LeanKernel] = []
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the fast path on or off for every kernel that has one (benchmarks compare the two)."""
+    for kernel in _ALL:
+        if isinstance(kernel.kernel, JITFunction):
+            kernel.enabled = enabled
+
+
 def lean(kernel) -> LeanKernel:
     """Decorator (above ``@triton.jit``) giving a kernel the fast launch path."""
     return LeanKernel(kernel)
 
 
-__all__ = ["LeanKernel", "cdiv", "lean", "next_power_of_2", "triton"]
+__all__ = ["LeanKernel", "cdiv", "lean", "next_power_of_2", "set_enabled"]

@@ -41,3 +41,85 @@ def test_scaled_mm_matches_reference(m, k, n, fmts):
     # both accumulate the same products in FP32, in different orders: error <= k * 2^-23 * sum|a||b|
     bound = k * 2**-23 * ((a_q.float().abs() * a_s) @ (b.float().abs() * b_s))
     assert ((got - want).abs() <= bound + 1e-6).all()
+
+
+def _gpu_operands(m, k, n, fmts=("e4m3", "e4m3"), seed=0):
+    a_q, a_s, b, b_s = (t.cuda() for t in operands(m, k, n, *fmts, seed=seed))
+    return a_q, a_s, b.t().contiguous().t(), b_s
+
+
+def _within_fp32_accumulation(got, a_q, a_s, b, b_s, k):
+    want = fp8_gemm_reference(a_q, a_s, b, b_s, out_dtype=torch.float32)
+    bound = k * 2**-23 * ((a_q.float().abs() * a_s) @ (b.float().abs() * b_s))
+    if got.dtype == torch.bfloat16:  # one rounding to BF16 on top
+        bound = bound + 2**-8 * want.abs()
+    return ((got.float() - want).abs() <= bound + 1e-6).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(8192, 2048, 5632), (2048, 8192, 2048), (4096, 4096, 12288), (64, 2047, 512)])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_the_cached_plan_gemm_matches_the_reference_as_scaled_mm_does(
+    m, k, n, out_dtype, fast_accum, monkeypatch, seed
+):
+    """The linear's three GEMMs (fprop, dgrad, wgrad shapes) through the cached cuBLASLt plan and
+    through torch._scaled_mm: both within FP32 accumulation of the reference (fast accumulation, a
+    Hopper mode with fewer bits between promotions, is held to TE's use: fprop only, so only checked
+    to agree with _scaled_mm's own fast accumulation to the same bound)."""
+    import coat_kernels.gemm as gemm
+
+    a_q, a_s, b, b_s = _gpu_operands(m, k, n, ("e5m2", "e4m3") if m == 2048 else ("e4m3", "e4m3"), seed=seed % 1000)
+    a_padded, b_padded = gemm._pad_k(a_q, b)
+    assert gemm._cached_plan_fits(a_padded, a_s, b_padded, b_s, out_dtype, None)
+    got = fp8_gemm(a_q, a_s, b, b_s, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    monkeypatch.setattr(gemm, "GEMM", "torch")
+    torch_mm = fp8_gemm(a_q, a_s, b, b_s, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    if not fast_accum:
+        assert _within_fp32_accumulation(got, a_q, a_s, b, b_s, k)
+        assert _within_fp32_accumulation(torch_mm, a_q, a_s, b, b_s, k)
+    else:  # Hopper's fast accumulation: 2^-11 of sum |a||b| (tests/kernels/test_gemm_accumulate.py)
+        magnitude = (a_q.float().abs() * a_s) @ (b.float().abs() * b_s)
+        assert ((got.float() - torch_mm.float()).abs() <= 2**-10 * magnitude + 2**-7 * torch_mm.float().abs()).all()
+
+
+@pytest.mark.gpu
+def test_the_cached_plan_never_reads_the_output_it_overwrites_and_replays_in_a_graph():
+    a_q, a_s, b, b_s = _gpu_operands(1024, 512, 768, seed=3)
+    want = fp8_gemm(a_q, a_s, b, b_s, out_dtype=torch.float32)
+    out = torch.full((1024, 768), float("nan"), device="cuda")
+    fp8_gemm(a_q, a_s, b, b_s, out_dtype=torch.float32, out=out)  # beta = 0: the NaNs are not read
+    assert torch.equal(out, want)
+    out.fill_(float("nan"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        fp8_gemm(a_q, a_s, b, b_s, out_dtype=torch.float32, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_less_aligned_buffers_get_their_own_plan_or_scaled_mm():
+    """An operand 16 bytes past an allocation gets a plan made for 16-byte alignment; the results are
+    the same products."""
+    import coat_kernels.cublaslt as cublaslt
+
+    a_q, a_s, b, b_s = _gpu_operands(512, 256, 512, seed=4)
+    want = fp8_gemm(a_q, a_s, b, b_s, out_dtype=torch.float32)
+    shifted = torch.empty(a_q.numel() + 16, dtype=torch.uint8, device="cuda")[16:].view(a_q.dtype).view(a_q.shape)
+    shifted.copy_(a_q)
+    assert cublaslt.alignment(shifted.data_ptr()) == 16
+    got = fp8_gemm(shifted, a_s, b, b_s, out_dtype=torch.float32)
+    assert _within_fp32_accumulation(got, a_q, a_s, b, b_s, 256) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert any(key[-1] == 16 for key in cublaslt._cublaslt().plans)
+
+
+def test_alignment_is_the_largest_power_of_two_up_to_256():
+    from coat_kernels.cublaslt import alignment
+
+    assert alignment(0) == 256 and alignment(512, 1024) == 256 and alignment(512 + 16) == 16
+    assert alignment(1 << 20, 8) == 8 and alignment(3) == 1 and alignment() == 256
