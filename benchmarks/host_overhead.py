@@ -8,10 +8,10 @@ work takes microseconds and the time to *issue* it (Python, autograd, dispatch, 
 kernel launches) is what the clock sees. Sections:
 
 1. primitives: one bare Triton launch, torch.empty, torch._scaled_mm, a BF16 mm, ...: the floor
-   under any op built from them; COAT's quantizers with and without the lean launch path
-   (``coat_kernels.launch``);
+   under any op built from them; COAT's quantizers and GEMM with the host path of now (the lean
+   launch of ``coat_kernels.launch``, the cached plans of ``coat_kernels.cublaslt``) and of before;
 2. COAT's ops (quantize, norm, linear, SwiGLU; forward and forward+backward) and one whole
-   transformer layer per mode (COAT, also through Triton's launch path; TE BF16, TE FP8 current
+   transformer layer per mode (COAT, also with the host path of before; TE BF16, TE FP8 current
    scaling, Megatron local BF16):
    host microseconds per call, and kernel launches per call (torch.profiler);
 3. the same layer at the gpt-1b shape (2048 x 4 tokens, hidden 2048): host time to issue one
@@ -62,8 +62,18 @@ def host_us(fn, calls: int = 200) -> tuple[float, float]:
     return (issued - start) * 1e6 / calls, (end - start) * 1e6 / calls
 
 
+def _one_buffer(dev):
+    buf = torch.empty(2 * 256 * 512 + 16, dtype=torch.uint8, device=dev)
+    return (
+        buf[: 256 * 512].view(256, 512),
+        buf[256 * 512 : 2 * 256 * 512].view(512, 256),
+        buf[-16:-12].view(torch.float32),
+    )
+
+
 def primitives(rows: list) -> None:
     from coat_kernels import quantize_per_tensor, tensor_amax
+    from coat_kernels.gemm import fp8_gemm
 
     dev = torch.device("cuda")
     x = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
@@ -87,28 +97,36 @@ def primitives(rows: list) -> None:
         "tensor_amax": lambda: tensor_amax(x),
         "quantize_per_tensor (own amax)": lambda: quantize_per_tensor(x, check_finite=False),
         "quantize_per_tensor + transpose": lambda: quantize_per_tensor(x, transpose=True, check_finite=False),
+        "fp8_gemm": lambda: fp8_gemm(a8, one, b8, one),
+        "torch.empty x3 (one quantizer's q, q_t, scale)": lambda: (
+            torch.empty(256, 512, dtype=torch.uint8, device=dev),
+            torch.empty(512, 256, dtype=torch.uint8, device=dev),
+            torch.empty((), device=dev),
+        ),
+        "torch.empty, then 2 slices and a view (one buffer for the three)": lambda: _one_buffer(dev),
     }
     for name, fn in cases.items():
         host, wall = host_us(fn)
         rows.append({"section": "primitive", "name": name, "host_us": host, "wall_us": wall})
-    with triton_launch_path():
-        for name in ("tensor_amax", "quantize_per_tensor (own amax)", "quantize_per_tensor + transpose"):
+    with host_path_of_before():
+        for name in ("tensor_amax", "quantize_per_tensor (own amax)", "quantize_per_tensor + transpose", "fp8_gemm"):
             host, wall = host_us(cases[name])
-            rows.append(
-                {"section": "primitive", "name": f"{name}, Triton's launch path", "host_us": host, "wall_us": wall}
-            )
+            rows.append({"section": "primitive", "name": f"{name}, before", "host_us": host, "wall_us": wall})
 
 
 @contextlib.contextmanager
-def triton_launch_path():
-    """COAT's kernels launched through Triton's own path (``coat_kernels.launch`` off)."""
-    from coat_kernels import launch
+def host_path_of_before():
+    """COAT's kernels launched through Triton's own path (``coat_kernels.launch`` off) and its GEMMs
+    through ``torch._scaled_mm`` (``COAT_FP8_GEMM=torch``): the host path before issue 23's changes."""
+    from coat_kernels import gemm, launch
 
     launch.set_enabled(False)
+    gemm.GEMM = "torch"
     try:
         yield
     finally:
         launch.set_enabled(launch.ENABLED)
+        gemm.GEMM = "auto"
 
 
 def coat_ops(rows: list) -> None:
@@ -207,12 +225,12 @@ def layers(rows: list, profile_calls: int) -> str:
             }
         )
         if mode.name == "coat":
-            with triton_launch_path():
+            with host_path_of_before():
                 host_off, wall_off = host_us(step, calls=100)
             rows.append(
                 {
                     "section": "layer 256 tokens",
-                    "name": "coat, Triton's launch path",
+                    "name": "coat, before (Triton's launch path, torch._scaled_mm)",
                     "host_us": host_off,
                     "wall_us": wall_off,
                 }

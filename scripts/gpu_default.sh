@@ -107,6 +107,17 @@
 #   (these ran 2026-11-26 on H100s and an H200: benchmarks/results/issue23-h100/commands.txt and
 #   benchmarks/results/issue23-h200/commands.txt)
 #
+#   bash scripts/gpu_default.sh leantests      # issue 23's host path: the GPU tests of the lean Triton launch
+#                                              # (coat_kernels.launch), the cached-plan cuBLASLt GEMM
+#                                              # (coat_kernels.cublaslt) and of every kernel, op and graph test
+#                                              # they touch; on success touches /root/lean_ok (later parts of the
+#                                              # same machine check it) (~8 min)
+#   bash scripts/gpu_default.sh host23         # host time per op and layer (benchmarks/host_overhead.py): COAT with
+#                                              # and without the lean launch and the cached GEMM plans, TE, BF16 (~3 min)
+#   bash scripts/gpu_default.sh before7b23     # H200: speed7b23's coat runs with the host path of before
+#                                              # (COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch), on the machine that ran
+#                                              # speed7b23: the change's own before and after (~4 min)
+#
 # Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh gputests       # first, after any kernel change (none since 2026-11-26's runs)
 #   bash scripts/gpu_default.sh speed23        # and profile23 and eagerab: again after issue 23's next kernel or
@@ -128,7 +139,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|before7b23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -289,6 +300,22 @@ case $part in
       --out "$out"
     run 240 host-overhead python3 benchmarks/host_overhead.py --out "$out"
     tail -25 "$out/layer_profile.md" ;;
+  leantests)
+    rm -f /root/lean_ok
+    run 570 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider --durations=25 tests/kernels/test_launch.py \
+      tests/kernels/test_gemm.py tests/kernels/test_gemm_accumulate.py tests/kernels/test_amax.py tests/kernels/test_per_tensor.py \
+      tests/kernels/test_norm.py tests/kernels/test_swiglu.py tests/kernels/test_refresh.py tests/fp8/test_ops.py \
+      tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
+    grep -qE "^[0-9]+ passed" <(tail -1 "$out/pytest-gpu.log") && ! grep -q " failed" <(tail -1 "$out/pytest-gpu.log") && touch /root/lean_ok
+    tail -3 "$out/pytest-gpu.log" ;;
+  host23)
+    run 300 host-overhead python3 benchmarks/host_overhead.py --out "$out"
+    grep -E "^\| (coat|bf16|te-fp8|tensor_amax|quantize|torch|triton|fp8_gemm)" "$out/host_overhead.md" ;;
+  before7b23)
+    run 585 before7b23 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch \
+      coat-compare --preset llama2-7b --micro-batch 1 --global-batch 8 --steps 8 --modes coat --cuda-graphs none,local \
+      --out "$out" --name llama2-7b-mb1-before --no-plots
+    grep -E "^\| coat \|" "$out/llama2-7b-mb1-before.md" | cut -c1-160 ;;
   spike13b)
     for change in "eps1e-5 --adam-eps 1e-5" "lr5e-5 --lr 5e-5"; do
       read -r tag flags <<<"$change"
@@ -313,6 +340,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, before7b23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
