@@ -103,19 +103,27 @@ def test_the_cached_plan_never_reads_the_output_it_overwrites_and_replays_in_a_g
 
 
 @pytest.mark.gpu
-def test_less_aligned_buffers_get_their_own_plan_or_scaled_mm():
-    """An operand 16 bytes past an allocation gets a plan made for 16-byte alignment; the results are
-    the same products."""
+def test_less_aligned_buffers_get_their_own_plan_or_scaled_mm(monkeypatch):
+    """An operand 16 bytes past an allocation gets a plan made for 16-byte alignment, as torch's
+    _scaled_mm chooses for it (torch also asks the heuristic for the buffers' real alignment). Its
+    algorithm may promote the FP8 products to FP32 less often than the 256-byte one (measured on an
+    H200: outside k * 2^-23 of the reference), so it is held to the Hopper FP8 bound against
+    _scaled_mm on the same operands, 2^-11 of sum |a||b| (tests/kernels/test_gemm_accumulate.py)."""
     import coat_kernels.cublaslt as cublaslt
+    import coat_kernels.gemm as gemm
 
     a_q, a_s, b, b_s = _gpu_operands(512, 256, 512, seed=4)
-    want = fp8_gemm(a_q, a_s, b, b_s, out_dtype=torch.float32)
     shifted = torch.empty(a_q.numel() + 16, dtype=torch.uint8, device="cuda")[16:].view(a_q.dtype).view(a_q.shape)
     shifted.copy_(a_q)
     assert cublaslt.alignment(shifted.data_ptr()) == 16
     got = fp8_gemm(shifted, a_s, b, b_s, out_dtype=torch.float32)
-    assert _within_fp32_accumulation(got, a_q, a_s, b, b_s, 256) and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert any(key[-1] == 16 for key in cublaslt._cublaslt().plans)
+    monkeypatch.setattr(gemm, "GEMM", "torch")
+    torch_mm = fp8_gemm(shifted, a_s, b, b_s, out_dtype=torch.float32)
+    magnitude = (a_q.float().abs() * a_s) @ (b.float().abs() * b_s)
+    assert ((got - torch_mm).abs() <= 2**-11 * magnitude + 1e-6).all()
+    want = fp8_gemm_reference(a_q, a_s, b, b_s, out_dtype=torch.float32)
+    assert ((got - want).abs() <= 2**-11 * magnitude + 1e-6).all()
 
 
 def test_alignment_is_the_largest_power_of_two_up_to_256():

@@ -53,8 +53,10 @@ def test_forward_matches_reference(device, shape, kind, seed):
 def test_a_stats_pass_of_several_rows_per_program_is_the_one_row_pass(
     device, kind, rows_per_program, monkeypatch, seed
 ):
-    """_STATS_BLOCKS tiles the stats pass by several rows (a ragged last tile here: 37 rows): the same
-    statistics, codes and amax as one row per program, bit for bit."""
+    """_STATS_BLOCKS tiles the stats pass by several rows (a ragged last tile here: 37 rows). Its row
+    sums reduce in another order than one row per program (on a GPU the 2-D tile's reduction tree
+    differs: measured on an H200, 2026-11-26, rstd a few ulps apart), so: the statistics and scales
+    within FP32 rounding, every code the same or its neighbour."""
     from coat_kernels import norm as norm_module
 
     x = random_activations((37, 160), seed=seed)
@@ -62,10 +64,13 @@ def test_a_stats_pass_of_several_rows_per_program_is_the_one_row_pass(
     one = run_forward(device, x, w, b, kind)
     monkeypatch.setitem(norm_module._STATS_BLOCKS, 256, (rows_per_program, 4))
     tiled = run_forward(device, x, w, b, kind)
-    for a, c in zip(one, tiled):
-        assert (a is None and c is None) or torch.equal(
-            as_bytes(a) if a.dtype.itemsize == 1 else a, as_bytes(c) if c.dtype.itemsize == 1 else c
-        )
+    for name, a, c in zip(one._fields, one, tiled):
+        if a is None:
+            assert c is None, name
+        elif a.dtype.itemsize == 1:  # FP8 codes (x_q, q, q_t): same sign, at most one step apart
+            assert (as_bytes(a).int() - as_bytes(c).int()).abs().max() <= 1, name
+        else:
+            assert torch.allclose(a, c, rtol=2**-20, atol=0), name
 
 
 @pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
