@@ -20,6 +20,19 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# os.environ's own dict (bytes keys on POSIX): ``name in os.environ`` goes through Mapping.__contains__,
+# which raises and catches a KeyError for an absent name (~2 us); this looks it up directly. Still read
+# on every call, so a variable set at run time counts.
+_ENVIRON_DATA = getattr(os.environ, "_data", None)
+_OVERRIDE_KEY = os.environ.encodekey("COAT_KERNELS_BACKEND") if hasattr(os.environ, "encodekey") else None
+
+
+def _backend_overridden() -> bool:
+    if _ENVIRON_DATA is not None and _OVERRIDE_KEY is not None:
+        return _OVERRIDE_KEY in _ENVIRON_DATA
+    return "COAT_KERNELS_BACKEND" in os.environ
+
+
 _FP8_DEVICES: set[int] = set()  # CUDA devices already checked for FP8 support (once per process)
 
 
@@ -27,7 +40,7 @@ def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
     """True when the call on ``x`` should launch the Triton kernel. On the hot path (CUDA, "auto",
     a device already checked) it costs two attribute reads and a set lookup."""
     if backend == "auto":
-        if x.is_cuda and x.device.index in _FP8_DEVICES and "COAT_KERNELS_BACKEND" not in os.environ:
+        if x.is_cuda and x.device.index in _FP8_DEVICES and not _backend_overridden():
             return True
         backend = os.environ.get("COAT_KERNELS_BACKEND", "auto")
     if backend not in BACKENDS:

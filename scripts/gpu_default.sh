@@ -114,6 +114,10 @@
 #                                              # same machine check it) (~8 min)
 #   bash scripts/gpu_default.sh host23         # host time per op and layer (benchmarks/host_overhead.py): COAT with
 #                                              # and without the lean launch and the cached GEMM plans, TE, BF16 (~3 min)
+#   bash scripts/gpu_default.sh ab7b [rev]     # H200: Llama-2-7B micro-batch 1, global batch 8, 12 steps, eager COAT with
+#                                              # the host path of now, without the lean launch, without the cached
+#                                              # GEMM plans, and with neither (before), one after another (rev: the
+#                                              # reverse order): which part of the host path moves eager speed (~6 min)
 #   bash scripts/gpu_default.sh before7b23     # H200: speed7b23's coat runs with the host path of before
 #                                              # (COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch), on the machine that ran
 #                                              # speed7b23: the change's own before and after (~4 min)
@@ -139,7 +143,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|before7b23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|before7b23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -315,6 +319,19 @@ case $part in
   host23)
     run 300 host-overhead python3 benchmarks/host_overhead.py --out "$out"
     grep -E "^\| (coat|bf16|te-fp8|tensor_amax|quantize|torch|triton|fp8_gemm)" "$out/host_overhead.md" ;;
+  ab7b)
+    variants=(now nolean torchmm before)
+    [ "${2:-}" = rev ] && variants=(before torchmm nolean now)
+    for v in "${variants[@]}"; do
+      case $v in
+        now) flags=() ;; nolean) flags=(COAT_LEAN_LAUNCH=0) ;; torchmm) flags=(COAT_FP8_GEMM=torch) ;;
+        before) flags=(COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch) ;;
+      esac
+      run 150 "ab7b-$v" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${flags[@]}" coat-compare --preset llama2-7b \
+        --micro-batch 1 --global-batch 8 --steps 12 --modes coat --cuda-graphs none --out "$out" \
+        --name "llama2-7b-eager-$v${2:+-$2}" --no-plots
+      grep -E "^\| coat \| none" "$out/llama2-7b-eager-$v${2:+-$2}.md" | head -1 | cut -c1-60
+    done ;;
   before7b23)
     run 585 before7b23 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch \
       coat-compare --preset llama2-7b --micro-batch 1 --global-batch 8 --steps 8 --modes coat --cuda-graphs none,local \
@@ -344,6 +361,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, before7b23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, before7b23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

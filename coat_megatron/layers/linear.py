@@ -98,7 +98,7 @@ class CoatRowParallelLinear(RowParallelLinear):
         )
         if self.sequence_parallel:
             out = reduce_scatter_with_fp8_grad(out, self.tp_group, self.coat.backward_format)
-        else:
+        elif self.tp_group is None or self.tp_group.size() > 1:  # one rank: nothing to reduce, no autograd node
             out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
