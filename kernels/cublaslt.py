@@ -172,9 +172,10 @@ class _CublasLt:
 
     def _plan(
         self, device: int, m: int, n: int, k: int, a_dtype, b_dtype, out_dtype, fast_accum: bool, align: int = 256
-    ) -> tuple:
-        """(descriptor, layouts of cuBLASLt's A, B, C = D, algo) for out (M, N) += a (M, K) @ b (K, N),
-        with an algorithm that works for buffers aligned to ``align`` bytes."""
+    ) -> list:
+        """[descriptor, layouts of cuBLASLt's A, B, C = D, algo, A's and B's scale pointers held] for
+        out (M, N) += a (M, K) @ b (K, N), with an algorithm that works for buffers aligned to
+        ``align`` bytes."""
         key = (device, m, n, k, a_dtype, b_dtype, out_dtype, fast_accum, align)
         plan = self.plans.get(key)
         if plan is not None:
@@ -219,7 +220,8 @@ class _CublasLt:
             raise CublasLtError(
                 f"cuBLASLt has no FP8 GEMM for out {out_dtype} ({m} x {n}, K {k}) += a {a_dtype} @ b {b_dtype}"
             )
-        plan = (desc, lt_a, lt_b, lt_c, ctypes.byref(result.algo))
+        # the last two: the scale pointers the descriptor holds now (set again only when they change)
+        plan = [desc, lt_a, lt_b, lt_c, ctypes.byref(result.algo), None, None]
         self.plans[key] = plan
         return plan
 
@@ -237,10 +239,18 @@ class _CublasLt:
                 f"cuBLASLt's FP8 GEMM needs 16-byte aligned buffers; these are aligned to {align} bytes: pass "
                 f"freshly allocated (or .contiguous() copies of) operands and output"
             )
+        a_scale_ptr, b_scale_ptr = a_scale.data_ptr(), b_scale.data_ptr()
         with self.lock:  # one plan's descriptor takes this call's scale pointers, then the call
-            desc, lt_a, lt_b, lt_c, algo = self._plan(device, m, n, k, a.dtype, b.dtype, out.dtype, fast_accum, align)
-            self._set_pointer(desc, _DESC_A_SCALE_POINTER, b_scale.data_ptr())
-            self._set_pointer(desc, _DESC_B_SCALE_POINTER, a_scale.data_ptr())
+            plan = self.plans.get((device, m, n, k, a.dtype, b.dtype, out.dtype, fast_accum, align))
+            if plan is None:
+                plan = self._plan(device, m, n, k, a.dtype, b.dtype, out.dtype, fast_accum, align)
+            desc, lt_a, lt_b, lt_c, algo, held_a, held_b = plan
+            if held_a != b_scale_ptr:  # cuBLASLt's A is our b
+                self._set_pointer(desc, _DESC_A_SCALE_POINTER, b_scale_ptr)
+                plan[5] = b_scale_ptr
+            if held_b != a_scale_ptr:
+                self._set_pointer(desc, _DESC_B_SCALE_POINTER, a_scale_ptr)
+                plan[6] = a_scale_ptr
             self._check(
                 self.lib.cublasLtMatmul(
                     self.handles[device],

@@ -118,6 +118,9 @@
 #                                              # the host path of now, without the lean launch, without the cached
 #                                              # GEMM plans, and with neither (before), one after another (rev: the
 #                                              # reverse order): which part of the host path moves eager speed (~6 min)
+#   bash scripts/gpu_default.sh gemm1b         # H100: gpt-1b micro-batch 4, global batch 32, 12 steps, per-layer graphs,
+#                                              # COAT with its GEMMs through torch._scaled_mm, then through the cached
+#                                              # cuBLASLt plans (the default): the plans' GPU time at gpt-1b's shapes (~3 min)
 #   bash scripts/gpu_default.sh before7b23     # H200: speed7b23's coat runs with the host path of before
 #                                              # (COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch), on the machine that ran
 #                                              # speed7b23: the change's own before and after (~4 min)
@@ -143,7 +146,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|before7b23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|gemm1b|before7b23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -332,6 +335,12 @@ case $part in
         --name "llama2-7b-eager-$v${2:+-$2}" --no-plots
       grep -E "^\| coat \| none" "$out/llama2-7b-eager-$v${2:+-$2}.md" | head -1 | cut -c1-60
     done ;;
+  gemm1b)
+    for how in torch auto; do
+      run 200 "gemm1b-$how" env COAT_FP8_GEMM=$how coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
+        --modes coat --cuda-graphs local --out "$out" --name "gpt-1b-gemm-$how" --no-plots
+      grep -E "^\| coat \| local" "$out/gpt-1b-gemm-$how.md" | head -1 | cut -c1-60
+    done ;;
   before7b23)
     run 585 before7b23 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch \
       coat-compare --preset llama2-7b --micro-batch 1 --global-batch 8 --steps 8 --modes coat --cuda-graphs none,local \
@@ -361,6 +370,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, before7b23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, gemm1b, before7b23, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
