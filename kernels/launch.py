@@ -67,16 +67,10 @@ def _hooks_set() -> bool:
     return _RUNTIME.launch_enter_hook is not None or _RUNTIME.launch_exit_hook is not None
 
 
-def _arg_key(a):
-    """What of an argument goes into the key (the same expression is inlined in ``_launch``)."""
-    if isinstance(a, Tensor):
-        return a.dtype, not a.data_ptr() & 15
-    return float if isinstance(a, float) else a
-
-
 class LeanKernel:
     """A ``triton.jit`` kernel launched as ``kernel[grid](*args, **constexprs_and_options)``,
-    with the fast path above. Every other attribute is the wrapped kernel's."""
+    with the fast path above (which returns None; Triton's path returns the compiled kernel).
+    Every other attribute is the wrapped kernel's."""
 
     def __init__(self, kernel, *, enabled: bool | None = None):
         self.kernel = kernel
@@ -104,7 +98,9 @@ class LeanKernel:
         device = _current_device()
         key = (
             device,
-            # _arg_key, inlined (a call per argument costs more than the expression)
+            # per argument, inline (a function call per argument would cost more than the expression):
+            # a tensor's dtype and 16-byte alignment, a float's type, anything else itself (an int's
+            # exact value; a bool keys as the int of its value, which its launch passes the same)
             *[
                 (a.dtype, not a.data_ptr() & 15) if isinstance(a, Tensor) else (float if isinstance(a, float) else a)
                 for a in args
