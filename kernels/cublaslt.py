@@ -1,9 +1,10 @@
 """cuBLASLt's FP8 GEMM through ctypes, with a plan (descriptors and algorithm) cached per shape.
 
-``torch._scaled_mm`` asks cuBLASLt's heuristic for an algorithm on every call: about 70 us of host
-time per GEMM on an H100 host (``benchmarks/host_overhead.py``; a COAT layer runs 12), where eager
-training is bound by its host. Here the heuristic runs once per (device, shape, dtypes, fast
-accumulation) and a call costs a few ctypes calls. The same binding computes
+``torch._scaled_mm`` asks cuBLASLt's heuristic for an algorithm on every call: 70-100 us of host
+time per GEMM inside a layer on an H100 host (cProfile of ``benchmarks/host_overhead.py``; a COAT
+layer runs 12), where eager training is bound by its host. Here the heuristic runs once per
+(device, shape, dtypes, fast accumulation, buffer alignment) and a call costs a few ctypes calls
+(the descriptor's scale pointers are set only when they change). The same binding computes
 
     out = (a * a_scale) @ (b * b_scale) + beta * out      (beta 0: a plain GEMM, 1: accumulate)
 
@@ -90,7 +91,8 @@ def _library_path() -> str | None:
 
 
 class _CublasLt:
-    """The few cuBLASLt calls an accumulating FP8 GEMM needs, with its handle, workspace and plans."""
+    """The few cuBLASLt calls an FP8 GEMM (plain or accumulating) needs, with its handle, workspace and
+    plans (one per shape: a training run meets a handful)."""
 
     def __init__(self, path: str):
         self.lib = ctypes.CDLL(path)
