@@ -313,7 +313,7 @@ case $part in
   leantests)
     rm -f /root/lean_ok
     # the new host path's own tests first: they alone decide /root/lean_ok (the parts that time it check it)
-    run 200 pytest-gpu-new python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_launch.py \
+    run 200 pytest-gpu-new python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_lean_launch.py \
       tests/kernels/test_gemm.py tests/kernels/test_gemm_accumulate.py
     grep -qE "^[0-9]+ passed" <(tail -1 "$out/pytest-gpu-new.log") && ! grep -q " failed" <(tail -1 "$out/pytest-gpu-new.log") \
       && touch /root/lean_ok
