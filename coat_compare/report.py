@@ -159,6 +159,15 @@ def _mfu(r: dict) -> str:
     return f"{100 * r['mfu_bf16']:.1f}% / {100 * r['mfu_fp8']:.1f}%"
 
 
+def _spread(r: dict) -> str:
+    """(slowest - fastest) / median of the timed steps, in percent: a host-bound (eager) step on a shared
+    host varies by tens of percent between steps and between runs."""
+    steps = sorted(r.get("step_ms_per_step") or [])
+    if len(steps) < 2 or not r.get("step_ms"):
+        return "-"
+    return f"{100 * (steps[-1] - steps[0]) / r['step_ms']:.0f}%"
+
+
 def train_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_s, te_s = best(ok, "bf16", "tokens_per_s", lowest=False), best(ok, "te-fp8", "tokens_per_s", lowest=False)
@@ -171,6 +180,7 @@ def train_table(rows: list[dict]) -> list[str]:
         "micro-batch",
         "global batch",
         "step ms",
+        "step spread",
         "tokens/s",
         "vs BF16",
         "vs best TE",
@@ -200,7 +210,7 @@ def train_table(rows: list[dict]) -> list[str]:
     def lines_of(r):
         line = (
             f"| {r['mode']} | {r.get('graphs', 'none')} | {r['micro_batch']} | {_fmt(r.get('global_batch', r['micro_batch'] * r.get('dp', 1)), 0)} | "
-            f"{_fmt(r['step_ms'])} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
+            f"{_fmt(r['step_ms'])} | {_spread(r)} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('model_tflops_per_gpu'), 0)} | {_mfu(r)} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
             f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {_fmt(r.get('valid_loss'), 4)} |"
@@ -377,7 +387,9 @@ COLUMNS = {
     "train": "CUDA graphs: none (eager), local (Megatron's per-layer graphs) or full (a step's forward+backward in one graph); "
     "vs BF16 / vs best TE: against the fastest BF16 / TE FP8 row of any configuration. "
     "global batch: sequences per optimizer step (micro-batch x DP x accumulated micro-batches); "
-    "step ms: median optimizer-step time after the warm-up steps; tokens/s: global tokens per second at that step time; "
+    "step ms: median optimizer-step time after the warm-up steps; step spread: (slowest - fastest) / median of those "
+    "steps (an eager step bound by its host varies by tens of percent on a shared host, and between runs: compare such "
+    "rows over several runs); tokens/s: global tokens per second at that step time; "
     f"model TFLOP/s per GPU: tokens/s per GPU x ({FORMULA}) / 1e12; MFU: that over the GPU's dense BF16 / FP8 peak "
     "(H100 and H200 SXM: 989 / 1979 TFLOP/s; - where unknown); "
     "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's "

@@ -193,6 +193,11 @@ def test_markdown_has_every_row_ratios_and_goals(tiny):
     assert coat[head.index("peak MiB") + 1] == f"{peak_ratio:.2f}"
     assert coat[head.index("vs BF16")] == f"{rows['coat']['tokens_per_s'] / fastest:.2f}"
     assert coat[head.index("CUDA graphs")] == "none"
+    steps = rows["coat"]["step_ms_per_step"]  # the spread of the timed steps, beside their median
+    if len(steps) > 1:
+        assert coat[head.index("step spread")] == f"{100 * (max(steps) - min(steps)) / rows['coat']['step_ms']:.0f}%"
+    else:
+        assert coat[head.index("step spread")] == "-"
     if not TE:
         assert by_mode["te-fp8-pa"][1:3] == ["none", by_mode["te-fp8-pa"][2]]
         assert by_mode["te-fp8-pa"][2].startswith("skipped: te-fp8-pa needs TransformerEngine")
