@@ -99,6 +99,9 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     for i in range(preset.warmup_steps + 1):
         step(i)
     torch.cuda.synchronize()
+    # as coat-compare trains: no automatic collection inside the measured steps (COAT_COMPARE_GC=auto: Python's)
+    no_gc = parallel.manual_gc(parallel.gc_mode() == "manual")
+    no_gc.__enter__()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
@@ -113,6 +116,7 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
     first = preset.warmup_steps + 1 + steps
     by_cumulative, by_own = python_profile(lambda: [step(first + i) for i in range(steps)])
+    no_gc.__exit__(None, None, None)
     return {
         "mode": mode.name,
         "graphs": graphs,
