@@ -100,23 +100,21 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
         step(i)
     torch.cuda.synchronize()
     # as coat-compare trains: no automatic collection inside the measured steps (COAT_COMPARE_GC=auto: Python's)
-    no_gc = parallel.manual_gc(parallel.gc_mode() == "manual")
-    no_gc.__enter__()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(preset.warmup_steps + 1 + i)
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) * 1e3 / steps
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    host_launches = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_CALLS]
-    gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
-    table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
-    table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
-    first = preset.warmup_steps + 1 + steps
-    by_cumulative, by_own = python_profile(lambda: [step(first + i) for i in range(steps)])
-    no_gc.__exit__(None, None, None)
+    with parallel.manual_gc(parallel.gc_mode() == "manual"):
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                step(preset.warmup_steps + 1 + i)
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3 / steps
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        host_launches = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_CALLS]
+        gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
+        table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
+        table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
+        first = preset.warmup_steps + 1 + steps
+        by_cumulative, by_own = python_profile(lambda: [step(first + i) for i in range(steps)])
     return {
         "mode": mode.name,
         "graphs": graphs,
