@@ -327,23 +327,20 @@ def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool):
         plan = _make_plan(x, fmt, transpose, codes)
     f, n_rows, n_cols, in_pass, store_q, grid, launch = plan
     amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
-    dev = x.device
     if store_q:
-        q = torch.empty(x.shape, dtype=f.dtype, device=dev)
-        q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=dev) if transpose else q
+        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
     else:  # q_t alone; it also stands in for the codes' pointer, which the kernel never writes
-        q_t = q = torch.empty((n_cols, n_rows), dtype=f.dtype, device=dev)
-    if grid is None:  # an empty tensor: no launch; the scale is 1
-        return (q if store_q else None), torch.ones((), dtype=torch.float32, device=dev), (q_t if transpose else None)
-    scale = torch.empty((), dtype=torch.float32, device=dev)  # written by the kernel
-    _quantize_per_tensor_kernel[grid](rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0), **launch)
-    if transpose and not in_pass:
-        finish_transpose(q, q_t, True, False)
+        q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device)
+        q = q_t
+    if grid is not None:  # None: an empty tensor, no launch (the scale is 1)
+        _quantize_per_tensor_kernel[grid](rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0), **launch)
+        finish_transpose(q, q_t, transpose, in_pass)
     return (q if store_q else None), scale, (q_t if transpose else None)
 
 
 # What a quantizing call works out from its input's shape and dtype and its options, made once per
 # (shape, dtype, format, transpose, codes): its host time per call is what eager training waits on.
+# (A sweep that patches _quantize_blocks must also give _plans a fresh dict: benchmarks/quantize.py.)
 _plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 1024
 
@@ -355,9 +352,9 @@ def _make_plan(x: torch.Tensor, fmt: str, transpose: bool, codes: bool) -> tuple
     in_pass = transpose_in_pass(transpose, x.dtype)
     block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
     grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n)) if n_rows * n_cols else None
-    launch = dict(FMAX=f.max, TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, STORE_Q=codes or not in_pass)
-    launch["num_warps"] = warps
-    plan = (f, n_rows, n_cols, in_pass, codes or not in_pass, grid, launch)
+    store_q = codes or not in_pass
+    launch = dict(FMAX=f.max, TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, STORE_Q=store_q, num_warps=warps)
+    plan = (f, n_rows, n_cols, in_pass, store_q, grid, launch)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[(x.shape, x.dtype, fmt, transpose, codes)] = plan
