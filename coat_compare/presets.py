@@ -168,6 +168,17 @@ PRESETS: dict[str, Preset] = {
             description="one Llama-2-7B layer, seq 2048 x micro-batch 4",
         ),
         Preset(
+            "gpt-1b-layer",
+            "layer",
+            layers=1,
+            hidden=2048,
+            ffn=5632,
+            heads=16,
+            seq=2048,
+            micro_batch=4,
+            description="one gpt-1b layer, seq 2048 x micro-batch 4: where gpt-1b's step time goes",
+        ),
+        Preset(
             "llama3-8b-layer",
             "layer",
             layers=1,
