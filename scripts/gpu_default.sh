@@ -279,6 +279,8 @@ case $part in
     run 300 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_norm.py tests/kernels/test_swiglu.py \
       tests/kernels/test_gemm_accumulate.py tests/fp8/test_ops.py -k "norm or swiglu or accumulate or main_grad or ragged"
     tail -3 "$out/pytest-gpu.log"
+    grep -qE "^[0-9]+ passed" <(tail -1 "$out/pytest-gpu.log") && ! grep -q " failed" <(tail -1 "$out/pytest-gpu.log") \
+      && touch /root/swiglu_ok
     run 240 ops-7b python3 benchmarks/ops.py --sweep --out "$out/7b"
     run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
     for shape in 7b 1b; do grep -E "^\| (norm|quantize_swiglu|swiglu)" "$out/$shape/ops.md" | cut -c1-120; done ;;
@@ -330,6 +332,7 @@ case $part in
       tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
     tail -3 "$out/pytest-gpu.log" ;;
   swiglu23)
+    rm -f /root/swiglu_ok  # touched when the GPU tests pass: later commands on the machine check it
     run 420 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/kernels/test_swiglu.py \
       tests/fp8/test_ops.py tests/kernels/test_host_path.py tests/megatron/test_lean_path.py tests/megatron/test_cuda_graphs.py
     tail -3 "$out/pytest-gpu.log"
