@@ -93,7 +93,7 @@
 #   bash scripts/gpu_default.sh search7b MODES [START [MICRO_BATCHES]]  # H200 and H100 (issue 23's max-batch goal):
 #                                              # each mode's largest Llama-2-7B micro-batch (coat-compare --search, eager,
 #                                              # MICRO_BATCHES per step (default 1), doubling from START then bisection)
-#                                              # and its tokens/s there; the modes share the command's 9 minutes
+#                                              # and its tokens/s there; the modes share the command's 9 minutes (SEARCH_LIMIT seconds)
 #   bash scripts/gpu_default.sh speed7b23      # H200 (issue 23): Llama-2-7B micro-batch 1, global batch 8, bf16,
 #                                              # te-fp8-current and coat, eager and with per-layer graphs (~8 min)
 #   bash scripts/gpu_default.sh eager23        # H100 (issue 23's eager path): benchmarks/step_profile.py on gpt-1b eager,
@@ -128,9 +128,10 @@
 #                                              # transpose itself, and the forward's transposed recompute is one 2-D
 #                                              # pass: their GPU tests and those of the ops, graphs and lean path,
 #                                              # then the kernels against the unfused path and their 2-D tiles
-#                                              # (benchmarks/ops.py --sweep, Llama-2-7B's and gpt-1b's shapes), then
-#                                              # one Llama-2-7B and one gpt-1b layer against TE FP8
-#                                              # (benchmarks/layer_profile.py) (~10 min)
+#                                              # (benchmarks/ops.py --sweep, Llama-2-7B's and gpt-1b's shapes);
+#                                              # touches /root/swiglu_ok when the tests pass (~6 min)
+#   bash scripts/gpu_default.sh profile23b     # issue 23: where one Llama-2-7B layer's and one gpt-1b layer's fwd+bwd
+#                                              # spend their GPU time against TE FP8 (benchmarks/layer_profile.py) (~4 min)
 #
 # Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh leantests      # on an H100 in full (2026-11-26's stopped at its cap, about 90% through,
@@ -156,7 +157,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|gemm1b|before7b23|swiglu23|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|gemm1b|before7b23|swiglu23|profile23b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -289,7 +290,7 @@ case $part in
     [ "$per_step" != 1 ] && tag="$tag-x$per_step"
     n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
     run 585 "search7b-$tag" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True coat-compare --preset llama2-7b --modes "$modes" \
-      --search --search-start "$start" --search-micro-batches "$per_step" --search-time-limit $((540 / n_modes)) \
+      --search --search-start "$start" --search-micro-batches "$per_step" --search-time-limit $((${SEARCH_LIMIT:-540} / n_modes)) \
       --out "$out" --name "llama2-7b-search-$tag" --no-plots
     grep -E "^\| ($(tr , '|' <<<"$modes")) " "$out/llama2-7b-search-$tag.md" | cut -c1-200 ;;
   speed7b23)
@@ -338,7 +339,8 @@ case $part in
     tail -3 "$out/pytest-gpu.log"
     run 240 ops-7b python3 benchmarks/ops.py --sweep --out "$out/7b"
     run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
-    for shape in 7b 1b; do grep -E "^\| (swiglu|quantize_per_tensor E5M2)" "$out/$shape/ops.md" | grep -v "\[" | cut -c1-120; done
+    for shape in 7b 1b; do grep -E "^\| (swiglu|quantize_per_tensor E5M2)" "$out/$shape/ops.md" | grep -v "\[" | cut -c1-120; done ;;
+  profile23b)
     run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
       --out "$out/7b"
     run 240 layer-profile-1b python3 benchmarks/layer_profile.py --preset gpt-1b-layer \
@@ -395,6 +397,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, gemm1b, before7b23, swiglu23, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, gemm1b, before7b23, swiglu23, profile23b, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
