@@ -150,7 +150,7 @@ def coat_ops(rows: list) -> None:
         return fp8_linear(norm(), w1, config=cfg, weight_cache=c1, fp8_output="swiglu")
 
     def mlp():
-        return fp8_linear(swiglu_fp8(fc1(), grad_fmt=cfg.backward_format), w2, config=cfg, weight_cache=c2)
+        return fp8_linear(swiglu_fp8(fc1()), w2, config=cfg, weight_cache=c2)
 
     cases = {
         "rmsnorm_to_fp8 fwd": (lambda: norm(), None),

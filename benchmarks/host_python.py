@@ -127,13 +127,7 @@ class LayerOps:
         a = fp8_linear(
             h, self.fc1, config=cfg, weight_cache=c["fc1"], fp8_output="swiglu", accumulate_into_main_grad=True
         )
-        a = swiglu_fp8(
-            a,
-            group_size=cfg.group_size,
-            out_fmt=cfg.forward_format,
-            saved_fmt=cfg.forward_format,
-            grad_fmt=cfg.backward_format,
-        )
+        a = swiglu_fp8(a, group_size=cfg.group_size, out_fmt=cfg.forward_format, saved_fmt=cfg.forward_format)
         y = fp8_linear(a, self.fc2, config=cfg, weight_cache=c["fc2"], accumulate_into_main_grad=True) + res
         y.backward(self.dy)
 

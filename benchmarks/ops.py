@@ -26,7 +26,7 @@ from coat_kernels import norm as norm_module
 from coat_kernels import quantize_per_group, quantize_per_tensor
 from coat_kernels import swiglu as swiglu_module
 from coat_kernels.norm import norm_backward, norm_to_fp8
-from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_backward_to_fp8, swiglu_to_fp8
+from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
 from coat_megatron.config import CoatConfig
 from coat_megatron.fp8 import Fp8WeightCache, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
 from coat_megatron.optional import transformer_engine_available
@@ -60,8 +60,9 @@ class CoatBlock(Bf16Block):
         transpose = "recompute" if self.config.recompute_norm_output else "store"
         n = rmsnorm_to_fp8(x, self.norm, 1e-5, group_size=self.config.group_size, transpose=transpose)
         h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, fp8_output="swiglu")
-        a = swiglu_fp8(h, group_size=self.config.group_size, grad_fmt=self.config.backward_format)
-        return fp8_linear(a, self.fc2, config=self.config, weight_cache=self.c2)
+        return fp8_linear(
+            swiglu_fp8(h, group_size=self.config.group_size), self.fc2, config=self.config, weight_cache=self.c2
+        )
 
 
 def measure(name, block, x, dy, context=None):
@@ -139,13 +140,6 @@ def te_modes(hidden, ffn):
     ], None
 
 
-def unfused_swiglu_backward(da, h_q, h_s):
-    """fc1's FP8 output gradient as it was made before swiglu_backward_to_fp8: dh in BF16 with its
-    amax, then the per-tensor quantizer with its transposed copy."""
-    dh, amax = swiglu_backward(da, h_q, h_s)
-    return quantize_per_tensor(dh, "e5m2", transpose=True, amax=amax, check_finite=False)
-
-
 def kernel_rows(tokens, hidden, ffn, copy_gbs, sweep):
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(hidden, device="cuda")
@@ -171,7 +165,7 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs, sweep):
         ("swiglu_to_fp8, amax from fc1's pass", lambda: swiglu_to_fp8(h_q, h_s, 16, amax=tiles), n_h * 1.25 + n_a),
         ("swiglu_to_fp8 with its own amax pass", lambda: swiglu_to_fp8(h_q, h_s, 16), n_h * 1.25 + n_a),
         (
-            "swiglu transposed recompute (backward; one 2-D pass)",
+            "swiglu transposed recompute (backward)",
             lambda: swiglu_to_fp8(h_q, h_s, 16, transpose=True, amax=tiles.amax(), store_q=False),
             n_h * 1.25 + n_a,
         ),
@@ -180,16 +174,6 @@ def kernel_rows(tokens, hidden, ffn, copy_gbs, sweep):
             "quantize_per_tensor E5M2 + transpose (dh, amax from SwiGLU)",
             lambda: quantize_per_tensor(dh, "e5m2", transpose=True, amax=tiles, check_finite=False),
             n_h * 4,
-        ),
-        (
-            "swiglu_backward + quantize_per_tensor (the unfused path)",
-            lambda: unfused_swiglu_backward(da, h_q, h_s),
-            n_a * 2 + n_h * 1.25 + n_h * 2 + n_h * 4,
-        ),
-        (
-            "swiglu_backward_to_fp8 (amax pass + codes and transposed codes)",
-            lambda: swiglu_backward_to_fp8(da, h_q, h_s),
-            2 * (n_a * 2 + n_h * 1.25) + n_h * 2,
         ),
     ]
     rows = []
@@ -213,8 +197,6 @@ SWIGLU_TILES = [
     (8, 512, 4),
     (4, 1024, 4),
 ]
-# the 2-D kernels' (BLOCK_M, BLOCK_N, num_warps): the backward to FP8 and the transposed recompute
-TILES_2D = [(64, 64, 4), (32, 64, 4), (64, 128, 4), (128, 64, 8), (64, 64, 8), (32, 128, 4), (16, 256, 4)]
 STATS_TILES = [(1, 8), (1, 4), (2, 8), (4, 8), (4, 16), (8, 16), (2, 4)]
 BACKWARD_TILES = [(4, None), (8, None), (2, None), (8, 4), (16, 4), (4, 16)]
 
@@ -224,12 +206,8 @@ def sweep_rows(cases, copy_gbs, hidden) -> list[dict]:
     by_name = {name: (fn, nbytes) for name, fn, nbytes in cases}
     plans = [
         ("input", ["quantize_swiglu_input (fc1 output 1x16 + SwiGLU amax)"]),
-        ("forward", ["swiglu_to_fp8, amax from fc1's pass"]),
+        ("forward", ["swiglu_to_fp8, amax from fc1's pass", "swiglu transposed recompute (backward)"]),
         ("backward", ["swiglu_backward"]),
-    ]
-    plans_2d = [
-        ("backward_fp8", ["swiglu_backward_to_fp8 (amax pass + codes and transposed codes)"]),
-        ("transposed", ["swiglu transposed recompute (backward; one 2-D pass)"]),
     ]
     rows = []
 
@@ -245,13 +223,6 @@ def sweep_rows(cases, copy_gbs, hidden) -> list[dict]:
             for name in names:
                 timed(name, f"[{kernel} {cfg}]")
         swiglu_module._BLOCKS[kernel] = default
-    for kernel, names in plans_2d:
-        default = swiglu_module._BLOCKS_2D[kernel]
-        for cfg in TILES_2D:
-            swiglu_module._BLOCKS_2D[kernel] = cfg
-            for name in names:
-                timed(name, f"[{kernel} {cfg}]")
-        swiglu_module._BLOCKS_2D[kernel] = default
     block_n = triton.next_power_of_2(hidden)
     for cfg in STATS_TILES:
         norm_module._STATS_BLOCKS[block_n] = cfg

@@ -43,11 +43,6 @@ from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, sc
 # Llama-2-7B's and gpt-1b's shapes on an H100 (benchmarks/results/issue23-h100/sweep23; all within
 # 0.73-0.80 of a device copy's bandwidth)
 _BLOCKS = {"input": (8, 256, 4), "forward": (4, 1024, 4), "backward": (8, 256, 4)}
-# (BLOCK_M, BLOCK_N, num_warps) of the 2-D kernels that write transposed codes from registers: the
-# backward to per-tensor FP8 and the forward's transposed recompute (64 x 64: each transposed row
-# is written 64 bytes at a time, as the per-tensor quantizer's transposing tiles do)
-_BLOCKS_2D = {"backward_fp8": (64, 64, 4), "transposed": (64, 64, 4)}
-_ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
 
 class SwigluFp8(NamedTuple):
@@ -193,127 +188,11 @@ def _swiglu_backward_kernel(
     finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
-@triton.jit
-def _load_half_2d(q_ptr, s_ptr, rows64, cols, mask, row_len, GROUP: tl.constexpr):
-    """A (rows x cols) tile of one half of h dequantized to FP32, each element's group scale
-    gathered (a 2-D tile: the in-register transpose of what is computed from it is compiled right,
-    where that of the 3-D tiles above is not; see ``per_tensor.transpose_in_pass``)."""
-    q = tl.load(q_ptr + rows64[:, None] * row_len + cols[None, :], mask=mask, other=0.0)
-    s = tl.load(s_ptr + rows64[:, None] * (row_len // GROUP) + (cols // GROUP)[None, :], mask=mask, other=1.0)
-    return q.to(tl.float32) * s
-
-
-@triton.jit
-def _store_half_2d(
-    y, scale, q_ptr, qt_ptr, rows, cols, n_rows, n_half, row_len, FMAX: tl.constexpr, STORE_Q: tl.constexpr
-):
-    """Quantize the FP32 tile y of one half (rows x cols, cols < n_half) with ``scale``: its codes
-    into q (rows of ``row_len``) when STORE_Q, and their transpose into q_t (``n_half`` rows of
-    ``n_rows`` from ``qt_ptr``)."""
-    q = quantize_with_inverse(y, tl.div_rn(1.0, scale), FMAX).to(qt_ptr.dtype.element_ty)
-    rows64 = rows.to(tl.int64)
-    if STORE_Q:
-        mask = (rows[:, None] < n_rows) & (cols[None, :] < n_half)
-        tl.store(q_ptr + rows64[:, None] * row_len + cols[None, :], q, mask=mask)
-    mask_t = (cols[:, None] < n_half) & (rows[None, :] < n_rows)
-    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
-
-
-@triton.jit
-def _round_to(x, ROUND: tl.constexpr):
-    """x rounded to the model's dtype and back (ROUND: 1 BF16, 2 FP16, 0 none): the values the
-    unfused backward wrote as dh, so that quantizing them gives the same codes."""
-    if ROUND == 1:
-        x = x.to(tl.bfloat16).to(tl.float32)
-    elif ROUND == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
-
-
-@lean
-@triton.jit
-def _swiglu_backward_fp8_kernel(
-    da_ptr,
-    hq_ptr,
-    hs_ptr,
-    tiles_ptr,
-    amax_ptr,
-    counter_ptr,
-    q_ptr,
-    qt_ptr,
-    scale_ptr,
-    n_rows,
-    n_ffn,
-    FMAX: tl.constexpr,
-    GROUP: tl.constexpr,
-    ROUND: tl.constexpr,
-    AMAX_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_ffn)
-    rows64 = rows.to(tl.int64)
-    gate = _load_half_2d(hq_ptr, hs_ptr, rows64, cols, mask, 2 * n_ffn, GROUP)
-    up = _load_half_2d(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, cols, mask, 2 * n_ffn, GROUP)
-    da = tl.load(da_ptr + rows64[:, None] * n_ffn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    d_up = _round_to(da * (gate * sig), ROUND)
-    d_gate = _round_to(da * up * sig * (1.0 + gate * (1.0 - sig)), ROUND)
-    if AMAX_PASS:
-        tile = tl.maximum(
-            tl.max(tl.max(abs_or_inf(d_gate), axis=1), axis=0), tl.max(tl.max(abs_or_inf(d_up), axis=1), axis=0)
-        )
-        tl.store(tiles_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tile)
-        finish_amax(tiles_ptr, amax_ptr, counter_ptr)
-    else:
-        scale = scale_from_amax(tl.load(amax_ptr), FMAX)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scale_ptr, scale)
-        _store_half_2d(d_gate, scale, q_ptr, qt_ptr, rows, cols, n_rows, n_ffn, 2 * n_ffn, FMAX, True)
-        _store_half_2d(
-            d_up, scale, q_ptr + n_ffn, qt_ptr + n_ffn * n_rows, rows, cols, n_rows, n_ffn, 2 * n_ffn, FMAX, True
-        )
-
-
-@lean
-@triton.jit
-def _swiglu_transposed_kernel(
-    hq_ptr,
-    hs_ptr,
-    amax_ptr,
-    qt_ptr,
-    scale_ptr,
-    n_rows,
-    n_ffn,
-    FMAX: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_ffn)
-    rows64 = rows.to(tl.int64)
-    gate = _load_half_2d(hq_ptr, hs_ptr, rows64, cols, mask, 2 * n_ffn, GROUP)
-    up = _load_half_2d(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, cols, mask, 2 * n_ffn, GROUP)
-    scale = scale_from_amax(tl.load(amax_ptr), FMAX)
-    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        tl.store(scale_ptr, scale)
-    _store_half_2d(gate * tl.sigmoid(gate) * up, scale, qt_ptr, qt_ptr, rows, cols, n_rows, n_ffn, n_ffn, FMAX, False)
-
-
 def _launch(n_rows: int, n_ffn: int, group_size: int, kernel: str) -> tuple[tuple[int, int], dict]:
     block_m, block_n, warps = _BLOCKS[kernel]
     block_n = max(block_n, group_size)
     grid = (cdiv(n_rows, block_m), cdiv(n_ffn, block_n))
     return grid, {"GROUP": group_size, "BLOCK_M": block_m, "GROUPS": block_n // group_size, "num_warps": warps}
-
-
-def _launch_2d(n_rows: int, n_ffn: int, kernel: str) -> tuple[tuple[int, int], dict]:
-    block_m, block_n, warps = _BLOCKS_2D[kernel]
-    return (cdiv(n_rows, block_m), cdiv(n_ffn, block_n)), {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
 
 
 def _check(h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int) -> int:
@@ -386,8 +265,6 @@ def swiglu_to_fp8(
         return swiglu_to_fp8_reference(h_q, h_scales, group_size, fmt, transpose=transpose, amax=amax, store_q=store_q)
     f = fp8_format(fmt)
     n_rows = h_q.numel() // h_q.shape[-1]
-    if transpose and not store_q and amax is not None:  # the recompute of fc2's wgrad operand
-        return _transposed_only(h_q, h_scales, group_size, f, n_rows, n_ffn, amax)
     # the transposed copy comes from a pass over the codes (see per_tensor.transpose_in_pass):
     # q is then written even when not returned
     q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
@@ -408,19 +285,6 @@ def swiglu_to_fp8(
         )
         finish_transpose(q, q_t, transpose, in_pass=False)
     return SwigluFp8(q if store_q else None, scale, q_t if transpose else None, amax.reshape(()))
-
-
-def _transposed_only(h_q, h_scales, group_size: int, f, n_rows: int, n_ffn: int, amax: torch.Tensor) -> SwigluFp8:
-    """q_t alone, from a 2-D tile transposed in registers: one pass, reading the codes and writing
-    the transposed ones (no codes of the output and no byte pass over them)."""
-    amax = amax.amax() if amax.numel() > 1 else amax.reshape(())
-    q_t, _, scale = per_tensor_outputs((n_ffn, n_rows), n_ffn, n_rows, f, False, h_q.device)
-    if n_rows:
-        grid, launch = _launch_2d(n_rows, n_ffn, "transposed")
-        _swiglu_transposed_kernel[grid](
-            h_q, h_scales, amax, q_t, scale, n_rows, n_ffn, FMAX=f.max, GROUP=group_size, **launch
-        )
-    return SwigluFp8(None, scale, q_t, amax)
 
 
 def quantize_swiglu_input_reference(h: torch.Tensor, group_size: int, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:
@@ -505,65 +369,3 @@ def swiglu_backward(
     tiles, amax, count = amax_outputs(grid[0] * grid[1], da.device)  # every program's tile, and their max
     _swiglu_backward_kernel[grid](da, h_q, h_scales, dh, tiles, amax, count, n_rows, n_ffn, **launch)
     return dh, amax
-
-
-def swiglu_backward_to_fp8_reference(
-    da: torch.Tensor,
-    h_q: torch.Tensor,
-    h_scales: torch.Tensor,
-    group_size: int,
-    fmt: str = "e5m2",
-    *,
-    dh_dtype: torch.dtype = torch.bfloat16,
-) -> SwigluFp8:
-    dh, amax = swiglu_backward_reference(da, h_q, h_scales, group_size, dh_dtype)
-    q, scale, q_t = quantize_per_tensor_reference(dh, fmt, transpose=True, amax=amax)
-    return SwigluFp8(q, scale, q_t, amax.reshape(()))
-
-
-def swiglu_backward_to_fp8(
-    da: torch.Tensor,
-    h_q: torch.Tensor,
-    h_scales: torch.Tensor,
-    group_size: int = 16,
-    fmt: str = "e5m2",
-    *,
-    dh_dtype: torch.dtype = torch.bfloat16,
-    backend: str = "auto",
-) -> SwigluFp8:
-    """The backward of ``swiglu_to_fp8`` straight into fc1's per-tensor FP8 output gradient.
-
-    The same codes, scale and transposed codes as ``swiglu_backward`` followed by
-    ``quantize_per_tensor(dh, fmt, transpose=True, amax=amax)``, without dh in ``dh_dtype`` ever
-    being written: an amax pass computes dh (rounded to ``dh_dtype``, as the unfused backward
-    writes it) and its amax, and a second pass computes it again and writes the codes and,
-    transposed from registers, their (2F, R) transpose, which fc1's wgrad reads. Per row of F
-    output columns that is 13F bytes of traffic against the unfused path's 16.5F, and no dh
-    buffer (2 bytes per element of h).
-
-    Args:
-        da: gradient of the SwiGLU output, (..., F), contiguous.
-        fmt: the gradient format ("e5m2", or "e4m3").
-        dh_dtype: BF16, FP16 or FP32 (no rounding): the dtype the values are rounded to first.
-    Returns:
-        ``SwigluFp8(q (..., 2F), scale, q_t (2F, R), amax)``.
-    """
-    n_ffn = _check(h_q, h_scales, group_size)
-    if da.shape[-1] != n_ffn or da.numel() * 2 != h_q.numel() or not da.is_contiguous():
-        raise ValueError(f"da must be contiguous with {n_ffn} columns per row of h, got shape {tuple(da.shape)}")
-    if dh_dtype not in _ROUND:
-        raise ValueError(f"dh_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {dh_dtype}")
-    if not use_triton(da, backend):
-        return swiglu_backward_to_fp8_reference(da, h_q, h_scales, group_size, fmt, dh_dtype=dh_dtype)
-    f = fp8_format(fmt)
-    n_rows = h_q.numel() // h_q.shape[-1]
-    q, q_t, scale = per_tensor_outputs(h_q.shape, n_rows, 2 * n_ffn, f, True, da.device)
-    if not n_rows:
-        return SwigluFp8(q, scale, q_t, torch.zeros((), dtype=torch.float32, device=da.device))
-    grid, launch = _launch_2d(n_rows, n_ffn, "backward_fp8")
-    tiles, amax, count = amax_outputs(grid[0] * grid[1], da.device)  # every program's tile, and their max
-    args = (da, h_q, h_scales, tiles, amax, count, q, q_t, scale, n_rows, n_ffn)
-    constants = dict(FMAX=f.max, GROUP=group_size, ROUND=_ROUND[dh_dtype], **launch)
-    _swiglu_backward_fp8_kernel[grid](*args, AMAX_PASS=True, **constants)
-    _swiglu_backward_fp8_kernel[grid](*args, AMAX_PASS=False, **constants)
-    return SwigluFp8(q, scale, q_t, amax)

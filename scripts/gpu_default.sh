@@ -124,12 +124,6 @@
 #   bash scripts/gpu_default.sh before7b23     # H200: speed7b23's coat runs with the host path of before
 #                                              # (COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch), on the machine that ran
 #                                              # speed7b23: the change's own before and after (~4 min)
-#   bash scripts/gpu_default.sh swiglu23       # issue 23: SwiGLU's backward writes fc1's E5M2 gradient and its
-#                                              # transpose itself, and the forward's transposed recompute is one 2-D
-#                                              # pass: their GPU tests and those of the ops, graphs and lean path,
-#                                              # then the kernels against the unfused path and their 2-D tiles
-#                                              # (benchmarks/ops.py --sweep, Llama-2-7B's and gpt-1b's shapes);
-#                                              # touches /root/swiglu_ok when the tests pass (~6 min)
 #   bash scripts/gpu_default.sh profile23b     # issue 23: where one Llama-2-7B layer's and one gpt-1b layer's fwd+bwd
 #                                              # spend their GPU time against TE FP8 (benchmarks/layer_profile.py) (~4 min)
 #
@@ -157,7 +151,7 @@
 #
 # Results go to $OUT/<part>/ (logs, reports) and $OUT/<part>.tgz.
 set -uo pipefail
-part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|gemm1b|before7b23|swiglu23|profile23b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
+part=${1:?usage: gpu_default.sh quick|llama7b|accuracy|acc7b MODE|llama13b|speed7b|min7b|spike7b|gc|gputests|pretrain|batches|spike13b|eps13b|wgrad|speed1b|fusion1b|speed23|sweep23|search7b MODES [START [MICRO_BATCHES]]|speed7b23|eager23|eagerab|profile23|leantests|host23|ab7b [rev]|gemm1b|before7b23|profile23b|acc1b MODE [SEED [RUN]]|acc1b-eager MODE PART}
 out=${OUT:-out}/$part
 dest=${OUT:-out}
 source "$(dirname "$0")/gpu_lib.sh"
@@ -280,8 +274,6 @@ case $part in
     run 300 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_norm.py tests/kernels/test_swiglu.py \
       tests/kernels/test_gemm_accumulate.py tests/fp8/test_ops.py -k "norm or swiglu or accumulate or main_grad or ragged"
     tail -3 "$out/pytest-gpu.log"
-    grep -qE "^[0-9]+ passed" <(tail -1 "$out/pytest-gpu.log") && ! grep -q " failed" <(tail -1 "$out/pytest-gpu.log") \
-      && touch /root/swiglu_ok
     run 240 ops-7b python3 benchmarks/ops.py --sweep --out "$out/7b"
     run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
     for shape in 7b 1b; do grep -E "^\| (norm|quantize_swiglu|swiglu)" "$out/$shape/ops.md" | cut -c1-120; done ;;
@@ -332,14 +324,6 @@ case $part in
       tests/kernels/test_per_tensor.py tests/kernels/test_norm.py tests/kernels/test_swiglu.py tests/kernels/test_refresh.py \
       tests/fp8/test_ops.py tests/megatron/test_cuda_graphs.py tests/megatron/test_lean_path.py
     tail -3 "$out/pytest-gpu.log" ;;
-  swiglu23)
-    rm -f /root/swiglu_ok  # touched when the GPU tests pass: later commands on the machine check it
-    run 420 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider --durations=15 tests/kernels/test_swiglu.py \
-      tests/fp8/test_ops.py tests/kernels/test_host_path.py tests/megatron/test_lean_path.py tests/megatron/test_cuda_graphs.py
-    tail -3 "$out/pytest-gpu.log"
-    run 240 ops-7b python3 benchmarks/ops.py --sweep --out "$out/7b"
-    run 240 ops-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/1b"
-    for shape in 7b 1b; do grep -E "^\| (swiglu|quantize_per_tensor E5M2)" "$out/$shape/ops.md" | grep -v "\[" | cut -c1-120; done ;;
   profile23b)
     run 300 layer-profile python3 benchmarks/layer_profile.py --preset llama2-7b-layer --modes coat,te-fp8-current,te-fp8-delayed \
       --out "$out/7b"
@@ -397,6 +381,6 @@ case $part in
         --out "$out" --name "gpt-1b-gc-$how" --no-plots
       grep -E "^\| (bf16|coat) \| none" "$out/gpt-1b-gc-$how.md" | head -2 | cut -c1-120
     done ;;
-  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, gemm1b, before7b23, swiglu23, profile23b, acc1b or acc1b-eager" >&2; exit 2 ;;
+  *) echo "unknown part $part: quick, llama7b, accuracy, acc7b, llama13b, speed7b, min7b, spike7b, gc, gputests, pretrain, batches, spike13b, eps13b, wgrad, speed1b, fusion1b, speed23, sweep23, search7b, speed7b23, eager23, eagerab, profile23, leantests, host23, ab7b, gemm1b, before7b23, profile23b, acc1b or acc1b-eager" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

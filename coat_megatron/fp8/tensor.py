@@ -13,9 +13,7 @@ device), and holds instead
   found by the producer in its own pass (group scaling: fc1 finds SwiGLU's output amax), so the
   consumer quantizes its per-tensor output in one pass.
 
-Gradients that flow back to an Fp8Tensor are plain BF16 tensors, or per-tensor Fp8Tensors where
-the producer of the gradient knows its consumer is a COAT linear (SwiGLU to fc1, the FP8 gather of
-a row-parallel output gradient). An op not in the table below
+Gradients that flow back to an Fp8Tensor are plain BF16 tensors. An op not in the table below
 dequantizes its Fp8Tensor arguments, runs in high precision, and warns once per op: the result is
 correct, but the memory saving of FP8 is lost at that point.
 

@@ -43,19 +43,12 @@ class CoatMLP(MLP):
         self.linear_fc1.fp8_output = "swiglu"
         if self.linear_fc1.skip_bias_add and self.linear_fc1.bias is not None:
             self.linear_fc1.skip_bias_add = False  # the bias goes into the GEMM epilogue, before quantizing
-        # SwiGLU hands fc1 its output gradient already in fc1's FP8 (codes and transposed codes);
-        # with a bias, fc1's bias gradient is summed from the exact BF16 gradient instead
-        self.grad_fmt = self.coat.backward_format if self.linear_fc1.bias is None else None
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         if per_token_scale is not None:
             raise ValueError("per_token_scale (MoE) is not supported by COAT's MLP")
         h, _ = self.linear_fc1(hidden_states)
         a = swiglu_fp8(
-            h,
-            group_size=self.coat.group_size,
-            out_fmt=self.coat.forward_format,
-            saved_fmt=self.coat.forward_format,
-            grad_fmt=self.grad_fmt,
+            h, group_size=self.coat.group_size, out_fmt=self.coat.forward_format, saved_fmt=self.coat.forward_format
         )
         return self.linear_fc2(a)

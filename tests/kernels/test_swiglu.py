@@ -2,14 +2,12 @@ import pytest
 import torch
 from kernel_inputs import as_bytes, random_activations
 
-from coat_kernels import dequantize_per_group, quantize_per_group, quantize_per_tensor
+from coat_kernels import dequantize_per_group, quantize_per_group
 from coat_kernels.swiglu import (
     quantize_swiglu_input,
     quantize_swiglu_input_reference,
     swiglu_backward,
     swiglu_backward_reference,
-    swiglu_backward_to_fp8,
-    swiglu_backward_to_fp8_reference,
     swiglu_to_fp8,
     swiglu_to_fp8_reference,
 )
@@ -104,82 +102,3 @@ def test_fused_input_quantization_gives_the_swiglu_amax(device, shape, seed):
     assert torch.equal(as_bytes(given.q), as_bytes(own.q)) and torch.equal(given.scale, own.scale)
     ref = quantize_swiglu_input_reference(h, 16)
     assert torch.allclose(amax.cpu(), ref[2], rtol=1e-6)
-
-
-BACKWARD_SHAPES = [(7, 2 * 64), (3, 5, 2 * 160), (65, 2 * 48), (5, 2 * 1376)]
-
-
-def unfused_backward(da, h_q, h_s, fmt="e5m2", dh_dtype=torch.bfloat16):
-    """What fc1's backward got before the fused kernel: dh written in dh_dtype, then quantized per
-    tensor with the amax the backward pass found."""
-    dh, amax = swiglu_backward(da, h_q, h_s, 16, dh_dtype=dh_dtype, backend="triton")
-    return quantize_per_tensor(dh, fmt, transpose=True, amax=amax, check_finite=False, backend="triton")
-
-
-@pytest.mark.parametrize("shape", BACKWARD_SHAPES, ids=str)
-def test_backward_to_fp8_matches_the_unfused_path(device, shape, seed):
-    h_q, h_s = fp8_input(shape, seed)
-    da = random_activations((*shape[:-1], shape[-1] // 2), seed=seed + 1)  # with outliers
-    h_q, h_s, da = h_q.to(device), h_s.to(device), da.to(device)
-    got = swiglu_backward_to_fp8(da, h_q, h_s, 16, backend="triton")
-    q, scale, q_t = unfused_backward(da, h_q, h_s)
-    assert got.q.shape == h_q.shape and got.q.dtype == torch.float8_e5m2
-    assert got.q_t.shape == (shape[-1], h_q.numel() // shape[-1])
-    assert torch.equal(got.scale, scale) and got.amax.shape == ()
-    # the same values, rounded to BF16 the same way, so the same codes; on a GPU the two kernels'
-    # SiLU may still differ in a last bit, which moves a code by at most one step, rarely
-    codes_close(got.q.cpu(), q.cpu(), 0.0 if device.type == "cpu" else 1e-4)
-    codes_close(got.q_t.cpu(), q_t.cpu(), 0.0 if device.type == "cpu" else 1e-4)
-    # the transposed codes are the codes, transposed, byte for byte
-    assert torch.equal(as_bytes(got.q_t).t(), as_bytes(got.q).reshape(-1, shape[-1]))
-
-
-@pytest.mark.parametrize("shape", BACKWARD_SHAPES[:2], ids=str)
-@pytest.mark.parametrize("dh_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-def test_backward_to_fp8_matches_reference(device, shape, dh_dtype, seed):
-    h_q, h_s = fp8_input(shape, seed)
-    da = random_activations((*shape[:-1], shape[-1] // 2), seed=seed + 1)
-    got = swiglu_backward_to_fp8(da.to(device), h_q.to(device), h_s.to(device), 16, dh_dtype=dh_dtype, backend="triton")
-    ref = swiglu_backward_to_fp8_reference(da, h_q, h_s, 16, dh_dtype=dh_dtype)
-    assert torch.allclose(got.amax.cpu(), ref.amax, rtol=2**-7)
-    ref = swiglu_backward_to_fp8_reference(da, h_q, h_s, 16, dh_dtype=dh_dtype)
-    fixed = quantize_per_tensor(
-        swiglu_backward_reference(da, h_q, h_s, 16, dh_dtype)[0], "e5m2", transpose=True, amax=got.amax.cpu()
-    )
-    codes_close(got.q.cpu(), fixed[0], 1e-3)  # against the reference quantized with the kernel's amax
-    codes_close(got.q_t.cpu(), fixed[2], 1e-3)
-    assert ref.q.shape == got.q.shape and ref.q_t.shape == got.q_t.shape
-
-
-@pytest.mark.gpu
-def test_backward_to_fp8_large_shape_on_gpu(seed):
-    test_backward_to_fp8_matches_the_unfused_path(torch.device("cuda"), (4099, 2 * 11008), seed)
-
-
-def test_backward_to_fp8_zero_constant_and_nonfinite(device):
-    h_q, h_s = quantize_per_group(torch.full((9, 2 * 32), 1.5), 16, "e4m3")
-    h_q, h_s = h_q.to(device), h_s.to(device)
-    zero = swiglu_backward_to_fp8(torch.zeros(9, 32, device=device, dtype=torch.bfloat16), h_q, h_s, backend="triton")
-    assert zero.scale.item() == 1.0 and zero.amax.item() == 0.0
-    assert (as_bytes(zero.q) == 0).all() and (as_bytes(zero.q_t) == 0).all()
-    # a constant gradient over a constant input: every d_gate equal, every d_up equal
-    const = swiglu_backward_to_fp8(torch.ones(9, 32, device=device, dtype=torch.bfloat16), h_q, h_s, backend="triton")
-    codes = as_bytes(const.q)
-    assert (codes[:, :32] == codes[0, 0]).all() and (codes[:, 32:] == codes[0, 32]).all()
-    ref = swiglu_backward_to_fp8_reference(torch.ones(9, 32, dtype=torch.bfloat16), h_q.cpu(), h_s.cpu(), 16)
-    assert torch.allclose(const.amax.cpu(), ref.amax, rtol=2**-7) and torch.equal(as_bytes(const.q), as_bytes(ref.q))
-    da = torch.ones(9, 32, device=device, dtype=torch.bfloat16)
-    da[4, 7] = float("inf")
-    bad = swiglu_backward_to_fp8(da, h_q, h_s, backend="triton")
-    assert bad.amax.item() == float("inf") and bad.scale.item() == float("inf")
-
-
-def test_backward_to_fp8_empty_and_bad_input(device):
-    h_q, h_s = torch.zeros(0, 64, dtype=torch.float8_e4m3fn), torch.zeros(0, 4)
-    r = swiglu_backward_to_fp8(torch.zeros(0, 32, device=device), h_q.to(device), h_s.to(device), backend="triton")
-    assert r.q.shape == (0, 64) and r.q_t.shape == (64, 0) and r.scale.item() == 1.0
-    h_q, h_s = quantize_per_group(torch.randn(4, 64), 16, "e4m3")
-    with pytest.raises(ValueError, match="da must be contiguous with 32 columns"):
-        swiglu_backward_to_fp8(torch.zeros(4, 16), h_q, h_s)
-    with pytest.raises(ValueError, match="dh_dtype must be"):
-        swiglu_backward_to_fp8(torch.zeros(4, 32), h_q, h_s, dh_dtype=torch.int32)

@@ -244,31 +244,3 @@ def test_coat_linears_add_their_wgrad_into_main_grad_without_apex(world_size, tp
         assert f["grads"].keys() == p["grads"].keys()
         for name in f["grads"]:
             torch.testing.assert_close(f["grads"][name].tensor, p["grads"][name].tensor, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def _grads_by_swiglu_gradient(fp8: bool, sequence_parallel: bool) -> dict:
-    """One step's gradients with SwiGLU handing fc1 its output gradient in FP8 (CoatMLP's choice for
-    an fc1 without a bias) or, as before, in the model's dtype."""
-    torch.manual_seed(0)
-    model = coat_gpt(tiny_config(sequence_parallel=sequence_parallel, params_dtype=torch.bfloat16))
-    mlps = [m for m in model.modules() if hasattr(m, "grad_fmt")]
-    chosen = [m.grad_fmt for m in mlps]
-    for m in mlps:
-        m.grad_fmt = m.grad_fmt if fp8 else None
-    model = tiny_ddp(model, distributed_optimizer=False)
-    loss = forward_backward(model, synthetic_batches(MICROBATCHES))
-    return dict(loss=loss, grads=local_shards(model, "main_grad"), chosen=chosen)
-
-
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_fp8_gradient_from_swiglu_to_fc1_changes_no_gradient(sequence_parallel):
-    """fc1 got its output gradient in BF16 and quantized it to E5M2 with its transpose; SwiGLU now
-    writes those bytes itself: under TP 2 (and SP) every gradient is the same, bit for bit."""
-    fp8 = run_distributed(_grads_by_swiglu_gradient, 2, args=(True, sequence_parallel), tensor_parallel=2)
-    bf16 = run_distributed(_grads_by_swiglu_gradient, 2, args=(False, sequence_parallel), tensor_parallel=2)
-    for a, b in zip(fp8, bf16):
-        assert a["chosen"] == ["e5m2", "e5m2"]  # both layers' MLPs (no bias) take the FP8 gradient
-        assert a["loss"] == b["loss"]
-        assert sorted(a["grads"]) == sorted(b["grads"])
-        for name in a["grads"]:
-            assert torch.equal(a["grads"][name].tensor, b["grads"][name].tensor), name
