@@ -125,18 +125,16 @@
 #                                              # (COAT_LEAN_LAUNCH=0 COAT_FP8_GEMM=torch), on the machine that ran
 #                                              # speed7b23: the change's own before and after (~4 min)
 #   bash scripts/gpu_default.sh profile23b     # issue 23: where one Llama-2-7B layer's and one gpt-1b layer's fwd+bwd
-#                                              # spend their GPU time against TE FP8 (benchmarks/layer_profile.py) (~4 min)
+#                                              # spend their GPU time against TE FP8 (benchmarks/layer_profile.py) (~2 min; with
+#                                              # speed7b23 three times at once, 2026-11-26: benchmarks/results/issue23-h200x4)
 #
 # Still to run (each part one command; one mode per command where a run is long):
 #   bash scripts/gpu_default.sh leantests      # on an H100 in full (2026-11-26's stopped at its cap, about 90% through,
 #                                              # none failed), then speed23: cut off there before COAT's rows
 #                                              # (benchmarks/results/issue23-lean-h100/commands.txt)
-#   bash scripts/gpu_default.sh speed7b23      # H200, three times on one machine, modes in turn: eager steps are host-
-#                                              # bound and swing by up to 1.5x between runs there (issue23-lean-h200); the
-#                                              # eager goal is then judged on the median of the three runs' ratios
-#   bash scripts/gpu_default.sh search7b coat 8 8  # H200, then "search7b bf16,te-fp8-current 1 8": the max-batch
-#                                              # search at 8 micro-batches per step (--search-micro-batches, a
-#                                              # realistic step; 2026-11-26's ran at one per step); the same on an H100
+#   bash scripts/gpu_default.sh search7b coat 4 8  # H100: the max-batch search at 8 micro-batches per step (BF16 and
+#                                              # TE FP8 do not fit Llama-2-7B there at all; the H200's ran 2026-11-26:
+#                                              # benchmarks/results/issue23-h200x4/commands.txt)
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 4" "LR_DECAY=cosine acc1b coat 4" \
 #                             "LR_DECAY=cosine acc1b te-fp8-delayed 2" "LR_DECAY=cosine acc1b te-fp8-delayed 3"
 #                                              # four GPUs: the cosine runs' fourth seed and TE FP8 at seeds 2 and 3,
