@@ -132,9 +132,6 @@
 #   bash scripts/gpu_default.sh leantests      # on an H100 in full (2026-11-26's stopped at its cap, about 90% through,
 #                                              # none failed), then speed23: cut off there before COAT's rows
 #                                              # (benchmarks/results/issue23-lean-h100/commands.txt)
-#   bash scripts/gpu_default.sh search7b coat 4 8  # H100: the max-batch search at 8 micro-batches per step (BF16 and
-#                                              # TE FP8 do not fit Llama-2-7B there at all; the H200's ran 2026-11-26:
-#                                              # benchmarks/results/issue23-h200x4/commands.txt)
 #   bash scripts/gpu_parts.sh "LR_DECAY=cosine acc1b bf16 4" "LR_DECAY=cosine acc1b coat 4" \
 #                             "LR_DECAY=cosine acc1b te-fp8-delayed 2" "LR_DECAY=cosine acc1b te-fp8-delayed 3"
 #                                              # four GPUs: the cosine runs' fourth seed and TE FP8 at seeds 2 and 3,
