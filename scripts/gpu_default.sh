@@ -95,7 +95,7 @@
 #                                              # MICRO_BATCHES per step (default 1), doubling from START then bisection)
 #                                              # and its tokens/s there; the modes share the command's 9 minutes (SEARCH_LIMIT seconds)
 #   bash scripts/gpu_default.sh speed7b23      # H200 (issue 23): Llama-2-7B micro-batch 1, global batch 8, bf16,
-#                                              # te-fp8-current and coat, eager and with per-layer graphs (~8 min)
+#                                              # te-fp8-current and coat, eager and with per-layer graphs (~4 min)
 #   bash scripts/gpu_default.sh eager23        # H100 (issue 23's eager path): benchmarks/step_profile.py on gpt-1b eager,
 #                                              # bf16 and coat at global batch 32 and 4, and coat with its wgrad fusion
 #                                              # off: GPU-busy fraction and the Python functions by time (~6 min)
