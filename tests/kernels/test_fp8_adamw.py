@@ -133,26 +133,38 @@ def test_first_step_equals_torch_adamw(seed):
 
 
 def test_states_track_fp32_adam_moments_and_expansion_helps(seed):
-    # 30 steps on grads with a heavy-tailed spread: the dequantized states stay within a few percent
-    # (relative RMS) of FP32 Adam's, and closer with range expansion than with plain absmax groups.
-    shapes = [(4096,)]
-    m32, v32 = torch.zeros(shapes[0]), torch.zeros(shapes[0])
+    """30 steps on grads with a heavy-tailed spread: the dequantized states stay within a few percent
+    (relative RMS) of FP32 Adam's, and closer with range expansion than with plain absmax groups.
+
+    Each of 8 tensors of 4096 (32 groups) is judged apart and the median decides: v's relative RMS
+    error in one such tensor is set by its few largest groups, so one tensor's expanded/plain ratio
+    has a heavy tail. Over 3000 seeds (one tensor each): m's ratio 0.55 (max 0.61), v's 0.66 (99th
+    percentile 0.89, 1.5% above 0.85, max 1.51); m's error at most 0.034, v's above 0.035 in 4. The
+    median of 8 passes 0.85 only if 4 of 8 do (about 3e-6 a seed)."""
+    shapes = [(4096,)] * 8
+    m32, v32 = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
     runs = {True: make_tensors(shapes, seed=seed), False: make_tensors(shapes, expansion=(False, False), seed=seed)}
     for step in range(1, 31):
         grads = grads_for(shapes, step, seed)
         for params, m, v, _ in runs.values():
             fp8_adamw_step(params, grads, m, v, step=step, **HYPER)
-        m32.mul_(HYPER["beta1"]).add_(grads[0], alpha=1 - HYPER["beta1"])
-        v32.mul_(HYPER["beta2"]).addcmul_(grads[0], grads[0], value=1 - HYPER["beta2"])
+        for m_ref, v_ref, g in zip(m32, v32, grads):
+            m_ref.mul_(HYPER["beta1"]).add_(g, alpha=1 - HYPER["beta1"])
+            v_ref.mul_(HYPER["beta2"]).addcmul_(g, g, value=1 - HYPER["beta2"])
 
-    def errors(run):
-        rel = lambda a, b: ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()  # noqa: E731
-        return rel(dequantize_expanded(run[1][0]), m32), rel(dequantize_expanded(run[2][0]), v32)
+    def rel(a, b):
+        return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
-    (m_exp, v_exp), (m_plain, v_plain) = errors(runs[True]), errors(runs[False])
-    assert m_exp < 0.04 and v_exp < 0.035, (m_exp, v_exp)
-    assert m_exp < 0.7 * m_plain and v_exp < 0.85 * v_plain, (m_exp, m_plain, v_exp, v_plain)
-    assert runs[True][1][0].k.mean() > 1.5 and runs[True][2][0].k.mean() > 1.5
+    def median_errors(run):
+        m_err = [rel(dequantize_expanded(q), r) for q, r in zip(run[1], m32)]
+        v_err = [rel(dequantize_expanded(q), r) for q, r in zip(run[2], v32)]
+        return torch.tensor(m_err), torch.tensor(v_err)
+
+    (m_exp, v_exp), (m_plain, v_plain) = median_errors(runs[True]), median_errors(runs[False])
+    assert m_exp.median() < 0.04 and v_exp.median() < 0.035, (m_exp, v_exp)
+    m_ratio, v_ratio = (m_exp / m_plain).median(), (v_exp / v_plain).median()
+    assert m_ratio < 0.7 and v_ratio < 0.85, (m_ratio, v_ratio)
+    assert all(st.k.mean() > 1.5 for st in runs[True][1] + runs[True][2])
 
 
 def test_arguments_are_checked():
