@@ -69,7 +69,7 @@ def _silu_codes(gate, up, amax_ptr, qt_ptr):
 
 
 @triton.jit
-def gather_kernel(
+def tile_2d_kernel(
     hq_ptr,
     hs_ptr,
     amax_ptr,
@@ -79,40 +79,25 @@ def gather_kernel(
     GROUP: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
+    BCAST: tl.constexpr,
     TRANS: tl.constexpr,
 ):
+    """The 2-D variants: group scales gathered per element, or broadcast from one load per group
+    (BCAST); codes stored transposed (TRANS) or row-major."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_ffn)
     rows64 = rows.to(tl.int64)
-    gate = _gather_half(hq_ptr, hs_ptr, rows64, cols, mask, 2 * n_ffn, GROUP)
-    up = _gather_half(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, cols, mask, 2 * n_ffn, GROUP)
-    _store(_silu_codes(gate, up, amax_ptr, qt_ptr), qt_ptr, rows, cols, n_rows, n_ffn, TRANS)
-
-
-@triton.jit
-def bcast_kernel(
-    hq_ptr,
-    hs_ptr,
-    amax_ptr,
-    qt_ptr,
-    n_rows,
-    n_ffn,
-    GROUP: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    TRANS: tl.constexpr,
-):
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
-    groups = tl.program_id(1) * (BN // GROUP) + tl.arange(0, BN // GROUP)
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_ffn)
-    maskg = (rows[:, None] < n_rows) & (groups[None, :] < n_ffn // GROUP)
-    rows64 = rows.to(tl.int64)
-    gate = _bcast_half(hq_ptr, hs_ptr, rows64, cols, groups, mask, maskg, 2 * n_ffn, BM, BN, GROUP)
-    up = _bcast_half(
-        hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, cols, groups, mask, maskg, 2 * n_ffn, BM, BN, GROUP
-    )
+    if BCAST:
+        groups = tl.program_id(1) * (BN // GROUP) + tl.arange(0, BN // GROUP)
+        maskg = (rows[:, None] < n_rows) & (groups[None, :] < n_ffn // GROUP)
+        gate = _bcast_half(hq_ptr, hs_ptr, rows64, cols, groups, mask, maskg, 2 * n_ffn, BM, BN, GROUP)
+        up = _bcast_half(
+            hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, cols, groups, mask, maskg, 2 * n_ffn, BM, BN, GROUP
+        )
+    else:
+        gate = _gather_half(hq_ptr, hs_ptr, rows64, cols, mask, 2 * n_ffn, GROUP)
+        up = _gather_half(hq_ptr + n_ffn, hs_ptr + n_ffn // GROUP, rows64, cols, mask, 2 * n_ffn, GROUP)
     _store(_silu_codes(gate, up, amax_ptr, qt_ptr), qt_ptr, rows, cols, n_rows, n_ffn, TRANS)
 
 
@@ -159,12 +144,12 @@ def main() -> None:
     row("byte transpose of the codes alone", lambda: transpose_codes(ref.q))
     for bm, bn, w in [(64, 64, 4), (16, 256, 4), (32, 128, 4), (8, 512, 4), (16, 512, 8), (32, 256, 8)]:
         g = (triton.cdiv(tokens, bm), triton.cdiv(ffn, bn))
-        for name, kernel in (("gather", gather_kernel), ("bcast", bcast_kernel)):
+        for name, bcast in (("gather", False), ("bcast", True)):
             for trans, dst, want_bytes in ((True, out_t, want_t), (False, out, want)):
                 row(
                     f"{name} 2-D {'transposed' if trans else 'row-major'} ({bm}, {bn}, {w})",
-                    lambda k=kernel, d=dst, t=trans: k[g](
-                        hq, hs, amax, d, tokens, ffn, GROUP=16, BM=bm, BN=bn, TRANS=t, num_warps=w
+                    lambda b=bcast, d=dst, t=trans: tile_2d_kernel[g](
+                        hq, hs, amax, d, tokens, ffn, GROUP=16, BM=bm, BN=bn, BCAST=b, TRANS=t, num_warps=w
                     ),
                     dst,
                     want_bytes,
