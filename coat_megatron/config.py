@@ -108,6 +108,13 @@ class CoatConfig:
             afterwards. Megatron ties its own ``gradient_accumulation_fusion`` to apex's fused wgrad
             kernel; COAT's linears need no apex, so they fuse with that flag on or off. False
             leaves the addition to Megatron (the flag's behaviour).
+        tp_comm_overlap: under sequence parallelism, exchange the sequence chunks of the
+            column-parallel inputs, the row-parallel outputs and their gradients in a ring of
+            point-to-point transfers, each overlapped with the GEMM of the chunk already in hand
+            (``coat_megatron.layers.chunk_exchange``). False does the same arithmetic with one
+            blocking all-gather or reduce-scatter per exchange: to measure what the overlap is
+            worth. Either way each chunk keeps its producer's per-tensor scale, so no amax is
+            all-reduced over the tensor-parallel group.
     """
 
     activations: bool = True
@@ -130,6 +137,7 @@ class CoatConfig:
     master_weights: str | None = None
     grad_buffers: str | None = None
     fuse_wgrad_accumulation: bool = True
+    tp_comm_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -141,6 +149,7 @@ class CoatConfig:
             "recompute_norm_output",
             "cache_weight_transpose",
             "fuse_wgrad_accumulation",
+            "tp_comm_overlap",
         ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         # unset: W's codes are kept exactly where W^T's are (the cached configuration)

@@ -88,6 +88,10 @@ KNOBS: dict[str, tuple[dict, str]] = {
         dict(type=_switch, metavar="on|off"),
         "COAT's linears add each micro-batch's weight gradient into DDP's gradient buffer inside the wgrad GEMM, with or without apex (--no-gradient-accumulation-fusion governs Megatron's own linears only). Default on; off leaves the addition to Megatron",
     ),
+    "tp_comm_overlap": (
+        dict(type=_switch, metavar="on|off"),
+        "with --sequence-parallel, pass the sequence chunks between tensor-parallel ranks in a ring of point-to-point transfers, each hidden behind the GEMM of the chunk in hand (default on); off: the same arithmetic with one blocking all-gather or reduce-scatter per exchange, to measure what the overlap is worth",
+    ),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
@@ -237,7 +241,8 @@ def _layer_problems(args, coat: CoatConfig) -> list[str]:
         "mtp_num_layers": "--mtp-num-layers (multi-token prediction)",
         "experimental_attention_variant": "--experimental-attention-variant",
         "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
-        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers)",
+        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers; COAT overlaps its own tensor-parallel "
+        "exchanges: --coat-tp-comm-overlap)",
     }
     for attr, what in unsupported.items():
         if getattr(args, attr, None):

@@ -22,6 +22,7 @@ def test_defaults_are_coats_recipe():
     assert c.activations and c.optimizer and c.any_enabled and c.master_weights == "split"
     # COAT's memory mode: W^T made per backward, BF16 gradient buffers
     assert not c.cache_weight_transpose and c.grad_buffers == "bf16" and not c.ddp_grad_reduce_in_fp32
+    assert c.tp_comm_overlap  # sequence-parallel exchanges overlapped with the GEMMs
 
 
 def test_gradient_buffers_default_to_bf16_only_with_coats_optimizer():
@@ -80,6 +81,7 @@ def test_unknown_switch_values_raise(bad):
         ({"k_min": 0.1}, "not a multiple of 1/16; round it, e.g. to 0.125"),
         ({"k_max": float("inf")}, "must be a number"),
         ({"master_weights": "bf16"}, "master_weights='bf16' is not supported: use one of fp32, split"),
+        ({"tp_comm_overlap": "ring"}, "tp_comm_overlap='ring' is not a switch value"),
     ],
 )
 def test_invalid_values_name_the_fix(kwargs, message):
@@ -92,6 +94,7 @@ def test_from_args_maps_coat_arguments():
     c = CoatConfig.from_args(args)
     assert (c.group_size, c.v_format, c.m_expansion, c.v_expansion, c.k_max) == (32, "e5m2", False, False, 8.0)
     assert CoatConfig.from_args(argparse.Namespace()) == CoatConfig()
+    assert CoatConfig.from_args(argparse.Namespace(coat_tp_comm_overlap="off")).tp_comm_overlap is False
     with pytest.raises(ValueError, match="--coat-expansion='expand'"):
         CoatConfig.from_args(argparse.Namespace(coat_expansion="expand"))
 
