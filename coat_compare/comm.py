@@ -8,7 +8,11 @@ entry point                                 who calls it
 ==========================================  ===================================================
 ``torch.distributed.all_gather_into_tensor``  TE's ``gather_along_first_dim`` (BF16, and FP8 codes
                                             for its FP8 recipes), COAT's FP8 sequence-parallel
-                                            gather (codes as a uint8 view)
+                                            gather with ``tp_comm_overlap`` off (codes as a uint8
+                                            view, then the chunks' FP32 scales)
+``coat_megatron.layers.chunk_exchange.``    COAT's FP8 sequence-parallel gather as a ring of
+``RingAllGather``                           point-to-point transfers (``tp_comm_overlap``, the
+                                            default): counted as the all-gather it makes up
 ``torch.distributed._all_gather_base``      the old name of the same (Megatron binds it on old
                                             torch)
 ``torch.distributed.all_gather``            the list form: Megatron's uneven sequence gathers
@@ -28,9 +32,11 @@ gather), ``other`` otherwise; and under its element width: ``fp8`` for 1-byte el
 codes, as float8 or a uint8 view), ``wide`` for the rest (BF16, FP32). Gathers over a group of
 one rank move nothing and are not counted.
 
-COAT's sequence-parallel gather sends codes only: every rank quantizes with one scale, whose
-amax is all-reduced (MAX, one FP32 number) over the group before quantizing, so no scale bytes
-travel in the gather.
+COAT's sequence-parallel gathers move each rank's chunk of FP8 codes with the 4-byte FP32 scale its
+producer quantized it with (``fp8`` and ``wide`` bytes); a gather made again for the weight
+gradient moves codes only (the scales are kept). Its ring passes each chunk on from rank to rank,
+as NCCL's own all-gather does inside: what a rank contributes, and what is counted, is its own
+chunk and scale once, whether the ring or one collective moves them.
 """
 
 from __future__ import annotations
@@ -79,6 +85,10 @@ class AllGatherBytes:
                 if any(value is real for real in reals.values()):
                     self._patched.append((owner, attr, value))
                     setattr(owner, attr, wrappers[id(value)])
+        from coat_megatron.layers import chunk_exchange
+
+        self._patched.append((chunk_exchange, "RingAllGather", chunk_exchange.RingAllGather))
+        chunk_exchange.RingAllGather = self._counting_ring(chunk_exchange.RingAllGather)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -98,6 +108,16 @@ class AllGatherBytes:
 
         gather.__name__ = gather.__qualname__ = f"counting_{name}"
         return gather
+
+    def _counting_ring(self, ring):
+        def start(codes, scale, group, scales=None):
+            where = self._group_name(group)
+            if where is not None:
+                for t in [codes] + ([scale] if scales is None else []):
+                    self.bytes[(where, "fp8" if t.element_size() == 1 else "wide")] += t.numel() * t.element_size()
+            return ring(codes, scale, group, scales=scales)
+
+        return start
 
     def _group_name(self, group) -> str | None:
         """ "tp", "dp", "other", or None for a group of one rank."""

@@ -276,7 +276,6 @@ def norm_to_fp8_reference(
     saved_fmt: str = "e4m3",
     transpose: bool = True,
     stats: tuple[torch.Tensor | None, torch.Tensor] | None = None,
-    reduce_amax=None,
 ) -> NormFp8:
     """Torch reference of ``norm_to_fp8``. ``stats`` (mean, rstd) replaces the computed ones, so a
     test can check a kernel's codes bit for bit given the kernel's own statistics."""
@@ -285,8 +284,6 @@ def norm_to_fp8_reference(
     mean, rstd = stats if stats is not None else _stats_reference(rows, kind, eps)
     y = _normalize_reference(rows, mean, rstd, weight, bias)
     amax = abs_or_inf_reference(y).amax() if y.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
-    if reduce_amax is not None:
-        reduce_amax(amax)
     out = quantize_per_tensor_reference(y, out_fmt, transpose=transpose, amax=amax)
     x_q, x_scales = quantize_per_group_reference(x, group_size, saved_fmt)
     return NormFp8(
@@ -323,7 +320,6 @@ def norm_to_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     transpose: bool = True,
-    reduce_amax=None,
     backend: str = "auto",
 ) -> NormFp8:
     """Normalise x (RMSNorm or LayerNorm) into per-tensor FP8, keeping a 1xG FP8 copy of x.
@@ -335,8 +331,6 @@ def norm_to_fp8(
         out_fmt: format of the per-tensor output (E4M3 for a GEMM input).
         saved_fmt: format of the 1xG copy of x saved for backward.
         transpose: also write q_t (H, R), the wgrad operand of the next GEMM.
-        reduce_amax: called in place on the output's 0-d FP32 amax between the two passes (an
-            all-reduce MAX over the tensor-parallel group, so all ranks share one scale).
     Returns:
         ``NormFp8(q, scale, q_t, x_q, x_scales, mean, rstd)``; mean is None for RMSNorm.
     """
@@ -352,7 +346,6 @@ def norm_to_fp8(
             out_fmt=out_fmt,
             saved_fmt=saved_fmt,
             transpose=transpose,
-            reduce_amax=reduce_amax,
         )
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
@@ -392,8 +385,6 @@ def norm_to_fp8(
             num_warps=stats_warps,
             enable_fp_fusion=False,
         )
-        if reduce_amax is not None:
-            reduce_amax(amax)
         block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
         in_pass = transpose_in_pass(transpose, x.dtype)
         _norm_quantize_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](

@@ -15,8 +15,8 @@ over the codes, because Triton 3.6 miscompiles the in-register transpose there (
 
 The scale comes from the tensor's current amax by group scaling: a first pass writes one amax per
 tile and its last program reduces them to one value (``amax.finish_amax``; or the producer of x does
-the same in its own pass and hands the amax over as ``amax``); where tensor parallelism all-reduces
-it (MAX), every rank shares one scale; the quantizing pass derives the scale from it in-kernel.
+the same in its own pass and hands the amax over as ``amax``); the quantizing pass derives the scale
+from it in-kernel.
 
 Shapes: ``x`` is (N,), (M, N) or (B, S, N), read as R = x.numel() // N rows of N; ``q`` has x's
 shape; ``q_t`` is the (N, R) row-major transpose of that (R, N) matrix; ``scale`` is a 0-d FP32
@@ -210,9 +210,9 @@ def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """max |x| as a 0-d FP32 tensor (+inf if x holds inf or NaN), by group scaling.
 
     One pass: every program writes the amax of its tile of x, and the last one reduces them (no
-    second launch: ``amax.finish_amax``). Use it where
-    the amax must be shared before quantizing (all-reduce MAX over the tensor-parallel group),
-    then hand it to ``quantize_per_tensor(..., amax=...)``.
+    second launch: ``amax.finish_amax``). Use it where one amax serves several quantizing calls
+    (the chunks of a tensor quantized one at a time with one scale): hand it to
+    ``quantize_per_tensor(..., amax=...)``.
     """
     rows = as_rows(x)
     if rows.numel() == 0:

@@ -5,13 +5,14 @@
     wgrad  dW = dY^T @ X     A = dY^T (E5M2, transposed)  B = X^T (E4M3, the transposed copy of X)
 
 X arrives as an ``Fp8Tensor`` from a COAT producer (the norm, SwiGLU) with its transposed copy, or
-as a plain BF16 tensor that is quantized here. dY likewise: plain BF16 (quantized here), or a
-per-tensor E5M2 ``Fp8Tensor`` (a sequence-parallel all-gather of dY done in FP8). Saved for backward: X^T (1 byte per element) and
-its scale; or nothing new when the producer can recompute X^T (SwiGLU) or when the caller says
+as a plain BF16 tensor that is quantized here; dY as plain BF16, quantized here (with the amax its
+producer attached, where it did). Saved for backward: X^T (1 byte per element) and its scale; or nothing new when the producer can recompute X^T (SwiGLU) or when the caller says
 that the BF16 input is saved anyway (``save_original_input``: X^T is requantized from it in
 backward with the forward's amax, hence bit-identical). The output is BF16, or 1xG FP8 for fc1
 (what SwiGLU reads and saves). Weight copies come from an ``Fp8WeightCache`` (once per step).
-On a CPU the GEMMs dequantize and multiply in FP32.
+On a CPU the GEMMs dequantize and multiply in FP32. The pieces that the sequence-parallel linears
+(``coat_megatron.layers.sequence_parallel``) share with this one live here too: the weight's codes
+for fprop and dgrad, the FP8 output, and the wgrad summed over chunks (``WeightGradient``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from coat_kernels import (
     tensor_amax,
     transpose_codes,
 )
-from coat_kernels.formats import fp8_format
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.gemm_accumulate import fp8_gemm_accumulate
 from coat_kernels.swiglu import quantize_swiglu_input
@@ -51,10 +51,43 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def weight_for_fprop(weight: torch.Tensor, cache: Fp8WeightCache, config: CoatConfig):
+    """(w_q (out, in) E4M3, its 0-d scale, what ``weight_for_dgrad`` needs): W's codes from the
+    cache, or (no codes kept) quantized here from the cache's amax: the bytes a kept copy would hold."""
+    if cache.keep_codes:
+        w_q, w_t, w_scale = cache.get(weight)
+        return w_q, w_scale, (w_t, w_q, w_scale, None)
+    w_amax = cache.amax(weight)
+    w_q, w_scale = quantize_per_tensor(weight, config.weight_format, amax=w_amax, check_finite=False)
+    return w_q, w_scale, (None, None, w_scale, w_amax)
+
+
+def weight_for_dgrad(saved, weight: torch.Tensor, config: CoatConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W^T (in, out) row-major E4M3, its scale): kept by the cache, transposed from W's kept codes,
+    or quantized transposed from the weight with the forward's amax (the same scale and codes)."""
+    w_t, w_q, w_scale, w_amax = saved
+    if w_t is None and w_q is not None:
+        w_t = transpose_codes(w_q)
+    elif w_t is None:
+        w_t = quantize_per_tensor_transposed(weight.detach(), config.weight_format, amax=w_amax, check_finite=False)[0]
+    return w_t, w_scale
+
+
+def quantize_output(y: torch.Tensor, fp8_output: str | None, config: CoatConfig) -> torch.Tensor:
+    """A linear's BF16 output y as it leaves the layer: itself (``fp8_output`` None), 1xG FP8
+    ("1xG"), or 1xG FP8 carrying SwiGLU's output amax ("swiglu", for fc1 feeding SwiGLU)."""
+    if fp8_output == "swiglu":
+        y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, config.forward_format)
+        return Fp8Tensor(y_q, y_scales, group_size=config.group_size, consumer_amax=a_amax, dtype=y.dtype)
+    if fp8_output == "1xG":
+        y_q, y_scales = quantize_per_group(y, config.group_size, config.forward_format, check_finite=False)
+        return Fp8Tensor(y_q, y_scales, group_size=config.group_size, dtype=y.dtype)
+    return y
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, config, fp8_output, save_original_input, main_grad):
-        # fp8_output: None (BF16 out), "1xG", or "swiglu" (1xG, plus the amax of SwiGLU's output)
         fmt = config.forward_format
         x_t = x_t_fn = x_orig = x_amax = None
         if isinstance(x, Fp8Tensor) and x.group_size is None:
@@ -68,13 +101,7 @@ class _Fp8Linear(torch.autograd.Function):
                 x_orig = x
             else:
                 x_q, x_scale, x_t = quantize_per_tensor(x, fmt, transpose=True, check_finite=False)
-        w_amax = None
-        if cache.keep_codes:
-            w_q, w_t, w_scale = cache.get(weight)
-        else:  # codes made here from the cache's amax: the bytes a kept copy would hold
-            w_amax = cache.amax(weight)
-            w_q, w_scale = quantize_per_tensor(weight, config.weight_format, amax=w_amax, check_finite=False)
-            w_t = None
+        w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         y = fp8_gemm(
             _rows(x_q),
             x_scale,
@@ -86,44 +113,20 @@ class _Fp8Linear(torch.autograd.Function):
         ).view(*x.shape[:-1], weight.shape[0])
         ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
         ctx.x_t_fn = x_t_fn
-        # w_t None: transposed in backward from W's kept codes, or (w_amax set: no codes kept)
-        # quantized from the weight with the same amax
-        ctx.w = (w_t, w_q if w_amax is None else None, w_scale, w_amax)
         ctx.meta = (config, bias is not None, x.shape, x.dtype, main_grad)
-        if fp8_output == "swiglu":
-            y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, fmt)
-            return Fp8Tensor(y_q, y_scales, group_size=config.group_size, consumer_amax=a_amax, dtype=y.dtype)
-        if fp8_output == "1xG":
-            y_q, y_scales = quantize_per_group(y, config.group_size, fmt, check_finite=False)
-            return Fp8Tensor(y_q, y_scales, group_size=config.group_size, dtype=y.dtype)
-        return y
+        return quantize_output(y, fp8_output, config)
 
     @staticmethod
     def backward(ctx, dy):
         x_t, x_orig, x_amax, x_scale, weight = ctx.saved_tensors
         config, has_bias, x_shape, x_dtype, main_grad = ctx.meta
-        w_t, w_q, w_scale, w_amax = ctx.w
-        if isinstance(dy, Fp8Tensor) and dy.group_size is None:
-            # already FP8 (a sequence-parallel gather of dY in FP8): its codes and their transpose
-            if dy.data_fp8.dtype != fp8_format(config.backward_format).dtype:
-                raise ValueError(
-                    f"dY arrived as {dy.data_fp8.dtype}, but the backward format is {config.backward_format}"
-                )
-            dy_q, dy_scale, dy_t = _rows(dy.data_fp8), dy.scale, dy.transposed_codes()
-            dy2 = dy.dequantize().reshape(dy_q.shape) if has_bias and ctx.needs_input_grad[2] else None
-        else:
-            dy2 = _rows(dy.contiguous())
-            dy_q, dy_scale, dy_t = quantize_per_tensor(
-                dy2, config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
-            )
+        dy2 = _rows(dy.contiguous())
+        dy_q, dy_scale, dy_t = quantize_per_tensor(
+            dy2, config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
+        )
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            if w_t is None and w_q is not None:
-                w_t = transpose_codes(w_q)
-            elif w_t is None:
-                w_t = quantize_per_tensor_transposed(
-                    weight.detach(), config.weight_format, amax=w_amax, check_finite=False
-                )[0]
+            w_t, w_scale = weight_for_dgrad(ctx.w, weight, config)
             dx = fp8_gemm(dy_q, dy_scale, w_t.t(), w_scale, out_dtype=x_dtype).view(x_shape)
         if ctx.needs_input_grad[1]:
             if x_t is None and x_orig is not None:
@@ -132,10 +135,9 @@ class _Fp8Linear(torch.autograd.Function):
                 )[2]
             elif x_t is None:
                 x_t = ctx.x_t_fn()
-            if main_grad and hasattr(weight, "main_grad"):
-                dw = _wgrad_into_main_grad(weight, dy_t, dy_scale, x_t.t(), x_scale)
-            else:
-                dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=weight.dtype)
+            wgrad = WeightGradient(weight, main_grad)
+            wgrad.add(dy_t, dy_scale, x_t.t(), x_scale)
+            dw = wgrad.result()
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(dim=0).to(weight.dtype)
         return dx, dw, db, None, None, None, None, None
@@ -148,25 +150,57 @@ def _capturing_a_per_layer_graph() -> bool:
     return cuda_graphs is not None and cuda_graphs.is_graph_capturing()
 
 
-def _wgrad_into_main_grad(weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale) -> torch.Tensor | None:
-    """Megatron's gradient-accumulation-fusion protocol: wgrad = dY^T X goes into
-    ``weight.main_grad`` (FP32 or BF16) and autograd gets a placeholder, so DDP's hook does not add it a
-    second time. While DDP has added nothing to main_grad since it zeroed it
-    (``grad_added_to_main_grad`` False: the first micro-batch of a step), the GEMM writes straight
-    into it, with no FP32 temporary to add (8 bytes per weight element less traffic); later
-    micro-batches, and a captured per-layer graph, which serves every micro-batch, add
-    (``WGRAD_ACCUMULATE``)."""
-    main = weight.main_grad  # FP32, or BF16 where DDP reduces gradients in BF16
-    if getattr(weight, "grad_added_to_main_grad", None) is False and not _capturing_a_per_layer_graph():
-        fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
-    else:
-        fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=WGRAD_ACCUMULATE)
-    if not hasattr(weight, "grad_added_to_main_grad"):
-        return None
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):
-        return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
-    return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+class WeightGradient:
+    """dW = sum over c of (dY_c^T * s_dy,c) @ (X_c * s_x,c): the wgrad GEMM of a linear, one FP8 GEMM
+    per chunk of tokens (``chunks`` of them; more than one where the chunks carry their own scales,
+    as sequence-parallel ones do), summed in FP32 inside the GEMMs.
+
+    ``into_main_grad``: Megatron's gradient-accumulation-fusion protocol, where the weight has a
+    ``main_grad`` (FP32 or BF16): dW goes into it and autograd gets a placeholder, so DDP's hook
+    does not add it a second time. While DDP has added nothing to main_grad since it zeroed it
+    (``grad_added_to_main_grad`` False: the first micro-batch of a step), the first chunk's GEMM
+    writes straight into it, with no FP32 temporary to add (8 bytes per weight element less
+    traffic); later chunks, later micro-batches, and a captured per-layer graph, which serves every
+    micro-batch, add (``WGRAD_ACCUMULATE``). A BF16 main_grad is rounded once per chunk. Without
+    it: one chunk writes dW in the weight's dtype; several are summed in an FP32 temporary.
+    """
+
+    def __init__(self, weight: torch.Tensor, into_main_grad: bool, chunks: int = 1):
+        self.weight = weight
+        self.main = weight.main_grad if into_main_grad and hasattr(weight, "main_grad") else None
+        self.chunks = chunks
+        self.sum = None
+
+    def add(self, dy_t: torch.Tensor, dy_scale: torch.Tensor, x_t_cm: torch.Tensor, x_scale: torch.Tensor) -> None:
+        """Add dY_c^T X_c: ``dy_t`` (out, R_c) row-major E5M2, ``x_t_cm`` (R_c, in) column-major E4M3."""
+        first, main = self.sum is None, self.main
+        if main is not None:
+            if (
+                first
+                and getattr(self.weight, "grad_added_to_main_grad", None) is False
+                and not _capturing_a_per_layer_graph()
+            ):
+                fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
+            else:
+                fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=WGRAD_ACCUMULATE)
+            self.sum = main
+        elif first:
+            dtype = self.weight.dtype if self.chunks == 1 else torch.float32
+            self.sum = fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=dtype)
+        else:
+            fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, self.sum, backend=WGRAD_ACCUMULATE)
+
+    def result(self) -> torch.Tensor | None:
+        """What the autograd Function returns for the weight: dW, or main_grad's placeholder."""
+        weight = self.weight
+        if self.main is None:
+            return self.sum.to(weight.dtype)
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        weight.grad_added_to_main_grad = True
+        if getattr(weight, "zero_out_wgrad", False):
+            return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+        return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
 
 
 def fp8_linear(

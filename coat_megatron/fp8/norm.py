@@ -26,9 +26,7 @@ def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor
 
 class _NormToFp8(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
-    ):
+    def forward(ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved 1xG input copy)
         w = _multiplier(weight, zero_centered_gamma)
@@ -43,7 +41,6 @@ class _NormToFp8(torch.autograd.Function):
             out_fmt=out_fmt,
             saved_fmt=saved_fmt,
             transpose=transpose == "store",
-            reduce_amax=reduce_amax,
         )
         ctx.save_for_backward(r.x_q, r.x_scales, r.mean, r.rstd, weight)
         ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype)
@@ -51,9 +48,13 @@ class _NormToFp8(torch.autograd.Function):
         if transpose == "recompute":
             x_q, x_scales, mean, rstd, amax, dtype = r.x_q, r.x_scales, r.mean, r.rstd, r.amax, x.dtype
 
-            def transposed_fn():
-                x_saved = dequantize_per_group(x_q, x_scales, group_size, dtype)
-                return norm_quantize(x_saved, w, b, mean, rstd, amax, out_fmt=out_fmt, transpose=True)[2]
+            def transposed_fn(rows=slice(None)):
+                h = x_q.shape[-1]
+                x_saved = dequantize_per_group(
+                    x_q.view(-1, h)[rows], x_scales.view(-1, h // group_size)[rows], group_size, dtype
+                )
+                mean_rows = mean[rows] if mean is not None else None
+                return norm_quantize(x_saved, w, b, mean_rows, rstd[rows], amax, out_fmt=out_fmt, transpose=True)[2]
 
         return Fp8Tensor(r.q, r.scale, transposed=r.q_t, transposed_fn=transposed_fn, dtype=x.dtype)
 
@@ -72,7 +73,7 @@ class _NormToFp8(torch.autograd.Function):
             has_bias=has_bias,
             dx_dtype=dtype,
         )
-        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 9)
+        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 8)
 
 
 def rmsnorm_to_fp8(
@@ -85,19 +86,16 @@ def rmsnorm_to_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     transpose: str | None = "store",
-    reduce_amax=None,
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
     H must be a multiple of ``group_size`` (the 1xG FP8 copy of x saved for backward).
     ``transpose``: "store" writes the transposed copy (the next linear's wgrad operand) now;
     "recompute" makes it in backward from the saved 1xG copy (nothing more is kept); None makes
-    none (a consumer that all-gathers its input makes its own). ``reduce_amax`` is applied in
-    place to the output amax before quantizing (an all-reduce MAX over the tensor-parallel group
-    under sequence parallelism).
+    none (a consumer that all-gathers its input makes its own).
     """
     return _NormToFp8.apply(
-        x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
+        x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose
     )
 
 
@@ -112,9 +110,8 @@ def layernorm_to_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     transpose: str | None = "store",
-    reduce_amax=None,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
     return _NormToFp8.apply(
-        x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, reduce_amax
+        x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose
     )

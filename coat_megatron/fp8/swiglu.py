@@ -31,8 +31,9 @@ class _SwigluFp8(torch.autograd.Function):
         ctx.meta = (group_size, h.dtype)
         out_amax = r.amax  # the closure must not hold r: r.q is the output, which fc2 does not keep
 
-        def transposed():
-            return swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, transpose=True, amax=out_amax, store_q=False).q_t
+        def transposed(rows=slice(None)):  # the rows of h (as (R, 2F)) whose output to transpose
+            q, scales = h_q.view(-1, h_q.shape[-1])[rows], h_scales.view(-1, h_scales.shape[-1])[rows]
+            return swiglu_to_fp8(q, scales, group_size, out_fmt, transpose=True, amax=out_amax, store_q=False).q_t
 
         return Fp8Tensor(r.q, r.scale, transposed_fn=transposed, dtype=h.dtype)
 

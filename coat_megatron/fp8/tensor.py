@@ -8,7 +8,9 @@ device), and holds instead
   ``shape[:-1] + (N // G,)`` (1xG granularity, ``group_size`` = G);
 * for per-tensor GEMM inputs, the transposed codes ``(N, R)`` that the wgrad GEMM of the consuming
   linear needs, either written by the producer (``transposed``) or recomputable bit-exactly from
-  what the producer saved anyway (``transposed_fn``, e.g. the SwiGLU output from its saved input);
+  what the producer saved anyway (``transposed_fn(rows)``, e.g. the SwiGLU output from its saved
+  input: the ``(N, len(rows))`` transpose of the rows ``rows`` (a slice) of the ``(R, N)`` matrix,
+  all of them by default; a sequence-parallel linear asks for one sequence chunk at a time);
 * optionally ``consumer_amax``: the amax of what the consuming op will compute from this tensor,
   found by the producer in its own pass (group scaling: fc1 finds SwiGLU's output amax), so the
   consumer quantizes its per-tensor output in one pass.
@@ -79,12 +81,13 @@ class Fp8Tensor(torch.Tensor):
             return dequantize_per_tensor(self.data_fp8, self.scale, dtype)
         return dequantize_per_group(self.data_fp8, self.scale, self.group_size, dtype)
 
-    def transposed_codes(self) -> torch.Tensor:
-        """The (N, R) transposed FP8 codes (per-tensor granularity), stored or recomputed."""
+    def transposed_codes(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The (N, R') row-major transpose of the FP8 codes of ``rows`` of the (R, N) matrix (per-tensor
+        granularity; R' = R by default), recomputed, or stored (a part of it copied out)."""
         if self.transposed is not None:
-            return self.transposed
+            return self.transposed if rows == slice(None) else self.transposed[:, rows].contiguous()
         if self.transposed_fn is not None:
-            return self.transposed_fn()
+            return self.transposed_fn(rows)
         raise ValueError("this Fp8Tensor carries no transposed copy")
 
     def _rewrap(self, data, scale=None):

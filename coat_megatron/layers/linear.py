@@ -4,9 +4,10 @@ They subclass Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``, so co
 initialisation, parameter names, TP partitioning and checkpointing are Megatron's; only the
 forward differs. Tensor parallel: the column-parallel linear splits its output (the input
 gradient is all-reduced over the group, BF16); the row-parallel one splits its input and
-all-reduces its output in BF16 (or reduce-scatters it under sequence parallelism). Sequence
-parallel: the column-parallel input, and the row-parallel output gradient (the backward of the
-reduce-scatter), are all-gathered in FP8 (see ``sequence_parallel``).
+all-reduces its output in BF16. Under sequence parallelism both run as ``sequence_parallel``'s
+linears: the column-parallel input and the row-parallel output gradient are gathered as FP8
+codes, each rank's chunk with its own scale, and the gathers and reduce-scatters are split into
+chunks that pass from rank to rank while the GEMMs run (``CoatConfig.tp_comm_overlap``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 from ..config import CoatConfig
 from ..fp8 import Fp8Tensor, fp8_linear, invalidate_weight_caches
 from ..fp8.weights import weight_cache_for
-from .sequence_parallel import gather_fp8_from_sequence_parallel, reduce_scatter_with_fp8_grad
+from .sequence_parallel import column_parallel_fp8_linear, row_parallel_fp8_linear
 
 
 def _coat_kwargs(kwargs: dict) -> CoatConfig:
@@ -48,21 +49,18 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:
-            x = gather_fp8_from_sequence_parallel(input_, self.tp_group, self.coat.forward_format)
-        elif self.allreduce_dgrad:
-            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        else:
-            x = input_
-        out = fp8_linear(
-            x,
-            weight,
-            None if self.skip_bias_add else self.bias,
+        kwargs = dict(
             config=self.coat,
             weight_cache=self.weight_cache,
             fp8_output=self.fp8_output,
             accumulate_into_main_grad=self.gradient_accumulation_fusion or self.coat.fuse_wgrad_accumulation,
         )
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:
+            out = column_parallel_fp8_linear(input_, weight, bias, group=self.tp_group, **kwargs)
+        else:
+            x = copy_to_tensor_model_parallel_region(input_, group=self.tp_group) if self.allreduce_dgrad else input_
+            out = fp8_linear(x, weight, bias, **kwargs)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             if isinstance(out, Fp8Tensor):
@@ -87,19 +85,18 @@ class CoatRowParallelLinear(RowParallelLinear):
 
     def forward(self, input_):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        out = fp8_linear(
-            x,
-            self.weight,
-            None,
+        kwargs = dict(
             config=self.coat,
             weight_cache=self.weight_cache,
             save_original_input=self.input_saved_by_producer and not isinstance(x, Fp8Tensor),
             accumulate_into_main_grad=self.gradient_accumulation_fusion or self.coat.fuse_wgrad_accumulation,
         )
         if self.sequence_parallel:
-            out = reduce_scatter_with_fp8_grad(out, self.tp_group, self.coat.backward_format)
-        elif self.tp_group is None or self.tp_group.size() > 1:  # one rank: nothing to reduce, no autograd node
-            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+            out = row_parallel_fp8_linear(x, self.weight, group=self.tp_group, **kwargs)
+        else:
+            out = fp8_linear(x, self.weight, None, **kwargs)
+            if self.tp_group is None or self.tp_group.size() > 1:  # one rank: nothing to reduce, no autograd node
+                out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 
 from ..config import CoatConfig
 from ..fp8 import layernorm_to_fp8, rmsnorm_to_fp8
-from .sequence_parallel import all_reduce_amax
 
 
 class CoatNorm(MegatronModule):
@@ -65,15 +63,14 @@ class CoatNorm(MegatronModule):
             if self.rms:
                 return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), self.eps)
             return F.layer_norm(x, (x.shape[-1],), w.to(x.dtype), self.bias.to(x.dtype), self.eps)
-        group = parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None
         kw = dict(
             group_size=self.coat.group_size,
             zero_centered_gamma=self.zero_centered_gamma,
             out_fmt=self.coat.forward_format,
             saved_fmt=self.coat.forward_format,
-            # under SP the consumer gathers the codes and makes its own transposed copy
+            # under SP the consumer gathers the codes (each rank's chunk with its own scale: no amax
+            # is shared over the group) and makes its own transposed copies
             transpose=None if self.sequence_parallel else "recompute" if self.coat.recompute_norm_output else "store",
-            reduce_amax=all_reduce_amax(group) if group is not None else None,
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

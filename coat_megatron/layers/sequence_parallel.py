@@ -1,106 +1,276 @@
-"""The sequence-parallel all-gather of a column-parallel linear's input, in FP8.
+"""COAT's linears under sequence parallelism: FP8 GEMMs that run chunk by chunk as the sequence travels.
 
-Under sequence parallelism each tensor-parallel rank holds a slice of the sequence; a
-column-parallel linear gathers the whole sequence before its GEMM. COAT gathers FP8 codes
-instead of BF16 (half the bytes). Every rank quantizes with one shared scale: the amax is
-all-reduced (MAX) over the group before quantizing (the COAT norm does this between its two
-passes; a plain input is quantized here). The gathered codes are not kept for backward: the
-wgrad operand (their transpose) is made in backward by gathering the local codes again, as
-Megatron does for BF16, so each rank saves only its own slice. The gradient of the gathered
-input is reduce-scattered back to the slices, in BF16 (NCCL reduces no FP8).
+Under sequence parallelism (SP) each of the n tensor-parallel ranks holds one chunk of the
+sequence, R_c = R / n of the R token rows (``chunk_exchange`` names the chunks and the order in
+which a rank meets them). A column-parallel linear (linear_qkv, linear_fc1) needs every chunk of
+its input, a row-parallel one (linear_proj, linear_fc2) sums its output over the ranks and keeps
+its own chunk. COAT moves the gathered tensors as FP8 codes (half of BF16's bytes) and splits each
+exchange into the n chunks, so that a GEMM runs on the chunk in hand while the next one travels
+(a ring of point-to-point transfers; ``CoatConfig.tp_comm_overlap`` off: one blocking collective
+per exchange, the same arithmetic).
 
-The row-parallel linears (linear_proj, linear_fc2) reduce-scatter their output in BF16; the
-backward of that is an all-gather of the output gradient, which COAT also does in FP8
-(``reduce_scatter_with_fp8_grad``): E5M2 codes with a group-shared scale, handed to the linear's
-backward, which needs exactly that per-tensor FP8 dY for its dgrad and wgrad GEMMs.
+Every chunk keeps the per-tensor scale its producer quantized it with (the norm, SwiGLU, or this
+rank's dY): no amax is all-reduced over the group, and each chunk's GEMM takes that chunk's scale.
+Row block j of a product comes from chunk j alone, so the result equals dequantizing each rank's
+chunk with its own scale and multiplying in FP32, chunk by chunk (the tests' torch reference).
+
+Column-parallel, X = [X_0; ...; X_{n-1}] (R, h) gathered, W (out/n, h):
+
+    fprop  Y_j = X_j W^T          for each chunk j as it arrives (X_j E4M3, scale s_j)
+    dgrad  dX_c = dY_c W          for c = r - 1, r - 2, ..., r: the partial of chunk c, added to what
+                                  arrived from rank r - 1 and sent on to rank r + 1 (reduce-scatter, BF16)
+    wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, each with its pair of scales (dY: one scale,
+                                  this rank's whole dY; X_j: s_j), summed in FP32 / into main_grad
+
+Row-parallel, X (R, in/n) this rank's full-sequence slice of the input, W (h, in/n):
+
+    fprop  Y_c = X_c W^T          for c = r - 1, ..., r: the partial of chunk c, reduce-scattered as above
+    dgrad  dX_j = dY_j W          for each chunk j of the gathered dY as it arrives (E5M2, scale s_j:
+                                  each rank quantizes its own dY with its own amax)
+    wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, as above
+
+What the column-parallel wgrad reads, the gathered input, is not kept from the forward: the
+backward gathers the FP8 codes again (their scales are kept: n numbers), in a ring overlapped with
+the dgrad GEMMs and the dX reduce-scatter, as Megatron's own SP does in BF16. So the activation a
+column-parallel linear saves is this rank's chunk, 1 byte per element, as without SP; keeping the
+gathered chunks instead would save n times that per linear (n - 1 more chunks of the sequence at
+hidden size, for linear_qkv and linear_fc1 of every layer) to spare a transfer that runs hidden
+behind the dgrad GEMMs.
+
+Transposed operands of the wgrad GEMMs are made per chunk (the GEMM's token dimension is the
+chunk's): dY_c^T by the pass that quantizes dY_c, X_j^T and gathered dY_j^T by a byte transpose of
+the chunk's codes, and a row-parallel input's X_c^T by its producer's recompute of those rows
+(``Fp8Tensor.transposed_codes(rows)``) or by quantizing those rows with the tensor's one scale.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel.mappings import _reduce_scatter_along_first_dim
 
 from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
+from coat_kernels.gemm import fp8_gemm
 
-from ..fp8.tensor import Fp8Tensor
-
-
-def all_reduce_amax(group):
-    """A callable that all-reduces (MAX, in place) a 0-d amax over ``group``: one scale per group."""
-
-    def reduce(amax: torch.Tensor) -> None:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-
-    return reduce
+from ..config import CoatConfig
+from ..fp8.linear import WeightGradient, quantize_output, weight_for_dgrad, weight_for_fprop
+from ..fp8.tensor import Fp8Tensor, take_amax
+from ..fp8.weights import Fp8WeightCache
+from .chunk_exchange import all_gather_chunks, reduce_scatter_chunks
 
 
-def _gather_rows(codes: torch.Tensor, group) -> torch.Tensor:
-    """All-gather FP8 codes along the first (sequence) dimension. Through a uint8 view: gloo
-    rejects float8 dtypes, NCCL takes both."""
-    world = dist.get_world_size(group)
-    out = torch.empty((world * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
-    dist.all_gather_into_tensor(out.view(torch.uint8), codes.contiguous().view(torch.uint8), group=group)
-    return out
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
 
 
-class _GatherFp8(torch.autograd.Function):
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, Fp8Tensor) else t
+
+
+def _gemm_into(out, a, a_scale, b_rows, b_scale, config: CoatConfig, *, bias=None, fprop: bool = False) -> None:
+    """out = (a * a_scale) @ (b_rows * b_scale)^T (+ bias): ``a`` (M, K) and ``b_rows`` (N, K) row-major FP8
+    (W for fprop, W^T for dgrad), ``out`` a contiguous (M, N) block of the result. Hopper's fast
+    accumulation in fprop only, as ``fp8_linear``."""
+    fast = fprop and config.fprop_fast_accumulation
+    fp8_gemm(a, a_scale, b_rows.t(), b_scale, out_dtype=out.dtype, bias=bias, use_fast_accum=fast, out=out)
+
+
+def _reduced_amax(t: torch.Tensor) -> torch.Tensor:
+    """The 0-d amax of a gradient: the one its producer attached (reduced if it is per tile), or computed."""
+    amax = take_amax(t)
+    if amax is None:
+        return tensor_amax(t)
+    return amax.reshape(()) if amax.numel() == 1 else amax.amax()
+
+
+class _ColumnParallelSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, fmt):
-        if not (isinstance(x, Fp8Tensor) and x.group_size is None):
-            plain = x.dequantize() if isinstance(x, Fp8Tensor) else x
-            amax = tensor_amax(plain)
-            all_reduce_amax(group)(amax)
-            q, scale = quantize_per_tensor(plain, fmt, amax=amax, check_finite=False)
-            x = Fp8Tensor(q, scale, dtype=plain.dtype)
-        local = x.data_fp8
-        ctx.group = group
-        return Fp8Tensor(
-            _gather_rows(local, group),
-            x.scale,
-            transposed_fn=lambda: transpose_codes(_gather_rows(local, group)),
-            dtype=x.dtype,
+    def forward(ctx, x, weight, bias, cache, config, fp8_output, main_grad, group):
+        if isinstance(x, Fp8Tensor) and x.group_size is None:
+            codes, scale = x.data_fp8, x.scale
+        else:  # BF16 (or a 1xG tensor, which is no GEMM input): quantized with this rank's amax
+            x = _plain(x)
+            codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False)
+        local = _rows(codes)
+        w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
+        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap)
+        n, r_c = len(gather), local.shape[0]
+        y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
+        scales = [None] * n
+        for _ in range(n):
+            j, chunk, scales[j] = gather.take()
+            _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scales[j], w_q, w_scale, config, bias=bias, fprop=True)
+        ctx.save_for_backward(local, weight, *scales)
+        ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad)
+        return quantize_output(y.view(n * x.shape[0], *x.shape[1:-1], weight.shape[0]), fp8_output, config)
+
+    @staticmethod
+    def backward(ctx, dy):
+        local, weight, *scales = ctx.saved_tensors
+        config, group, has_bias, x_shape, x_dtype, main_grad = ctx.meta
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        dy = _plain(dy)
+        dy_rows = _rows(dy.contiguous())
+        n, r_c = len(scales), local.shape[0]
+        amax = _reduced_amax(dy)
+        # dY is this rank's whole (R, out/n): one scale, quantized chunk by chunk so that each chunk's
+        # transposed codes (the wgrad operand, K = the chunk's tokens) come out of the same pass
+        dy_chunks = [
+            quantize_per_tensor(
+                dy_rows[c * r_c : (c + 1) * r_c],
+                config.backward_format,
+                transpose=need_dw,
+                amax=amax,
+                check_finite=False,
+            )
+            for c in range(n)
+        ]
+        overlap = config.tp_comm_overlap
+        gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
+        scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
+        scatter = scatter if need_dx else None
+        w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
+        wgrad = WeightGradient(weight, main_grad, chunks=n) if need_dw else None
+        for _ in range(n):
+            taken = gather.take() if gather else None  # posts the transfer of the next chunk first
+            if scatter:
+                c, part = scatter.partial()
+                dy_q, dy_scale = dy_chunks[c][:2]
+                _gemm_into(part, dy_q, dy_scale, w_t, w_scale, config)
+                scatter.reduce(part)
+            if taken:
+                j, chunk, x_scale = taken
+                wgrad.add(dy_chunks[j][2], dy_chunks[j][1], transpose_codes(chunk).t(), x_scale)
+        dx = scatter.result().view(x_shape) if need_dx else None
+        dw = wgrad.result() if need_dw else None
+        db = dy_rows.float().sum(dim=0).to(weight.dtype) if has_bias and need_db else None
+        return dx, dw, db, None, None, None, None, None
+
+
+class _RowParallelSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cache, config, save_original_input, main_grad, group):
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        fmt = config.forward_format
+        r_c = x.numel() // x.shape[-1] // n
+        x_t = x_orig = x_amax = x_t_fn = None
+        if isinstance(x, Fp8Tensor) and x.group_size is None:
+            codes, x_scale = _rows(x.data_fp8), x.scale
+            x_t, x_t_fn = x.transposed, x.transposed_fn
+            chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
+        else:
+            x = _plain(x)
+            x_amax = tensor_amax(x)
+            if save_original_input:  # x is kept anyway: the wgrad operand is requantized from it in backward
+                codes, x_scale = quantize_per_tensor(_rows(x), fmt, amax=x_amax, check_finite=False)
+                chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
+                x_orig = x
+            else:  # one scale; each chunk's codes and transposed codes from one pass over the chunk
+                parts = [
+                    quantize_per_tensor(
+                        _rows(x)[c * r_c : (c + 1) * r_c], fmt, transpose=True, amax=x_amax, check_finite=False
+                    )
+                    for c in range(n)
+                ]
+                chunks, x_scale, x_t = [p[0] for p in parts], parts[0][1], [p[2] for p in parts]
+        w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
+        scatter = reduce_scatter_chunks(
+            (r_c, weight.shape[0]), x.dtype, x_scale.device, group, overlap=config.tp_comm_overlap
         )
+        for _ in range(n):
+            c, part = scatter.partial()
+            _gemm_into(part, chunks[c], x_scale, w_q, w_scale, config, fprop=True)
+            scatter.reduce(part)
+        y = scatter.result().view(x.shape[0] // n, *x.shape[1:-1], weight.shape[0])
+        saved_t = x_t if isinstance(x_t, list) else [x_t]
+        ctx.save_for_backward(x_orig, x_amax, x_scale, weight, *saved_t)
+        ctx.x_t_fn = x_t_fn
+        ctx.meta = (config, group, n, rank, r_c, x.shape, x.dtype, main_grad, isinstance(x_t, list))
+        return y
 
     @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_along_first_dim(grad.contiguous(), ctx.group), None, None
+    def backward(ctx, dy):
+        x_orig, x_amax, x_scale, weight, *saved_t = ctx.saved_tensors
+        config, group, n, rank, r_c, x_shape, x_dtype, main_grad, chunked_t = ctx.meta
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        dy = _plain(dy)
+        dy_q, dy_scale, dy_t = quantize_per_tensor(
+            _rows(dy.contiguous()), config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
+        )
+        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=config.tp_comm_overlap)
+        dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None
+        w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
+        wgrad = WeightGradient(weight, main_grad, chunks=n) if need_dw else None
+
+        def x_t_of(j: int) -> torch.Tensor:  # (in/n, R_c): the transposed codes of chunk j of X
+            rows = slice(j * r_c, (j + 1) * r_c)
+            if chunked_t:
+                return saved_t[j]
+            if x_orig is not None:
+                return quantize_per_tensor(
+                    _rows(x_orig)[rows], config.forward_format, transpose=True, amax=x_amax, check_finite=False
+                )[2]
+            if saved_t[0] is not None:
+                return saved_t[0][:, rows].contiguous()
+            return ctx.x_t_fn(rows)
+
+        for _ in range(n):
+            j, chunk, chunk_scale = gather.take()
+            if need_dx:
+                _gemm_into(dx[j * r_c : (j + 1) * r_c], chunk, chunk_scale, w_t, w_scale, config)
+            if need_dw:
+                chunk_t = dy_t if j == rank else transpose_codes(chunk)
+                wgrad.add(chunk_t, chunk_scale, x_t_of(j).t(), x_scale)
+        dx = dx.view(x_shape) if need_dx else None
+        dw = wgrad.result() if need_dw else None
+        return dx, dw, None, None, None, None, None
 
 
-class _ReduceScatterFp8Grad(torch.autograd.Function):
-    """Forward: Megatron's BF16 reduce-scatter of a row-parallel linear's output to the sequence
-    slices. Backward: the matching all-gather of the output gradient, in FP8: each rank
-    quantizes its slice of dY (``fmt``, E5M2) with the amax all-reduced (MAX) over the group, the
-    codes are gathered, and the linear's backward receives a per-tensor ``Fp8Tensor`` dY whose
-    transposed copy (the wgrad operand) is a codes transpose. The scale is the one the linear's
-    backward would compute from the gathered BF16 dY (the MAX of the slices' amaxes), so the
-    codes are bit-identical to quantizing after a BF16 gather, at half the bytes."""
+def column_parallel_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    group,
+    config: CoatConfig,
+    weight_cache: Fp8WeightCache,
+    fp8_output: str | None = None,
+    accumulate_into_main_grad: bool = False,
+) -> torch.Tensor:
+    """The sequence-parallel column-parallel linear: every rank's chunk of x, gathered, times W^T.
 
-    @staticmethod
-    def forward(ctx, out, group, fmt):
-        ctx.group, ctx.fmt = group, fmt
-        return _reduce_scatter_along_first_dim(out, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.dequantize() if isinstance(grad, Fp8Tensor) else grad.contiguous()
-        amax = tensor_amax(grad)
-        all_reduce_amax(ctx.group)(amax)
-        q, scale = quantize_per_tensor(grad, ctx.fmt, amax=amax, check_finite=False)
-        gathered = _gather_rows(q, ctx.group)
-        rows = gathered.view(-1, gathered.shape[-1])
-        dy = Fp8Tensor(gathered, scale, transposed_fn=lambda: transpose_codes(rows), dtype=grad.dtype)
-        return dy, None, None
-
-
-def reduce_scatter_with_fp8_grad(out: torch.Tensor, group, fmt: str = "e5m2") -> torch.Tensor:
-    """Reduce-scatter a row-parallel output ([s, b, h] BF16) to the sequence slices; its gradient
-    is all-gathered in FP8 (``fmt``) and reaches the linear's backward as an ``Fp8Tensor``."""
-    return _ReduceScatterFp8Grad.apply(out, group, fmt)
+    Args:
+        x: [s/n, b, h], this rank's chunk of the sequence: a per-tensor FP8 ``Fp8Tensor`` (the COAT
+            norm's output, with this rank's own scale) or BF16 (quantized here with its own amax).
+        weight: (out/n, h), this rank's rows; bias: (out/n,) or None.
+        group: the tensor-parallel group (n ranks).
+        config, weight_cache, fp8_output, accumulate_into_main_grad: as ``fp8_linear``.
+    Returns:
+        [s, b, out/n]: BF16, or 1xG FP8 with ``fp8_output``. Its gradient reaches x reduce-scattered
+        (BF16, [s/n, b, h]).
+    """
+    return _ColumnParallelSP.apply(x, weight, bias, weight_cache, config, fp8_output, accumulate_into_main_grad, group)
 
 
-def gather_fp8_from_sequence_parallel(x: torch.Tensor, group, fmt: str = "e4m3") -> Fp8Tensor:
-    """All-gather x ([s/tp, b, h], an FP8 ``Fp8Tensor`` with a group-shared scale, or plain BF16)
-    into a per-tensor FP8 [s, b, h] whose transposed copy is regathered in backward."""
-    return _GatherFp8.apply(x, group, fmt)
+def row_parallel_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    group,
+    config: CoatConfig,
+    weight_cache: Fp8WeightCache,
+    save_original_input: bool = False,
+    accumulate_into_main_grad: bool = False,
+) -> torch.Tensor:
+    """The sequence-parallel row-parallel linear: x @ W^T summed over the ranks, this rank's chunk kept.
+
+    Args:
+        x: [s, b, in/n]: a per-tensor FP8 ``Fp8Tensor`` (SwiGLU's output) or BF16 (the attention's
+            output; quantized here with one scale).
+        weight: (h, in/n), this rank's columns (no bias: the caller adds it after the sum).
+        group: the tensor-parallel group (n ranks).
+        config, weight_cache, save_original_input, accumulate_into_main_grad: as ``fp8_linear``.
+    Returns:
+        [s/n, b, h] BF16, this rank's chunk of the sum. Its gradient is gathered as E5M2 codes, each
+        rank's chunk with its own scale.
+    """
+    return _RowParallelSP.apply(x, weight, weight_cache, config, save_original_input, accumulate_into_main_grad, group)

@@ -1,0 +1,204 @@
+"""The sequence chunks that tensor-parallel ranks pass each other under sequence parallelism, one at a time.
+
+Under sequence parallelism each of the n ranks of a tensor-parallel group holds one chunk of the
+sequence: rows [j * R_c, (j + 1) * R_c) of an (R, N) activation are rank j's (R = n * R_c; the
+sequence is the first dimension, so a chunk is a contiguous block of rows). A linear never needs
+the whole gathered tensor at once: a GEMM can run on the chunk in hand while the next one travels.
+Two exchanges serve COAT's sequence-parallel linears (``sequence_parallel``):
+
+* all-gather (``all_gather_chunks``): every rank receives every rank's chunk of FP8 codes, each
+  with the 0-d FP32 scale its producer quantized it with. ``take()`` hands them out one at a
+  time, this rank's own first: chunks r, r - 1, r - 2, ... (mod n).
+* reduce-scatter (``reduce_scatter_chunks``): every rank computes a partial sum of every chunk;
+  rank r ends with chunk r summed over the ranks. ``partial()`` says which chunk to compute next
+  and where to write it, in the order r - 1, r - 2, ..., r (mod n); ``reduce()`` passes it on.
+
+With ``overlap`` (``CoatConfig.tp_comm_overlap``, the default) both are rings of point-to-point
+transfers (``torch.distributed.batch_isend_irecv``; rank r sends to r + 1 and receives from
+r - 1), n - 1 steps each. A step is posted as soon as its chunk is ready and waited for only when
+the next chunk is needed, so the caller's GEMM on the chunk in hand runs while it travels. Over
+NCCL the transfers run on NCCL's own stream and a wait makes the current stream wait for them: the
+host never waits for the device, and every rank posts the same transfers in the same order, so
+the exchanges can be captured in a CUDA graph. Codes travel as uint8 views (gloo rejects float8
+dtypes; NCCL takes either).
+
+Without ``overlap``: one all-gather of the codes (and one of the scales) before the first chunk is
+handed out, one reduce-scatter after the last partial is written. The chunks are the same and come
+in the same order, so the arithmetic is the same; only a reduce-scatter over more than two ranks
+may add its partials in another order (a different rounding of the sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _rank_and_size(group) -> tuple[int, int]:
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _ring_step(sends: list[torch.Tensor], recvs: list[torch.Tensor], group, rank: int, size: int) -> list:
+    """Post one ring step: ``sends`` to rank + 1, ``recvs`` from rank - 1 (group ranks); the works to wait on."""
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=(rank + 1) % size) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=(rank - 1) % size) for t in recvs]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()
+
+
+class RingAllGather:
+    """The ring all-gather of (R_c, N) FP8 codes with their 0-d FP32 scales (see the module docstring).
+
+    ``scales``: every rank's scale, indexed by rank, when the receiver knows them already (a
+    gather made again in backward): then only codes travel. Otherwise each chunk's scale travels
+    with it (4 bytes).
+    """
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None):
+        self.rank, self.size = _rank_and_size(group)
+        self.group = group
+        self.scales = scales
+        self.held = (self.rank, codes, scale if scales is None else scales[self.rank])
+        self.step = 0
+        self.pending: list = []
+        self.arriving = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def take(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(j, codes of chunk j, its scale), chunks r, r - 1, ... in turn. Each call waits for the
+        chunk it returns and posts the transfer that forwards it and brings the next."""
+        if self.step >= self.size:
+            raise RuntimeError(f"all {self.size} chunks were taken already")
+        if self.step > 0:
+            _wait(self.pending)
+            self.held, self.arriving = self.arriving, None
+        if self.step < self.size - 1:
+            j, codes, scale = self.held
+            source = (j - 1) % self.size
+            incoming = torch.empty_like(codes)
+            sends, recvs = [codes.view(torch.uint8)], [incoming.view(torch.uint8)]
+            if self.scales is None:
+                incoming_scale = torch.empty(1, dtype=torch.float32, device=codes.device)
+                sends.append(scale.reshape(1))
+                recvs.append(incoming_scale)
+                self.arriving = (source, incoming, incoming_scale.view(()))
+            else:
+                self.arriving = (source, incoming, self.scales[source])
+            self.pending = _ring_step(sends, recvs, self.group, self.rank, self.size)
+        self.step += 1
+        return self.held
+
+
+class CollectiveAllGather:
+    """The same chunks, in the same order, from one blocking all-gather (``overlap`` off)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None):
+        self.rank, self.size = _rank_and_size(group)
+        gathered = torch.empty((self.size * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
+        dist.all_gather_into_tensor(gathered.view(torch.uint8), codes.contiguous().view(torch.uint8), group=group)
+        if scales is None:
+            gathered_scales = torch.empty(self.size, dtype=torch.float32, device=codes.device)
+            dist.all_gather_into_tensor(gathered_scales, scale.reshape(1), group=group)
+            scales = list(gathered_scales)
+        self.chunks, self.scales = gathered.chunk(self.size), scales
+        self.step = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def take(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        if self.step >= self.size:
+            raise RuntimeError(f"all {self.size} chunks were taken already")
+        j = (self.rank - self.step) % self.size
+        self.step += 1
+        return j, self.chunks[j], self.scales[j]
+
+
+def all_gather_chunks(codes: torch.Tensor, scale: torch.Tensor | None, group, *, overlap: bool, scales=None):
+    """Start gathering every rank's (R_c, N) FP8 ``codes`` (contiguous) and 0-d FP32 ``scale`` (or,
+    with ``scales`` given, the codes only); ``take()`` hands out the chunks, this rank's first."""
+    cls = RingAllGather if overlap else CollectiveAllGather
+    return cls(codes, scale, group, scales=scales)
+
+
+class RingReduceScatter:
+    """The ring reduce-scatter of (R_c, N) partial sums (see the module docstring)."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device, group):
+        self.rank, self.size = _rank_and_size(group)
+        self.group, self.shape, self.dtype, self.device = group, shape, dtype, device
+        self.step = 0
+        self.pending: list = []
+        self.incoming = None
+        self.sum = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def partial(self) -> tuple[int, torch.Tensor]:
+        """(c, buffer): the chunk whose partial sum this rank computes next, and where to write it."""
+        if self.step >= self.size:
+            raise RuntimeError(f"all {self.size} partial sums were made already")
+        return (self.rank - self.step - 1) % self.size, torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+    def reduce(self, part: torch.Tensor) -> None:
+        """``part`` (the last ``partial()`` buffer) is written: add the partial sums that arrived for its
+        chunk and send the total on. Waits only for that arrival."""
+        if self.step > 0:
+            _wait(self.pending)
+            part.add_(self.incoming)
+            self.incoming = None
+        if self.step < self.size - 1:
+            self.incoming = torch.empty_like(part)
+            self.pending = _ring_step([part], [self.incoming], self.group, self.rank, self.size)
+        self.sum = part
+        self.step += 1
+
+    def result(self) -> torch.Tensor:
+        """(R_c, N): this rank's chunk summed over the ranks (after the last ``reduce()``)."""
+        if self.step != self.size:
+            raise RuntimeError(f"{self.step} of {self.size} partial sums were reduced; reduce them all first")
+        return self.sum
+
+
+class CollectiveReduceScatter:
+    """The same partial sums, in the same order, into one buffer reduce-scattered at the end (``overlap`` off)."""
+
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device, group):
+        self.rank, self.size = _rank_and_size(group)
+        self.group = group
+        self.shape = shape
+        self.partials = torch.empty((self.size * shape[0], *shape[1:]), dtype=dtype, device=device)
+        self.step = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def partial(self) -> tuple[int, torch.Tensor]:
+        if self.step >= self.size:
+            raise RuntimeError(f"all {self.size} partial sums were made already")
+        c = (self.rank - self.step - 1) % self.size
+        return c, self.partials[c * self.shape[0] : (c + 1) * self.shape[0]]
+
+    def reduce(self, part: torch.Tensor) -> None:
+        self.step += 1
+
+    def result(self) -> torch.Tensor:
+        if self.step != self.size:
+            raise RuntimeError(f"{self.step} of {self.size} partial sums were reduced; reduce them all first")
+        out = torch.empty(self.shape, dtype=self.partials.dtype, device=self.partials.device)
+        dist.reduce_scatter_tensor(out, self.partials, group=self.group)
+        return out
+
+
+def reduce_scatter_chunks(shape: tuple[int, int], dtype: torch.dtype, device, group, *, overlap: bool):
+    """Start a reduce-scatter of ``shape`` = (R_c, N) chunks of ``dtype``: ``partial()`` / ``reduce()``
+    once per rank of ``group``, then ``result()``."""
+    cls = RingReduceScatter if overlap else CollectiveReduceScatter
+    return cls(shape, dtype, device, group)
