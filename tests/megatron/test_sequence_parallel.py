@@ -22,7 +22,8 @@ from coat_megatron.fp8.weights import weight_cache_for
 from coat_megatron.layers.chunk_exchange import all_gather_chunks, reduce_scatter_chunks
 from coat_megatron.layers.sequence_parallel import column_parallel_fp8_linear, row_parallel_fp8_linear
 
-SEQ, BATCH, HIDDEN, WIDTH = 16, 2, 32, 64  # WIDTH: the linear's other dimension, split over TP (16 per rank at TP 4: SwiGLU's group)
+# WIDTH: the linear's other dimension, split over TP (16 per rank at TP 4: SwiGLU's group size)
+SEQ, BATCH, HIDDEN, WIDTH = 16, 2, 32, 64
 
 
 def _group():
