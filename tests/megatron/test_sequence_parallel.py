@@ -61,7 +61,9 @@ def test_chunk_exchanges_hand_out_every_chunk_in_ring_order_with_or_without_over
     ring = run_distributed(_exchanges, n, args=(True,), tensor_parallel=n)
     collective = run_distributed(_exchanges, n, args=(False,), tensor_parallel=n)
     for rank, (a, b) in enumerate(zip(ring, collective)):
-        want = [(j, (torch.arange(12.0).view(4, 3) + 16 * j).to(torch.float8_e4m3fn).float(), 10.0 + j) for j in range(n)]
+        want = [
+            (j, (torch.arange(12.0).view(4, 3) + 16 * j).to(torch.float8_e4m3fn).float(), 10.0 + j) for j in range(n)
+        ]
         ring_order = [(rank - s) % n for s in range(n)]  # its own chunk first, then r - 1, r - 2, ...
         for got in (a["gathered"], a["regathered"], b["gathered"], b["regathered"]):
             assert [j for j, _, _ in got] == ring_order
