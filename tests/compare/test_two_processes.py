@@ -15,10 +15,11 @@ embedding output gradient (scatter's backward)      1 x U         1 x U
 ==================================================  ============  ============
 
 so BF16 = (6L + 3) U and COAT = (3L + 3) U, of which 3L U are FP8: every gather inside the
-transformer layers moves exactly half of BF16's bytes, and no scale bytes travel with them (the
-scale is shared through a 4-byte amax all-reduce before quantizing). One layer (the per-layer
-preset) is the first three rows with L = 1 (its input is already a slice): BF16 6U, COAT 3U, all
-FP8.
+transformer layers moves exactly half of BF16's bytes, plus one 4-byte FP32 scale per rank with
+each of the forward gathers and output-gradient gathers (S = 4 per layer and micro-batch: 16
+bytes; each rank's chunk keeps its own scale, and the gathers again for the weight gradient reuse
+the forward's). One layer (the per-layer preset) is the first three rows with L = 1 (its input is
+already a slice): BF16 6U, COAT 3U of FP8 and 16 bytes of scales.
 
 DP = 2 with the distributed optimizer at the same global batch as DP = 1: each rank holds half
 of the optimizer bytes, and the losses are DP = 1's up to reduction order (see DP_LOSS_TOL).
@@ -38,6 +39,7 @@ from coat_compare.report import read_jsonl
 
 SEQ, MICRO_BATCH, HIDDEN, LAYERS = 64, 8, 64, 2  # the tiny presets
 U = (SEQ // 2) * MICRO_BATCH * HIDDEN * 2  # one rank's BF16 slice at TP 2: 32768 bytes
+S = 4 * 4  # the FP32 scales one rank sends per layer and micro-batch
 # A different DP size changes the order of reductions (and for COAT, which micro-batch sets each
 # per-tensor FP8 scale: a rank's own at DP 2, the whole batch's at DP 1), never the math: the first
 # loss agrees to 1e-4 and later ones drift apart by at most ~1.5e-3 over 6 steps here (measured:
@@ -82,10 +84,10 @@ def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tm
     assert (bf16["tp"], bf16["dp"]) == (2, 1)
     L = LAYERS
     assert bf16["all_gather_bytes"] == {"tp_wide": (6 * L + 3) * U}  # 491520 bytes per step
-    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U, "tp_wide": 3 * U}  # 196608 + 98304
-    assert coat["sp_all_gather_bytes"] == (3 * L + 3) * U and coat["sp_all_gather_fp8_bytes"] == 3 * L * U
-    # the gathers COAT does in FP8 cost BF16 twice their bytes
-    assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] == coat["sp_all_gather_fp8_bytes"]
+    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U, "tp_wide": 3 * U + L * S}  # 196608 + 98304 + 32
+    assert coat["sp_all_gather_bytes"] == (3 * L + 3) * U + L * S and coat["sp_all_gather_fp8_bytes"] == 3 * L * U
+    # the gathers COAT does in FP8 cost BF16 twice their bytes (less their scales)
+    assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] + L * S == coat["sp_all_gather_fp8_bytes"]
     for r in (bf16, coat):
         assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
         assert len(r["peak_MiB_per_rank"]) == len(r["optimizer_MiB_per_rank"]) == 2
@@ -101,7 +103,7 @@ def test_tp2_one_layer_gathers(tmp_path):
     run("--preset", "tiny-layer", "--modes", "bf16,coat", "--tp", "2", "--out", str(tmp_path), processes=2)
     by = rows(tmp_path / "tiny-layer.jsonl", "layer")
     assert by["bf16"]["all_gather_bytes"] == {"tp_wide": 6 * U}
-    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 3 * U}
+    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 3 * U, "tp_wide": S}
     assert by["coat"]["activation_MiB"] < by["bf16"]["activation_MiB"]
     assert "SP all-gather MiB (FP8)" in (tmp_path / "tiny-layer.md").read_text()
     for r in by.values():  # the layer's model FLOPs over its time, per GPU of the two (no peak known on a CPU)
@@ -187,7 +189,7 @@ def test_tp2_by_dp2_accumulates_micro_batches_on_four_processes(tmp_path):
         assert all(math.isfinite(x) for x in a["losses"]) and a["losses"][-1] < a["losses"][0] - 0.2
     # the sequence-parallel gathers of both micro-batches, COAT's inside the layers in FP8
     assert four["bf16"]["sp_all_gather_bytes"] == 2 * (6 * LAYERS + 3) * u
-    assert four["coat"]["sp_all_gather_bytes"] == 2 * (3 * LAYERS + 3) * u
+    assert four["coat"]["sp_all_gather_bytes"] == 2 * (3 * LAYERS + 3) * u + 2 * LAYERS * S
     assert four["coat"]["sp_all_gather_fp8_bytes"] == 2 * 3 * LAYERS * u
     # the default recipe tracks BF16 from the same TP 2 weights (measured: within 1e-3 per step)
     assert four["coat"]["losses"] == pytest.approx(four["bf16"]["losses"], abs=DP_LOSS_TOL)
