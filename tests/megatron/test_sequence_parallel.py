@@ -6,8 +6,13 @@ Every rank draws the same full tensors (one seed) and keeps its part, so each ra
 reference from every rank's part. With FP32 activations the only differences from the reference
 are the order of FP32 sums (the CPU GEMMs are the reference's own dequantize-and-matmul); with
 BF16 ones the outputs are rounded to BF16 as the reference's are, and a reduce-scatter over more
-than two ranks rounds each partial sum it passes on.
+than two ranks rounds each partial sum it passes on. On two GPUs (``@pytest.mark.gpu``)
+``sequence_parallel_gpu.py`` checks the NCCL ring, its CUDA-graph capture and the Triton/cuBLASLt path.
 """
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -265,3 +270,26 @@ def test_overlap_on_and_off_compute_the_same(n):
                 assert torch.equal(a["dx"], b["dx"])
             else:
                 _close(a["dx"], b["dx"], torch.bfloat16, "dX")
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_with_nccl():
+    """sequence_parallel_gpu.py under torchrun: the linears against the reference, the ring against
+    the collectives, no host synchronisation, and a CUDA graph of the layer replaying like eager."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sequence_parallel_gpu.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NCCL_NVLS_ENABLE": "0"},
+    )
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    lines = proc.stdout.splitlines()
+    for rank in (0, 1):
+        for check in ("equal the per-chunk reference", "overlap on and off is bit-identical", "never synchronises",
+                      "replays bit-identical to eager"):  # fmt: skip
+            assert any(line.startswith(f"rank {rank}: ") and check in line for line in lines), (rank, check)
