@@ -6,9 +6,10 @@
 
 X arrives as an ``Fp8Tensor`` from a COAT producer (the norm, SwiGLU) with its transposed copy, or
 as a plain BF16 tensor that is quantized here; dY as plain BF16, quantized here (with the amax its
-producer attached, where it did). Saved for backward: X^T (1 byte per element) and its scale; or nothing new when the producer can recompute X^T (SwiGLU) or when the caller says
-that the BF16 input is saved anyway (``save_original_input``: X^T is requantized from it in
-backward with the forward's amax, hence bit-identical). The output is BF16, or 1xG FP8 for fc1
+producer attached, where it did). Saved for backward: X^T (1 byte per element) and its scale; or
+nothing new when the producer can recompute X^T (SwiGLU) or when the caller says that the BF16
+input is saved anyway (``save_original_input``: X^T is requantized from it in backward with the
+forward's amax, hence bit-identical). The output is BF16, or 1xG FP8 for fc1
 (what SwiGLU reads and saves). Weight copies come from an ``Fp8WeightCache`` (once per step).
 On a CPU the GEMMs dequantize and multiply in FP32. The pieces that the sequence-parallel linears
 (``coat_megatron.layers.sequence_parallel``) share with this one live here too: the weight's codes

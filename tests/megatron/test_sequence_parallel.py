@@ -37,7 +37,8 @@ def _group():
 
 
 def _exchanges(overlap: bool) -> dict:
-    """Each rank's chunk is (rank + 1) * ones + position; its scale is rank + 10."""
+    """Each rank's chunk is 16 * rank + position (as E4M3 codes), its scale 10 + rank; its partial
+    sum of chunk c is 100 * c + rank."""
     group, rank, n = _group()
     codes = (torch.arange(12, dtype=torch.float32).view(4, 3) + 16 * rank).to(torch.float8_e4m3fn)
     scale = torch.tensor(10.0 + rank)
