@@ -66,31 +66,37 @@ class RingAllGather:
         self.step = 0
         self.pending: list = []
         self.arriving = None
+        self._pass_on()  # the first transfer starts now, before the caller's first GEMM
 
     def __len__(self) -> int:
         return self.size
 
+    def _pass_on(self) -> None:
+        """Post the ring step that sends the chunk held to rank + 1 and receives the next from rank - 1."""
+        if self.step >= self.size - 1:
+            return
+        j, codes, scale = self.held
+        source = (j - 1) % self.size
+        incoming = torch.empty_like(codes)
+        sends, recvs = [codes.view(torch.uint8)], [incoming.view(torch.uint8)]
+        if self.scales is None:
+            incoming_scale = torch.empty(1, dtype=torch.float32, device=codes.device)
+            sends.append(scale.reshape(1))
+            recvs.append(incoming_scale)
+            self.arriving = (source, incoming, incoming_scale.view(()))
+        else:
+            self.arriving = (source, incoming, self.scales[source])
+        self.pending = _ring_step(sends, recvs, self.group, self.rank, self.size)
+
     def take(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(j, codes of chunk j, its scale), chunks r, r - 1, ... in turn. Each call waits for the
-        chunk it returns and posts the transfer that forwards it and brings the next."""
+        """(j, codes of chunk j, its scale), chunks r, r - 1, ... in turn. Each call after the first
+        waits for the chunk it returns and posts the transfer that passes it on and brings the next."""
         if self.step >= self.size:
             raise RuntimeError(f"all {self.size} chunks were taken already")
         if self.step > 0:
             _wait(self.pending)
             self.held, self.arriving = self.arriving, None
-        if self.step < self.size - 1:
-            j, codes, scale = self.held
-            source = (j - 1) % self.size
-            incoming = torch.empty_like(codes)
-            sends, recvs = [codes.view(torch.uint8)], [incoming.view(torch.uint8)]
-            if self.scales is None:
-                incoming_scale = torch.empty(1, dtype=torch.float32, device=codes.device)
-                sends.append(scale.reshape(1))
-                recvs.append(incoming_scale)
-                self.arriving = (source, incoming, incoming_scale.view(()))
-            else:
-                self.arriving = (source, incoming, self.scales[source])
-            self.pending = _ring_step(sends, recvs, self.group, self.rank, self.size)
+            self._pass_on()
         self.step += 1
         return self.held
 

@@ -74,11 +74,12 @@ def _gemm_into(out, a, a_scale, b_rows, b_scale, config: CoatConfig, *, bias=Non
     fp8_gemm(a, a_scale, b_rows.t(), b_scale, out_dtype=out.dtype, bias=bias, use_fast_accum=fast, out=out)
 
 
-def _reduced_amax(t: torch.Tensor) -> torch.Tensor:
-    """The 0-d amax of a gradient: the one its producer attached (reduced if it is per tile), or computed."""
+def _reduced_amax(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The 0-d amax of a gradient ``t`` (``rows``: it as contiguous rows): the one its producer
+    attached (reduced if it is per tile), or computed."""
     amax = take_amax(t)
     if amax is None:
-        return tensor_amax(t)
+        return tensor_amax(rows)
     return amax.reshape(()) if amax.numel() == 1 else amax.amax()
 
 
@@ -91,8 +92,8 @@ class _ColumnParallelSP(torch.autograd.Function):
             x = _plain(x)
             codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False)
         local = _rows(codes)
+        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap)  # under way from here
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
-        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap)
         n, r_c = len(gather), local.shape[0]
         y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
         scales = [None] * n
@@ -108,10 +109,13 @@ class _ColumnParallelSP(torch.autograd.Function):
         local, weight, *scales = ctx.saved_tensors
         config, group, has_bias, x_shape, x_dtype, main_grad = ctx.meta
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        n, r_c = len(scales), local.shape[0]
+        overlap = config.tp_comm_overlap
+        # the input's codes again, for wgrad: under way while dY is quantized and the dgrad runs
+        gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
-        n, r_c = len(scales), local.shape[0]
-        amax = _reduced_amax(dy)
+        amax = _reduced_amax(dy, dy_rows)
         # dY is this rank's whole (R, out/n): one scale, quantized chunk by chunk so that each chunk's
         # transposed codes (the wgrad operand, K = the chunk's tokens) come out of the same pass
         dy_chunks = [
@@ -124,14 +128,12 @@ class _ColumnParallelSP(torch.autograd.Function):
             )
             for c in range(n)
         ]
-        overlap = config.tp_comm_overlap
-        gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
         scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
         scatter = scatter if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
         wgrad = WeightGradient(weight, main_grad, chunks=n) if need_dw else None
         for _ in range(n):
-            taken = gather.take() if gather else None  # posts the transfer of the next chunk first
+            taken = gather.take() if gather else None  # posts the transfer of the next chunk
             if scatter:
                 c, part = scatter.partial()
                 dy_q, dy_scale = dy_chunks[c][:2]
