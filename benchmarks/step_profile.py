@@ -167,7 +167,7 @@ def main():
     rows = []
     for mode, graphs in configs:
         # each configuration in a fresh process: CUDA graph memory pools outlive their models
-        # (see coat_compare.job.isolate_runs)
+        # (see coat_compare.run.isolate_runs)
         cmd = [
             sys.executable,
             os.path.abspath(__file__),

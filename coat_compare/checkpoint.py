@@ -16,8 +16,15 @@ from __future__ import annotations
 import torch
 
 
-def checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> dict:
-    """The sharded state dict of model and optimizer, as ``megatron.training`` builds it."""
+def model_keys(chunks: list) -> list[str]:
+    """The state dict's key of each model chunk, as ``megatron.training`` names them: "model",
+    or "model0", "model1", ... with virtual pipeline stages."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def checkpoint_state(chunks: list, optimizer, sharding_type: str, is_loading: bool) -> dict:
+    """The sharded state dict of the model chunks (this rank's pipeline stage, DDP-wrapped) and
+    the optimizer, as ``megatron.training`` builds it."""
     from megatron.core import parallel_state
 
     metadata = dict(
@@ -28,27 +35,28 @@ def checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> 
         chained_optim_avoid_prefix=True,
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading, metadata=metadata)
+    state = {key: chunk.module.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(chunks), chunks)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=metadata)
     return state
 
 
 def save_checkpoint(
-    directory, model, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
+    directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
 ) -> None:
-    """Save model and optimizer (and ``step``, the number of optimizer steps taken) into
-    ``directory``, which must exist and be the same path on every rank."""
+    """Save the model chunks and the optimizer (and ``step``, the number of optimizer steps taken)
+    into ``directory``, which must exist and be the same path on every rank."""
     from megatron.core import dist_checkpointing
 
-    state = checkpoint_state(model, optimizer, sharding_type, is_loading=False)
+    state = checkpoint_state(chunks, optimizer, sharding_type, is_loading=False)
     if step is not None:
         state["step"] = step
     dist_checkpointing.save(state, str(directory))
 
 
-def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
-    """Load what ``save_checkpoint`` wrote into ``model`` and its distributed optimizer, built with
-    the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was saved).
+def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
+    """Load what ``save_checkpoint`` wrote into the model chunks and their distributed optimizer,
+    built with the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was
+    saved).
 
     COAT's optimizer needs nothing more. Megatron's own with torch's Adam (no apex or TE, so Adam
     keeps a ``step`` tensor per parameter) has three faults in megatron-core 0.19, worked around here:
@@ -69,8 +77,9 @@ def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_res
     for opt in megatron_adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
-    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
-    model.module.load_state_dict(state["model"])
+    state = dist_checkpointing.load(checkpoint_state(chunks, optimizer, sharding_type, is_loading=True), str(directory))
+    for key, chunk in zip(model_keys(chunks), chunks):
+        chunk.module.load_state_dict(state[key])
     # With FP32 params the distributed optimizer's main params are views of the parameters, which
     # its load copies into in place: that needs autograd off.
     with torch.no_grad():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from .probe import data_args, run_probe
+from .probe import run_args, run_probe
 
 
 def resume_check(args, preset, mode, row: dict) -> dict:
@@ -35,21 +35,6 @@ def resume_check(args, preset, mode, row: dict) -> dict:
             f"--save-step {save_step} must lie between 0 and --steps {preset.steps} minus {preset.warmup_steps} warm-up steps "
             f"(the resumed runs measure their own warm-up); use --steps {save_step + preset.warmup_steps + 1} or more"
         )
-    common = [
-        "--preset",
-        preset.name,
-        "--modes",
-        mode.name,
-        "--steps",
-        str(preset.steps),
-        "--seq",
-        str(preset.seq),
-        "--seed",
-        str(args.seed),
-        "--tp",
-        str(args.tp),
-        *data_args(args),
-    ]
     runs = {}
     parent = args.checkpoint_dir
     if parent:
@@ -62,9 +47,15 @@ def resume_check(args, preset, mode, row: dict) -> dict:
         ]
         for name, run_dp, extra in plan:
             micro_batch = preset.micro_batch * dp // run_dp  # the same global batch
-            probe = run_probe(
-                [*common, "--dp", str(run_dp), "--micro-batch", str(micro_batch), *extra], args.tp * run_dp
+            line = run_args(
+                args,
+                preset,
+                mode.name,
+                micro_batch=micro_batch,
+                layout=(args.tp, args.pp, args.vpp, run_dp),
+                extra=tuple(extra),
             )
+            probe = run_probe(line, args.tp * args.pp * run_dp)
             if probe.row is None or probe.row.get("status") != "ok":
                 reason = probe.error or probe.row.get("reason", probe.row.get("status"))
                 return {**row, "status": "failed", "reason": f"{name} (DP {run_dp}): {reason}"[:400]}

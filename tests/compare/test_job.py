@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from coat_compare import plots
-from coat_compare.job import summarize
+from coat_compare.run import summarize
 from coat_compare.report import read_jsonl
 from coat_compare.search import probe_fits
 from coat_megatron.optional import transformer_engine_available
@@ -334,16 +334,16 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
 def test_a_configuration_runs_in_a_fresh_process(tmp_path, monkeypatch):
     """What every job does on one GPU (each mode x configuration in its own process), run here
     with the eager configuration: the row comes back from the child whole."""
-    from coat_compare import job
+    from coat_compare import cli, probe, run
     from coat_compare.presets import get_preset
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    args = job.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
+    args = cli.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
     preset = get_preset("tiny").with_overrides(steps=4)
-    assert not job.isolate_runs(preset, args)  # no GPU here
+    assert not run.isolate_runs(preset, args)  # no GPU here
     monkeypatch.setattr(job, "isolate_runs", lambda preset, args: True)  # as on one GPU
-    assert job.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
+    assert run.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
     rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["graphs"] == "none" and len(rows[0]["losses"]) == 4
 
@@ -389,7 +389,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     """--search end to end with a fake try (the real one: test_one_search_try_in_a_fresh_process):
     bf16 fits up to 5, coat up to 12; the rows, the table and the tokens/s goal follow (the rows
     named as measured on a GPU: on a CPU a speed goal is not applicable)."""
-    from coat_compare import job, parallel
+    from coat_compare import cli, parallel, probe, run
     from coat_compare.search import Try
 
     limits = {"bf16": 5, "coat": 12}
@@ -414,7 +414,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     monkeypatch.setattr(job, "probe_fits", fake_probe_fits)
     monkeypatch.setattr(parallel, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     assert (
-        job.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
+        run.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
         == 0
     )
     rows = read_jsonl(tmp_path / "tiny-search.jsonl")
@@ -441,7 +441,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     per_step.clear()
     out = tmp_path / "accumulated"
     assert (
-        job.main(
+        run.main(
             [
                 "--preset",
                 "tiny",

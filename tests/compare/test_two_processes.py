@@ -33,7 +33,7 @@ import sys
 
 import pytest
 
-from coat_compare import job
+from coat_compare import cli, probe, run
 from coat_compare.report import read_jsonl
 
 SEQ, MICRO_BATCH, HIDDEN, LAYERS = 64, 8, 64, 2  # the tiny presets
@@ -157,7 +157,7 @@ def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_
         assert a["sp_all_gather_bytes"] == 0 and a["dp_all_gather_bytes"] > 0  # the parameter gather
         assert b["all_gather_bytes"] == {}
     assert two["bf16"]["losses"][0] == one["bf16"]["losses"][0]  # before any update, BF16 agrees exactly
-    assert job.summarize(str(tmp_path)) == 0
+    assert run.summarize(str(tmp_path)) == 0
     summary = (tmp_path / "summary.md").read_text()
     assert "## The same global batch at DP n and at DP 1" in summary
     diff = max(abs(x - y) for x, y in zip(two["coat"]["losses"], one["coat"]["losses"]))
@@ -237,7 +237,7 @@ def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
 )
 def test_layouts_the_job_cannot_run_name_the_fix(args, message, capsys):
     with pytest.raises(SystemExit) as e:
-        job.main([*args, "--no-plots"])
+        run.main([*args, "--no-plots"])
     assert message in str(e.value) + capsys.readouterr().err
 
 
