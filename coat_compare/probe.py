@@ -35,6 +35,7 @@ class ProbeResult:
 # dump), a Python exception, a C++ abort, a CUDA error
 _CAUSES = (
     re.compile(r"^Timeout \(\d+:\d\d:\d\d\)!"),
+    re.compile(r"^coat-compare: error: "),
     re.compile(r"^[\w.]*(Error|Exception): "),
     re.compile(r"what\(\):|terminate called"),
     re.compile(r"CUDA error|illegal memory|Assertion"),
@@ -106,8 +107,6 @@ def run_args(
         preset.name,
         "--modes",
         mode,
-        "--steps",
-        str(preset.steps if steps is None else steps),
         "--seq",
         str(preset.seq),
         "--seed",
@@ -127,6 +126,8 @@ def run_args(
         "--wgrad-fusion",
         args.wgrad_fusion,
     ]
+    if preset.kind == "train":  # a per-layer preset takes no optimizer steps
+        line += ["--steps", str(preset.steps if steps is None else steps)]
     if micro_batch is not None:
         line += ["--micro-batch", str(micro_batch)]
     for flag in ("overlap_grad_reduce", "overlap_param_gather"):

@@ -203,9 +203,8 @@ def test_markdown_has_every_row_ratios_and_goals(tiny):
         assert by_mode["te-fp8-pa"][2].startswith("skipped: te-fp8-pa needs TransformerEngine")
     goal = next(g for g in tiny["goals"] if g["goal"] == "end-to-end peak memory vs BF16, equal micro-batch")
     assert goal["measured"] == pytest.approx(peak_ratio, abs=1e-4)
-    assert goal["met"] == (peak_ratio <= 0.55)
-    assert ("above the target" in goal["missed_by"]) == (not goal["met"])
-    assert "| end-to-end peak memory vs BF16, equal micro-batch | tiny | <= 0.55 |" in md
+    assert goal["met"] is None and goal["missed_by"] == ""  # a CPU's bytes are shown, judged on a GPU
+    assert f"| end-to-end peak memory vs BF16, equal micro-batch | tiny | <= 0.55 | {peak_ratio:.2f} | n/a |" in md
 
 
 @pytest.mark.skipif(not plots.matplotlib_available(), reason="matplotlib not installed (pip install -e '.[report]')")
@@ -331,18 +330,19 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
     assert bad.returncode == 2 and "drop --cuda-graphs" in bad.stderr
 
 
-def test_a_configuration_runs_in_a_fresh_process(tmp_path, monkeypatch):
-    """What every job does on one GPU (each mode x configuration in its own process), run here
+def test_a_configuration_runs_in_processes_of_its_own(tmp_path, monkeypatch):
+    """What every job does on a GPU (each mode x configuration in processes of its own), run here
     with the eager configuration: the row comes back from the child whole."""
-    from coat_compare import cli, probe, run
+    from coat_compare import cli, run
     from coat_compare.presets import get_preset
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = cli.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
     preset = get_preset("tiny").with_overrides(steps=4)
-    assert not run.isolate_runs(preset, args)  # no GPU here
-    monkeypatch.setattr(job, "isolate_runs", lambda preset, args: True)  # as on one GPU
+    assert run.measure_here(preset, args)  # one process on a CPU: here
+    assert not run.measure_here(preset, cli.parse_args(["--preset", "tiny", "--tp", "2"]))  # several: their own
+    monkeypatch.setattr(run, "measure_here", lambda preset, args: False)  # as on a GPU
     assert run.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
     rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["graphs"] == "none" and len(rows[0]["losses"]) == 4
@@ -411,7 +411,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
             },
         )
 
-    monkeypatch.setattr(job, "probe_fits", fake_probe_fits)
+    monkeypatch.setattr(run, "probe_fits", fake_probe_fits)
     monkeypatch.setattr(parallel, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     assert (
         run.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
