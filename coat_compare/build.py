@@ -91,6 +91,12 @@ def transformer_config(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # the interleaved schedule sends activations and gradients between the same two ranks at
+        # once (at PP 2 a stage's next and previous stage are one rank): batched into one call they
+        # were matched to each other's buffers (gloo, measured), so overlap them as separate calls,
+        # as megatron.training does (its --overlap-p2p-communication default; batch_p2p_comm off)
+        overlap_p2p_comm=vpp > 1,
+        batch_p2p_comm=vpp == 1,
         sequence_parallel=tp > 1,
         perform_initialization=False,  # init_weights_by_name sets every weight
         use_cpu_initialization=not cuda,
