@@ -143,3 +143,25 @@ def test_virtual_stages_hold_the_tp1_layers_of_their_global_index():
     for stage in stages:
         for name, (weight, _) in stage.items():
             assert torch.equal(weight, one[name][0]), name
+
+
+def test_the_layout_rule_judges_against_the_reference_and_bf16s_own_drift():
+    from coat_compare.layouts import judge, layout_name, layout_rows, parse_layouts
+
+    assert parse_layouts("1, tp2xdp2,pp2xvpp2") == [(1, 1, 1, 1), (2, 1, 1, 2), (1, 2, 2, 1)]
+    assert [layout_name(*x) for x in parse_layouts("1,dp2xtp2")] == ["1", "tp2xdp2"]
+    ref = [5.0, 4.0, 3.0]
+    assert judge(ref, [5.005, 4.04, 3.0], None)["agrees"]  # 1e-3 relative, 0.04 drift
+    late = judge(ref, [5.005, 4.0, 3.06], None)
+    assert late["first_step_ok"] and not late["drift_ok"] and not late["agrees"]
+    assert judge(ref, [5.005, 4.0, 3.06], bf16_drift=0.03)["agrees"]  # BF16 drifts 0.03 itself: bound 0.09
+    assert not judge(ref, [5.02, 4.0, 3.0], None)["first_step_ok"]  # 4e-3 relative
+    runs = {
+        ("bf16", "1"): {"status": "ok", "losses": ref},
+        ("bf16", "tp2"): {"status": "ok", "losses": [5.0, 4.0, 3.03]},
+        ("coat", "1"): {"status": "ok", "losses": ref},
+        ("coat", "tp2"): {"status": "failed", "reason": "it died"},
+    }
+    bf16_ref, bf16_tp2, coat_ref, coat_tp2 = layout_rows(runs, ["1", "tp2"], ["bf16", "coat"])
+    assert bf16_tp2["agrees"] and bf16_tp2["bf16_drift"] is None and "agrees" not in bf16_ref
+    assert coat_ref["status"] == "ok" and coat_tp2["status"] == "failed" and "it died" in coat_tp2["reason"]
