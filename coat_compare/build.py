@@ -12,12 +12,9 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-
-from coat_megatron.config import CoatConfig
 
 from .modes import Mode
 from .presets import Preset

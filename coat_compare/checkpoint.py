@@ -43,14 +43,51 @@ def checkpoint_state(chunks: list, optimizer, sharding_type: str, is_loading: bo
 def save_checkpoint(
     directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
 ) -> None:
-    """Save the model chunks and the optimizer (and ``step``, the number of optimizer steps taken)
-    into ``directory``, which must exist and be the same path on every rank."""
-    from megatron.core import dist_checkpointing
+    """Save the model chunks and the optimizer (and ``step``, the number of optimizer steps taken;
+    the layout and the format, which ``check_checkpoint`` reads before a run loads it) into
+    ``directory``, which must exist and be the same path on every rank."""
+    from megatron.core import dist_checkpointing, parallel_state
 
     state = checkpoint_state(chunks, optimizer, sharding_type, is_loading=False)
     if step is not None:
         state["step"] = step
+    state["layout"] = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "vpp": len(chunks),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "format": sharding_type,
+    }
     dist_checkpointing.save(state, str(directory))
+
+
+def check_checkpoint(directory: str) -> dict:
+    """The common state of the checkpoint in ``directory`` (step, layout), after checking that its
+    data files are whole: every byte range the checkpoint's metadata names lies inside a file that
+    exists. Raises ValueError saying what is wrong; reads no tensor and needs no process group."""
+    import os
+    import warnings
+
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with warnings.catch_warnings():  # torch's note that it reads without a process group, the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        common = dist_checkpointing.load_common_state_dict(directory)
+        metadata = FileSystemReader(directory).read_metadata()
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"its data file {name} is missing")
+        size = os.path.getsize(path)
+        if size < end:
+            raise ValueError(f"its data file {name} is cut short ({size} of at least {end} bytes)")
+    if not isinstance(common, dict):
+        raise ValueError("its common state is not a dict")
+    return common
 
 
 def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:

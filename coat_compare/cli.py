@@ -47,12 +47,12 @@ import math
 import os
 import sys
 import tempfile
-import warnings
 
 from .corpus import SOURCES
 from .layouts import parse_layouts
 from .modes import DEFAULT_MODES, MODES, parse_modes
 from .presets import PRESETS, Preset, get_preset
+
 
 class _Parser(argparse.ArgumentParser):
     """Errors as one line on stderr and exit status 2, without the usage (a screen of options): each
@@ -254,16 +254,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     ckpt.add_argument(
         "--save",
         metavar="DIR",
-        help="write a dist checkpoint (dp_reshardable) into DIR after --save-step steps, and go on",
+        help="write a dist checkpoint (--checkpoint-format) into DIR after --save-step steps, and go on",
     )
     ckpt.add_argument("--save-step", type=int, help="steps before --save writes (default: half of --steps)")
     ckpt.add_argument(
-        "--load", metavar="DIR", help="start from the checkpoint in DIR, at its step (any --dp; the same --tp)"
+        "--load",
+        metavar="DIR",
+        help="start from the checkpoint in DIR, at its step (dp_reshardable: any --dp, the saving --tp and --pp; "
+        "fully_reshardable: any layout)",
     )
     ckpt.add_argument(
         "--resume-check",
         action="store_true",
-        help="save at --dp after --save-step steps, resume at DP 1 and at --dp, compare the losses with the uninterrupted run",
+        help="save at the job's layout after --save-step steps, resume at DP 1 (or at --resume-at) and at the "
+        "saving layout, compare the losses with the uninterrupted run",
+    )
+    ckpt.add_argument(
+        "--resume-at",
+        metavar="LIST",
+        help="--resume-check: the layouts to resume at (as --layouts: e.g. dp4,1 after --tp 2 --dp 2); a TP or PP "
+        "change saves fully_reshardable",
+    )
+    ckpt.add_argument(
+        "--checkpoint-format",
+        choices=("dp_reshardable", "fully_reshardable"),
+        default="dp_reshardable",
+        help="--save/--load: dp_reshardable (Megatron's default; COAT's compressed FP8 states, loads at any DP size) "
+        "or fully_reshardable (FP32 Adam states in Megatron's layout; loads at any TP, PP and DP)",
     )
     ckpt.add_argument(
         "--checkpoint-dir",
@@ -328,8 +345,13 @@ def check_args(args) -> None:
         return
     if args.repeat is not None and args.repeat < 1:
         raise ValueError(f"--repeat {args.repeat}: the N-th run counts from 1 (2: the second run of the same seed)")
-    if args.resume_check and args.dp < 2:
-        raise ValueError("--resume-check saves at --dp and resumes at DP 1 and at --dp: give --dp 2 (or more)")
+    if args.resume_check and args.dp < 2 and not args.resume_at:
+        raise ValueError(
+            "--resume-check saves at the job's layout and resumes at DP 1 and there: give --dp 2 (or more), "
+            "or --resume-at the layouts to resume at"
+        )
+    if args.resume_at and not args.resume_check:
+        raise ValueError("--resume-at names where --resume-check resumes: add --resume-check")
     if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
         raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
     if args.probe and len(args.cuda_graphs) != 1:
@@ -391,6 +413,15 @@ def check_layout(preset: Preset, args) -> None:
                     f"the interleaved schedule (--vpp {vpp}) runs the micro-batches of a step in groups of --pp {pp}: "
                     f"{per_rank} per rank is not a multiple of {pp}; give --global-batch {preset.micro_batch * dp * pp} "
                     f"(or another multiple of micro-batch x DP x PP = {preset.micro_batch * dp * pp})"
+                )
+    if args.resume_at:
+        global_batch = preset.global_batch_for(args.dp)
+        for tp, pp, vpp, dp in parse_layouts(args.resume_at):
+            check_one_layout(preset, tp, pp, vpp, dp)
+            if global_batch % dp:
+                raise ValueError(
+                    f"--resume-at: the global batch {global_batch} does not split over DP {dp}: give --global-batch "
+                    f"a multiple of {math.lcm(dp, args.dp * preset.micro_batch)}"
                 )
     if args.layouts:
         if layer:
@@ -454,7 +485,9 @@ def check_one_layout(preset: Preset, tp: int, pp: int, vpp: int, dp: int) -> Non
             f"a multiple: use --seq {max(tp, preset.seq - preset.seq % tp)}"
         )
     if vpp > 1 and pp < 2:
-        raise ValueError(f"--vpp {vpp}: virtual pipeline stages interleave 2 or more pipeline stages: give --pp 2 or more")
+        raise ValueError(
+            f"--vpp {vpp}: virtual pipeline stages interleave 2 or more pipeline stages: give --pp 2 or more"
+        )
     if preset.layers % (pp * vpp):
         what = f"--pp {pp}" + (f" x --vpp {vpp}" if vpp > 1 else "")
         raise ValueError(
@@ -493,6 +526,8 @@ def check_steps(preset: Preset, args) -> None:
         check_resume_steps(preset, args.save_step)
         return
     first = saved_step(args.load) if args.load else 0
+    if args.load:
+        check_load_layout(args)
     if steps < fewest_steps(preset, first):
         after = f" after the checkpoint's step {first}" if first else ""
         raise ValueError(
@@ -535,25 +570,45 @@ def check_resume_steps(preset: Preset, save_step: int | None) -> None:
 
 def saved_step(directory: str) -> int:
     """The optimizer step the checkpoint in ``directory`` was written after (``--save``), read
-    from its common state (no process group needed)."""
+    from its common state once its data files are checked whole (``checkpoint.check_checkpoint``;
+    no process group needed)."""
     if not os.path.isdir(directory):
         raise ValueError(f"--load {directory}: no such directory; give the DIR an earlier --save DIR wrote")
-    from megatron.core import dist_checkpointing
+    from .checkpoint import check_checkpoint
 
     try:
-        with warnings.catch_warnings():  # torch's note that it reads without a process group, the intent here
-            warnings.simplefilter("ignore", UserWarning)
-            common = dist_checkpointing.load_common_state_dict(directory)
+        common = check_checkpoint(directory)
     except Exception as e:  # noqa: BLE001 - whatever the reader says, the directory holds no checkpoint it can read
         cause = (str(e).strip().splitlines() or [""])[0][:200]
+        what = cause if isinstance(e, ValueError) else f"{type(e).__name__}: {cause}"
         raise ValueError(
-            f"--load {directory}: not a checkpoint this job can read ({type(e).__name__}: {cause}); "
-            "give the DIR an earlier --save DIR wrote"
+            f"--load {directory}: not a checkpoint this job can read ({what}); give the DIR an earlier --save DIR wrote"
         ) from None
-    step = common.get("step") if isinstance(common, dict) else None
-    if step is None:
+    if common.get("step") is None:
         raise ValueError(f"the checkpoint in {directory} has no step: write it with coat-compare --save")
-    return int(step)
+    return int(common["step"])
+
+
+def check_load_layout(args) -> None:
+    """Raise ValueError where --load's checkpoint cannot load at this run's layout or format (read
+    from the checkpoint's common state, where ``--save`` wrote them)."""
+    from .checkpoint import check_checkpoint
+
+    saved = check_checkpoint(args.load).get("layout")
+    if saved is None:
+        return
+    if saved["format"] != args.checkpoint_format:
+        raise ValueError(
+            f"--load {args.load} holds a {saved['format']} checkpoint: give --checkpoint-format {saved['format']}"
+        )
+    here = (args.tp, args.pp, args.vpp)
+    there = (saved["tp"], saved["pp"], saved["vpp"])
+    if saved["format"] == "dp_reshardable" and here != there:
+        raise ValueError(
+            f"--load {args.load} was written at TP {there[0]} x PP {there[1]} (x {there[2]} virtual) as dp_reshardable, "
+            f"which loads at any DP size but only at that TP x PP: give --tp {there[0]} --pp {there[1]} --vpp {there[2]}, "
+            "or save with --checkpoint-format fully_reshardable"
+        )
 
 
 def check_processes(args) -> None:
@@ -570,6 +625,8 @@ def check_processes(args) -> None:
                 f"{processes} processes of each run itself (one per GPU)"
             )
         layouts = parse_layouts(args.layouts) if args.layouts else [(args.tp, args.pp, args.vpp, args.dp)]
+        if args.resume_at:
+            layouts += parse_layouts(args.resume_at)
         processes = max(tp * pp * dp for tp, pp, _, dp in layouts)
     elif processes != world:
         raise ValueError(

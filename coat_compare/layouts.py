@@ -101,7 +101,9 @@ def layout_rows(runs: dict[tuple[str, str], dict], layouts: list[str], modes: li
             ref = runs[(mode, reference)]
             if run.get("status") != "ok" or ref.get("status") != "ok":
                 why = run if run.get("status") != "ok" else ref
-                rows.append({**row, "status": "failed", "reason": f"{why.get('layout', name)}: {why.get('reason', '')}"})
+                rows.append(
+                    {**row, "status": "failed", "reason": f"{why.get('layout', name)}: {why.get('reason', '')}"}
+                )
                 continue
             row.update(status="ok", losses=run["losses"], tokens_per_s=run.get("tokens_per_s"))
             if name != reference:

@@ -135,6 +135,8 @@ def run_args(
             line.append("--" + flag.replace("_", "-"))
     if args.step_timeout is not None:
         line += ["--step-timeout", str(args.step_timeout)]
+    if args.checkpoint_format != "dp_reshardable" and "--checkpoint-format" not in extra:
+        line += ["--checkpoint-format", args.checkpoint_format]
     return [*line, *data_args(args, **data_overrides), *extra]
 
 

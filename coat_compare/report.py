@@ -307,17 +307,11 @@ def search_table(rows: list[dict]) -> list[str]:
 
 def resume_table(rows: list[dict]) -> list[str]:
     """One line per step after the checkpoint: the uninterrupted loss and the resumed ones."""
-    dp = rows[0].get("dp", 2)
-    names = ["resumed_dp1", f"resumed_dp{dp}"]
-    head = [
-        "mode",
-        "step",
-        f"uninterrupted (DP {dp})",
-        "resumed at DP 1",
-        "difference",
-        f"resumed at DP {dp}",
-        "difference",
-    ]
+    ok = next((r for r in rows if r.get("status") == "ok"), rows[0])
+    names = ok.get("resumed", [])
+    head = ["mode", "step", f"uninterrupted ({ok.get('saved_at', '-')})"]
+    for name in names:
+        head += [f"resumed at {name[len('resumed_') :]}", "difference"]
 
     def lines_of(r):
         lines = []
@@ -325,8 +319,10 @@ def resume_table(rows: list[dict]) -> list[str]:
         for i, loss in enumerate(after):
             cells = [f"{r['losses_' + n][i]:.5f} | {r['losses_' + n][i] - loss:+.1e}" for n in names]
             lines.append(f"| {r['mode']} | {r['save_step'] + i + 1} | {loss:.5f} | {' | '.join(cells)} |")
-        summary = [f"max {r['max_abs_diff_' + n]:.1e}" + (" (bit-exact)" if r["exact_" + n] else "") for n in names]
-        return lines + [f"| {r['mode']} | all | saved after step {r['save_step']} | | {summary[0]} | | {summary[1]} |"]
+        summary = [f"| max {r['max_abs_diff_' + n]:.1e}" + (" (bit-exact)" if r["exact_" + n] else "") for n in names]
+        return lines + [
+            f"| {r['mode']} | all | saved after step {r['save_step']} ({r['checkpoint_format']}) | {' | '.join(summary)} |"
+        ]
 
     return _table(head, rows, lines_of)
 
@@ -349,7 +345,9 @@ def layout_table(rows: list[dict]) -> list[str]:
     def lines_of(r):
         losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
         if r["layout"] == r["reference"]:
-            return [f"| {r['mode']} | {r['layout']} | {losses} | {_fmt(r.get('tokens_per_s'), 0)} | reference | | | | |"]
+            return [
+                f"| {r['mode']} | {r['layout']} | {losses} | {_fmt(r.get('tokens_per_s'), 0)} | reference | | | | |"
+            ]
         bf16 = "-" if r.get("bf16_drift") is None else f"{r['bf16_drift']:.2e}"
         return [
             f"| {r['mode']} | {r['layout']} | {losses} | {_fmt(r.get('tokens_per_s'), 0)} | "
@@ -435,8 +433,8 @@ COLUMNS = {
     "layout": "Every layout trains the same weights on the same global batches; the first is the reference. The rule, fixed "
     f"before the runs: the first step's loss within {FIRST_STEP_RELATIVE:g} relative, and every step's within "
     f"{DRIFT_ABSOLUTE:g} absolute or {BF16_DRIFT_FACTOR:g} x BF16's own largest difference between the same two layouts.",
-    "resume": "A dist checkpoint (dp_reshardable) written after the step named, by the uninterrupted run; the resumed runs load it at "
-    "DP 1 (micro-batch x DP: the same global batch) and at the saving DP size, and train the same steps on the same batches. "
+    "resume": "A dist checkpoint written after the step named (its format in brackets), by the uninterrupted run; the resumed "
+    "runs load it at each layout named and at the saving one, and train the same steps on the same global batches. "
     "difference: resumed minus uninterrupted loss.",
 }
 BUDGET_NOTE = (

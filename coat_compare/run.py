@@ -33,7 +33,7 @@ from .presets import Preset
 from .probe import PROBE_MARK, run_args, run_probe
 from .progress import Progress
 from .report import RowLog, read_jsonl, write_report
-from .resume import resume_check
+from .resume import resume_check, resume_layouts
 from .search import largest_micro_batch, probe_fits
 
 
@@ -161,7 +161,8 @@ def measure_here(preset: Preset, args) -> bool:
     run of several processes needs its own torchrun, and a rank that dies or stalls then ends its
     run, not the job. Processes per run cost a start-up each and leave every row clean."""
     one_process = args.tp * args.pp * args.dp == 1
-    return one_process and (not torch.cuda.is_available() or preset.kind == "layer")
+    # a checkpoint that breaks its reader (a corrupt file can kill a process) costs a row, not the job
+    return one_process and not args.load and (not torch.cuda.is_available() or preset.kind == "layer")
 
 
 def run_in_processes(preset: Preset, mode: Mode, args, graphs: str) -> dict:
@@ -222,6 +223,7 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
                 overlap_grad_reduce=args.overlap_grad_reduce,
                 overlap_param_gather=args.overlap_param_gather,
                 step_timeout=args.step_timeout,
+                checkpoint_format=args.checkpoint_format,
             )
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
@@ -258,7 +260,8 @@ def resume_all(args, preset: Preset, modes: list[Mode], keep) -> None:
             keep(row)
             continue
         print(
-            f"{preset.name} {mode.name}: checkpoint at DP {args.dp}, resumed at DP 1 and DP {args.dp}",
+            f"{preset.name} {mode.name}: a checkpoint at {layout_name(args.tp, args.pp, args.vpp, args.dp)}, resumed at "
+            f"{', '.join(layout_name(*layout) for layout in resume_layouts(args))}",
             file=sys.stderr,
             flush=True,
         )
@@ -298,7 +301,9 @@ def search_all(args, preset: Preset, modes: list[Mode], keep) -> None:
             keep(row)
             continue
         # a try measures fit and speed: no validation
-        line = run_args(args, preset, mode.name, graphs=graphs, steps=args.search_steps, eval_every=0, global_batch=None)
+        line = run_args(
+            args, preset, mode.name, graphs=graphs, steps=args.search_steps, eval_every=0, global_batch=None
+        )
         fits = probe_fits(
             line, args.tp * args.pp * args.dp, args.fit_memory, micro_batches=args.search_micro_batches, dp=args.dp
         )

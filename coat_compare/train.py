@@ -82,6 +82,7 @@ def train(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     step_timeout: float | None = None,
+    checkpoint_format: str = "dp_reshardable",
 ) -> dict:
     """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
 
@@ -100,7 +101,8 @@ def train(
     dumps every thread's stack and ends the process (``parallel.step_watchdog``), so that a stalled
     collective fails its run instead of hanging the job.
 
-    ``save``: write a dist checkpoint into this directory after ``save_step`` steps (and go on).
+    ``save``: write a dist checkpoint (``checkpoint_format``) into this directory after ``save_step``
+    steps (and go on).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
     learning rate and the batches continue from there, so a resumed run sees what the
     uninterrupted one saw.
@@ -129,7 +131,7 @@ def train(
         os.makedirs(save, exist_ok=True)
     first = 0
     if load is not None:
-        first = load_checkpoint(load, chunks, optimizer)
+        first = load_checkpoint(load, chunks, optimizer, sharding_type=checkpoint_format)
         if first is None:
             raise ValueError(f"the checkpoint in {load} has no step: write it with coat-compare --save")
     if preset.steps - first <= preset.warmup_steps:
@@ -158,7 +160,7 @@ def train(
         for step in range(first, preset.steps):
             batches = micro(data.batch(step), micro_batches)
             if save is not None and step == save_step:
-                save_checkpoint(save, chunks, optimizer, step=step)
+                save_checkpoint(save, chunks, optimizer, step=step, sharding_type=checkpoint_format)
             set_learning_rate(optimizer, preset, step)
             measure = step == first + preset.warmup_steps
             if measure and cuda:

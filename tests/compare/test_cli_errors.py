@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from coat_compare import cli, parallel, probe, run
+from coat_compare import cli, parallel, run
 from coat_compare.goals import evaluate
 from coat_compare.report import RowLog, goals_table, read_jsonl
 from coat_compare.search import Try
@@ -318,7 +318,7 @@ def test_a_failed_resume_check_exits_1(tmp_path, monkeypatch, in_process):
     monkeypatch.setattr(
         run,
         "resume_check",
-        lambda args, preset, mode, row: {**row, "status": "failed", "reason": "resumed_dp1 (DP 1): it died"},
+        lambda args, preset, mode, row: {**row, "status": "failed", "reason": "resumed_1: it died"},
     )
     assert run.main(["--modes", "coat", "--resume-check", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
     (row,) = read_jsonl(tmp_path / "tiny-resume.jsonl")

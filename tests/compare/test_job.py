@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from coat_compare import plots
-from coat_compare.run import summarize
 from coat_compare.report import read_jsonl
+from coat_compare.run import summarize
 from coat_compare.search import probe_fits
 from coat_megatron.optional import transformer_engine_available
 
@@ -389,7 +389,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     """--search end to end with a fake try (the real one: test_one_search_try_in_a_fresh_process):
     bf16 fits up to 5, coat up to 12; the rows, the table and the tokens/s goal follow (the rows
     named as measured on a GPU: on a CPU a speed goal is not applicable)."""
-    from coat_compare import cli, parallel, probe, run
+    from coat_compare import parallel, run
     from coat_compare.search import Try
 
     limits = {"bf16": 5, "coat": 12}
