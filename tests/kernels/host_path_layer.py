@@ -1,6 +1,7 @@
-"""COAT's Python cost per layer on a CPU, with the device work stubbed out: a quick loop for host work.
+"""COAT's Python cost per layer on a CPU, with the device work stubbed out: a quick loop for host work,
+and what tests/kernels/test_host_path.py runs (a process of its own: it stubs Triton for the whole process).
 
-    python benchmarks/host_python.py [--calls N] [--profile] [--tokens T] [--hidden H] [--ffn F]
+    python tests/kernels/host_path_layer.py [--calls N] [--profile] [--tokens T] [--hidden H] [--ffn F]
 
 Eager COAT is bound by the host (``benchmarks/host_overhead.py`` on a GPU). Its Python -- argument
 checks, allocations, views, autograd, the Triton launch path -- can be measured without a GPU: this
