@@ -556,7 +556,7 @@ def test_adam_eps_and_lr_reach_every_optimizer_and_its_row(tmp_path):
 
 def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
     """Llama-2-13B's loss passed ln(vocab) after step 10 at Megatron's 1e-8 (15.41 at step 12); at
-    Llama 2's 1e-5 its 150 steps stayed at or below 8.46 (benchmarks/results/cosine-h200x4/eps13b):
+    Llama 2's 1e-5 its 150 steps stayed at or below 8.46 (benchmarks/results/llama2-13b-1gpu):
     the Llama presets take 1e-5, the others keep Megatron's 1e-8, and --adam-eps overrides either."""
     from coat_compare.job import parse_args, preset_of
 
