@@ -591,10 +591,11 @@ def test_split_masters_with_fp32_gradient_buffers_train_like_fp32_masters():
     same FP32 masters. Their BF16 weights are then each master rounded to BF16, and the two roundings
     differ where a master lies exactly halfway between two BF16 values: the split master's high half
     rounds it away from zero, Megatron's copy to even. About 1 master in 131072 per update, so
-    whether the first update of this ~82k-element model makes one is a coin toss decided by the data
-    (torch 2.14.1's CPU kernels make two, and the runs' second losses differ in their sixth digit).
-    So the first update is checked weight by weight, and the losses, which part at the first such
-    tie, within BF16 training's noise."""
+    whether the first update of this ~82k-element model makes one is a coin toss decided by the last
+    bits of the gradients, which depend on the vectorized CPU kernels torch picks for the machine
+    (on an AVX2 CPU, torch 2.11 and 2.14.1 alike, it makes two, and the second losses differ in
+    their sixth digit). So the first update is checked weight by weight, and the losses, which part
+    at the first such tie, within BF16 training's noise."""
     steps = 8
     split = run_distributed(_train_masters, 2, args=("split", True, steps), tensor_parallel=1)
     standard = run_distributed(_train_masters, 2, args=("fp32", True, steps), tensor_parallel=1)
