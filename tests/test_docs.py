@@ -134,3 +134,13 @@ def test_references_to_the_design_name_its_headings():
     )
     fixed = NUMBERED_ELSEWHERE - numbered
     assert not fixed, f"{', '.join(sorted(fixed))} no longer cite a section number: drop them from NUMBERED_ELSEWHERE"
+
+
+def test_readme_quotes_the_torch_pin_of_pyproject():
+    """The CPU-only torch the README installs first must satisfy the project's pin, or the project's
+    own install replaces it with the CUDA build."""
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_pin,) = [d for d in dependencies if re.match(r"torch\b", d)]
+    assert f'"{torch_pin}"' in README.read_text(), f"README.md must quote pyproject.toml's pin {torch_pin}"
