@@ -16,9 +16,6 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from coat_megatron.memory import (
-    _inner_tensors,
-    _plain,
-    _storage_key,
     fp8_copy_bytes,
     gradient_bytes,
     optimizer_parts,
@@ -26,6 +23,9 @@ from coat_megatron.memory import (
     tensor_bytes,
     weights_bytes,
 )
+from coat_megatron.memory import inner_tensors as _inner_tensors
+from coat_megatron.memory import is_plain_tensor as _plain
+from coat_megatron.memory import storage_key as _storage_key
 
 __all__ = [
     "MIB",

@@ -19,6 +19,7 @@ import re
 from dataclasses import fields
 
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
+from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
 from coat_megatron.config import GRAD_BUFFERS, MASTER_WEIGHTS, OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
 
 from .replacements import Replacements
@@ -87,6 +88,10 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "fuse_wgrad_accumulation": (
         dict(type=_switch, metavar="on|off"),
         "COAT's linears add each micro-batch's weight gradient into DDP's gradient buffer inside the wgrad GEMM, with or without apex (--no-gradient-accumulation-fusion governs Megatron's own linears only). Default on; off leaves the addition to Megatron",
+    ),
+    "wgrad_accumulate": (
+        dict(choices=ACCUMULATE_BACKENDS),
+        "how COAT's linears add a weight gradient into a gradient buffer that already holds a sum, in later micro-batches and in every micro-batch under per-layer CUDA graphs (default auto: inside the GEMM where cuBLASLt can, else through an FP32 temporary and an add); cublaslt: always inside the GEMM; add: always the temporary and the add, for comparisons",
     ),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word

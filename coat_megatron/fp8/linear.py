@@ -16,7 +16,6 @@ On a CPU the GEMMs dequantize and multiply in FP32.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -36,15 +35,6 @@ from coat_kernels.swiglu import quantize_swiglu_input
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
 from .weights import Fp8WeightCache, weight_cache_for
-
-# How a wgrad is added into a gradient buffer that already holds a sum: "auto" (the default) has the
-# GEMM itself add it where cuBLASLt can ("cublaslt": beta = 1, no temporary; gpt-1b on an H200 ran
-# 4.5% faster than with "add": benchmarks/results/fusion-h200), else "add" (the product in an FP32
-# temporary, then an add: on a CPU, or for an output height that is not a multiple of 16).
-# COAT_WGRAD_ACCUMULATE picks one.
-WGRAD_ACCUMULATE = os.environ.get("COAT_WGRAD_ACCUMULATE", "auto")
-if WGRAD_ACCUMULATE not in ("auto", "cublaslt", "add"):
-    raise ValueError(f"COAT_WGRAD_ACCUMULATE={WGRAD_ACCUMULATE!r}: use auto (the default), cublaslt or add")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -133,7 +123,7 @@ class _Fp8Linear(torch.autograd.Function):
             elif x_t is None:
                 x_t = ctx.x_t_fn()
             if main_grad and hasattr(weight, "main_grad"):
-                dw = _wgrad_into_main_grad(weight, dy_t, dy_scale, x_t.t(), x_scale)
+                dw = _wgrad_into_main_grad(weight, dy_t, dy_scale, x_t.t(), x_scale, config.wgrad_accumulate)
             else:
                 dw = fp8_gemm(dy_t, dy_scale, x_t.t(), x_scale, out_dtype=weight.dtype)
         if has_bias and ctx.needs_input_grad[2]:
@@ -148,19 +138,21 @@ def _capturing_a_per_layer_graph() -> bool:
     return cuda_graphs is not None and cuda_graphs.is_graph_capturing()
 
 
-def _wgrad_into_main_grad(weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale) -> torch.Tensor | None:
+def _wgrad_into_main_grad(
+    weight: torch.Tensor, dy_t, dy_scale, x_t_cm, x_scale, accumulate: str
+) -> torch.Tensor | None:
     """Megatron's gradient-accumulation-fusion protocol: wgrad = dY^T X goes into
     ``weight.main_grad`` (FP32 or BF16) and autograd gets a placeholder, so DDP's hook does not add it a
     second time. While DDP has added nothing to main_grad since it zeroed it
     (``grad_added_to_main_grad`` False: the first micro-batch of a step), the GEMM writes straight
     into it, with no FP32 temporary to add (8 bytes per weight element less traffic); later
-    micro-batches, and a captured per-layer graph, which serves every micro-batch, add
-    (``WGRAD_ACCUMULATE``)."""
+    micro-batches, and a captured per-layer graph, which serves every micro-batch, add, the way
+    ``accumulate`` (``CoatConfig.wgrad_accumulate``) says."""
     main = weight.main_grad  # FP32, or BF16 where DDP reduces gradients in BF16
     if getattr(weight, "grad_added_to_main_grad", None) is False and not _capturing_a_per_layer_graph():
         fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
     else:
-        fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=WGRAD_ACCUMULATE)
+        fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=accumulate)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
@@ -185,8 +177,9 @@ def fp8_linear(
     Args:
         x: (..., in): an ``Fp8Tensor`` (per-tensor, from a COAT producer) or a plain BF16 tensor.
         weight: (out, in), BF16 or FP32; bias: (out,) or None.
-        config: formats (forward_format for X and Y, backward_format for dY, weight_format for W)
-            and the 1xG group size of an FP8 output.
+        config: formats (forward_format for X and Y, backward_format for dY, weight_format for W),
+            the 1xG group size of an FP8 output, and how a wgrad is added into a ``main_grad``
+            that already holds a sum (wgrad_accumulate).
         weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent,
             keeping the codes and their transposed copy as ``config.cache_weight`` and
             ``config.cache_weight_transpose`` say).

@@ -353,7 +353,7 @@ def test_tiny_layer_per_mode(tmp_path):
     rows = {r["mode"]: r for r in read_jsonl(tmp_path / "tiny-layer.jsonl") if r["kind"] == "layer"}
     assert rows["bf16"]["status"] == rows["coat"]["status"] == "ok"
     assert "end-to-end presets" in rows["te-fp8-pa"]["reason"]
-    # DESIGN 3.3 on the tiny shape: COAT's layer saves about 0.6x of the local BF16 layer
+    # docs/design.md#data-flow-through-a-layer on the tiny shape: COAT's layer saves about 0.6x of the local BF16 layer
     assert 0.4 < rows["coat"]["activation_MiB"] / rows["bf16"]["activation_MiB"] < 0.75
     assert rows["coat"]["ms"] > 0
     assert not list(tmp_path.glob("*.png"))  # --no-plots
