@@ -99,8 +99,8 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     for i in range(preset.warmup_steps + 1):
         step(i)
     torch.cuda.synchronize()
-    # as coat-compare trains: no automatic collection inside the measured steps (COAT_COMPARE_GC=auto: Python's)
-    with parallel.manual_gc(parallel.gc_mode() == "manual"):
+    # as coat-compare trains by default (--gc manual): no automatic collection inside the measured steps
+    with parallel.manual_gc(True):
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(steps):

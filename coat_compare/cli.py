@@ -198,6 +198,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "needed; the default), or off: Megatron adds a BF16 wgrad per micro-batch, in every mode",
     )
     p.add_argument(
+        "--wgrad-accumulate",
+        choices=("auto", "cublaslt", "add"),
+        help="COAT modes: how a wgrad is added into a gradient buffer that holds a sum (CoatConfig.wgrad_accumulate: "
+        "auto, the default, has the GEMM add where cuBLASLt can; add: an FP32 temporary and an add)",
+    )
+    p.add_argument(
         "--step-timeout",
         type=float,
         default=600.0,

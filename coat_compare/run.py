@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                 refuse(str(e))
         return summarize(args.out)
     preset, modes = preset_of(args), parse_modes(args.modes)
-    modes = [replace(m, wgrad_fusion=args.wgrad_fusion == "on") for m in modes]
+    modes = [with_options(m, args) for m in modes]
     try:
         prepare(preset, modes, args)
     except ValueError as e:
@@ -80,6 +80,15 @@ def main(argv=None) -> int:
         raise
     log.finish()
     return exit_status(log.rows)
+
+
+def with_options(mode: Mode, args) -> Mode:
+    """``mode`` with the command line's recipe options: --wgrad-fusion, and --wgrad-accumulate for
+    its COAT parts."""
+    coat = mode.coat
+    if coat is not None and args.wgrad_accumulate is not None:
+        coat = replace(coat, wgrad_accumulate=args.wgrad_accumulate)
+    return replace(mode, wgrad_fusion=args.wgrad_fusion == "on", coat=coat)
 
 
 def compare(args, preset: Preset, modes: list[Mode], keep) -> None:

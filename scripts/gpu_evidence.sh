@@ -153,8 +153,8 @@ case $part in
     common=(--preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 --cuda-graphs local --out "$out" --no-plots)
     run 220 fused coat-compare "${common[@]}" --modes bf16,te-fp8-delayed,coat --name gpt-1b-fused
     # the same with every mode's wgrad left to Megatron, then COAT's through an FP32 temporary and an add
-    run 220 unfused env COAT_COMPARE_WGRAD_FUSION=off coat-compare "${common[@]}" --modes bf16,te-fp8-delayed,coat --name gpt-1b-unfused
-    run 120 fused-add env COAT_WGRAD_ACCUMULATE=add coat-compare "${common[@]}" --modes coat --name gpt-1b-fused-add
+    run 220 unfused coat-compare "${common[@]}" --wgrad-fusion off --modes bf16,te-fp8-delayed,coat --name gpt-1b-unfused
+    run 120 fused-add coat-compare "${common[@]}" --wgrad-accumulate add --modes coat --name gpt-1b-fused-add
     rows "bf16|te-fp8-delayed|coat" "$out"/gpt-1b-*.md ;;
   eager-gpt-1b)
     for gb in 4 32; do

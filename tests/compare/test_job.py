@@ -570,15 +570,11 @@ def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
 
 def test_rows_count_the_linears_that_add_their_wgrad_in_the_gemm(tmp_path):
     """Each row says how many of its linears add their wgrad into DDP's buffer inside the GEMM: all of
-    COAT's by default (no apex needed), none with COAT_COMPARE_WGRAD_FUSION=off; on a CPU the BF16 local
+    COAT's by default (no apex needed), none with --wgrad-fusion off; on a CPU the BF16 local
     spec's never (Megatron's own fusion wants apex and CUDA)."""
     common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
     run_job(*common, "--out", str(tmp_path / "on"))
-    os.environ["COAT_COMPARE_WGRAD_FUSION"] = "off"
-    try:
-        run_job(*common, "--out", str(tmp_path / "off"))
-    finally:
-        del os.environ["COAT_COMPARE_WGRAD_FUSION"]
+    run_job(*common, "--wgrad-fusion", "off", "--out", str(tmp_path / "off"))
     on = {r["mode"]: r for r in read_jsonl(tmp_path / "on" / "tiny.jsonl") if r["kind"] == "train"}
     off = {r["mode"]: r for r in read_jsonl(tmp_path / "off" / "tiny.jsonl") if r["kind"] == "train"}
     fused, linears = on["coat"]["wgrad_fused_linears"]
