@@ -3,7 +3,7 @@
     python benchmarks/accuracy.py [--preset tiny] [--steps 600] [--seeds 1,2,3] [--modes bf16,coat,bf16@data2]
                                   [--micro-batch N] [--global-batch N] [--lr-decay cosine] [--adam-eps EPS]
                                   [--tail 0.1] [--eval-every N] [--max-runs N] [--jobs N] [--out DIR]
-    bash scripts/gpu_accuracy.sh        # the GPU run: gpt-125m, 2000 steps, 3 seeds (as many runs per command as fit)
+    bash scripts/gpu_evidence.sh accuracy-gpt-125m SEEDS   # the GPU runs of gpt-125m (as many per command as fit)
 
 For each seed, ``coat-compare --preset P --modes ... --steps N --seed S`` jobs: the same initial
 weights and the same data order for every mode of a seed, and the same held-out validation

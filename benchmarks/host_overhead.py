@@ -267,8 +267,8 @@ def main():
     with contextlib.ExitStack() as stack:
         parallel.initialize(1, 1, stack)
         parallel.seed_everything(1234)
-        # no automatic garbage collection inside the timed loops, as coat-compare trains (COAT_COMPARE_GC=auto: Python's)
-        stack.enter_context(parallel.manual_gc(parallel.gc_mode() == "manual"))
+        # no automatic garbage collection inside the timed loops, as coat-compare trains by default (--gc manual)
+        stack.enter_context(parallel.manual_gc(True))
         primitives(rows)
         coat_ops(rows)
         cprofile_text = layers(rows, args.profile_layers)

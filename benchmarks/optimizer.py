@@ -17,7 +17,7 @@ Rows:
   6 B/param): the stock path COAT replaces (Megatron calls that copy after every step).
 - TransformerEngine FusedAdam with FP32, BF16 and FP8 states (what Megatron's
   --use-precision-aware-optimizer runs), where TE imports; the step alone.
-Goals (DESIGN 5.2 / the issue): COAT step incl. the BF16 write <= 0.6 x (torch fused AdamW + copy);
+Goals (docs/design.md#the-fused-step): COAT step incl. the BF16 write <= 0.6 x (torch fused AdamW + copy);
 >= 85% of copy bandwidth; <= 2.2 bytes of state per parameter.
 
 Writes optimizer.md (table) and optimizer.jsonl (one JSON object per row, with the ratios) to --out.

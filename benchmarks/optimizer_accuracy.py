@@ -1,6 +1,6 @@
 """Accuracy of FP8 Adam states, on states captured from a real training run (CPU, no GPU needed).
 
-    python benchmarks/optimizer_accuracy.py [--steps 400] [--out benchmarks/results]
+    python benchmarks/optimizer_accuracy.py [--steps 400] [--out benchmarks/results/optimizer-states-accuracy-cpu]
 
 1. Train a small character-level GPT on real English text (docstrings of the Python standard
    library) with torch.optim.AdamW (FP32 states) and capture its Adam states at a few steps.
@@ -244,7 +244,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--no-trajectories", action="store_true", help="only the one-shot error (about 4x faster)")
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/optimizer-states-accuracy-cpu"))
     args = p.parse_args()
 
     text, train_data, val_data = corpus_splits()

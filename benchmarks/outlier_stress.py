@@ -3,7 +3,7 @@
     python benchmarks/outlier_stress.py [--preset gpt-125m] [--steps 400] [--growth 1.03] [--target swiglu]
                                         [--channels 4] [--inject-layers middle] [--modes bf16,te-fp8-current,coat]
                                         [--blowup 1.5] [--seed 1] [--out DIR]
-    bash scripts/gpu_stress.sh        # the GPU run: gpt-125m, 400 steps, the three modes (~4 min on an H100)
+    bash scripts/gpu_evidence.sh outlier-stress   # the GPU run: gpt-125m, 400 steps, the three modes (~4 min on an H100)
 
 Fishman et al. ("Scaling FP8 training to trillion-token LLMs") traced the divergence of long FP8 runs
 to SwiGLU: gate and up weights of a few FFN channels align and grow, so those channels' outputs grow

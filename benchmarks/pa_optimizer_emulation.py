@@ -48,7 +48,7 @@ never-seen token (shown at the first loss spike), the fraction of elements whose
 nonzero gradient, stored 0), the fraction with m stored nonzero and v stored zero ("m alive, v
 dead"), the fraction of updates over 1.5x exact Adam's bound and the largest |update|, overall and
 for the output layer. Writes NAME.md and
-NAME.jsonl to --out (default $OUT or benchmarks/results/pa-optimizer-cpu).
+NAME.jsonl to --out (default $OUT or benchmarks/results/te-fp8-pa-divergence-1gpu/emulation-cpu).
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def main():
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps (coat-compare: at least 10)")
     p.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated, of {', '.join(FORMATS)}")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/pa-optimizer-cpu"))
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/te-fp8-pa-divergence-1gpu/emulation-cpu"))
     p.add_argument("--name", default="pa_optimizer_emulation", help="report files {out}/NAME.md and NAME.jsonl")
     args = p.parse_args()
 

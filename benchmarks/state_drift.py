@@ -1,6 +1,6 @@
 """Drift of FP8 Adam states written every step, against FP32 Adam on the same gradients (CPU).
 
-    python benchmarks/state_drift.py [--steps 400] [--out benchmarks/results/state-drift-cpu]
+    python benchmarks/state_drift.py [--steps 400] [--out benchmarks/results/optimizer-state-drift-cpu]
 
 ``optimizer_accuracy.py`` quantizes FP32 states once (one-shot error). A real FP8 optimizer writes
 its states back to FP8 after every step, and each write rounds: where a step's change to m or v is
@@ -159,7 +159,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     p.add_argument("--every", type=int, default=50)
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/state-drift-cpu"))
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/optimizer-state-drift-cpu"))
     args = p.parse_args()
 
     _, train_data, val_data = corpus_splits()

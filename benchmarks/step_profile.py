@@ -99,8 +99,8 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     for i in range(preset.warmup_steps + 1):
         step(i)
     torch.cuda.synchronize()
-    # as coat-compare trains: no automatic collection inside the measured steps (COAT_COMPARE_GC=auto: Python's)
-    with parallel.manual_gc(parallel.gc_mode() == "manual"):
+    # as coat-compare trains by default (--gc manual): no automatic collection inside the measured steps
+    with parallel.manual_gc(True):
         start = time.perf_counter()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for i in range(steps):
@@ -167,7 +167,7 @@ def main():
     rows = []
     for mode, graphs in configs:
         # each configuration in a fresh process: CUDA graph memory pools outlive their models
-        # (see coat_compare.job.isolate_runs)
+        # (see coat_compare.run.isolate_runs)
         cmd = [
             sys.executable,
             os.path.abspath(__file__),

@@ -15,7 +15,7 @@ written, then a byte transpose), checking every variant's bytes against the libr
 - ``3-D scatter``: the 3-D tile, its codes stored at their transposed addresses (no tl.trans);
 - each 2-D variant also without the transpose (codes stored row-major), to separate the costs.
 
-Measured on an H200 (benchmarks/results/issue23-h200x4/commands.txt): the gathered scales run at
+Measured on an H200 (benchmarks/results/kernel-bandwidth-1gpu/commands.txt): the gathered scales run at
 0.10 of copy bandwidth; the broadcast ones at 0.5, the library's path at 0.45. A fused backward moves
 13 bytes per FFN column per token where the unfused path (the 3-D backward kernel at 0.69 of copy,
 then the quantizer at 0.86) moves 16.5: at 0.5 of copy it would still be slower, so it was not kept.

@@ -1,10 +1,12 @@
 """Comparison jobs: BF16, TransformerEngine FP8 and COAT on the same model, data and seed (DESIGN 6).
 
-One module per concept, in the order the job (``job.py``, the ``coat-compare`` command) uses them:
+One module per concept, in the order the ``coat-compare`` command uses them:
 
+    cli.py       the command line: every option, checked before any work
+    run.py       the job: each mode measured (in processes of its own), the report written
     presets.py   the model shapes (one layer, or a GPT trained end to end)
     modes.py     the recipes compared (bf16, te-fp8-*, coat) and why one cannot run here
-    parallel.py  device, torch.distributed and Megatron's parallel state (TP x DP processes)
+    parallel.py  device, torch.distributed and Megatron's parallel state (TP x PP x DP processes)
     build.py     the layer / GPTModel + DDP + optimizer of a mode, same weights for every mode
     layer.py     per-layer measurement: fwd+bwd time, activation memory
     train.py     end-to-end training: loss, step time, tokens/s, memory by part
@@ -14,6 +16,7 @@ One module per concept, in the order the job (``job.py``, the ``coat-compare`` c
     probe.py     one run of the job in fresh processes (torchrun for several)
     search.py    the largest micro-batch that fits (doubling, bisection, a process per try)
     resume.py    a checkpoint written at DP n resumed at DP 1 and DP n, against the uninterrupted run
+    layouts.py   one model in several parallel layouts, step by step against the first (the rule)
     progress.py  a progress line on stderr
     goals.py     the issue's goals judged on the rows
     report.py    JSON lines and markdown tables with ratios

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import zlib
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-
-from coat_megatron.config import CoatConfig
 
 from .modes import Mode
 from .presets import Preset
@@ -52,13 +48,17 @@ PRECISION_AWARE_FP8_FIELDS = dict(
 )
 
 
-def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = True, graphs: str = "none"):
+def transformer_config(
+    preset: Preset, mode: Mode, tp: int = 1, *, pp: int = 1, vpp: int = 1, ddp: bool = True, graphs: str = "none"
+):
     """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
     the layer benchmark used (bias-SwiGLU, masked softmax), RoPE fused (TE's kernel, where TE is
     installed: the same for every mode, like the attention kernel) and, under DDP (``ddp``:
     parameters have a ``main_grad``), weight-gradient accumulation into main_grad where apex
     provides it (the local output layer needs apex's kernel for it); on a CPU every fusion off
-    (they need CUDA). ``graphs``: Megatron's CUDA graphs (``CUDA_GRAPHS``).
+    (they need CUDA). ``graphs``: Megatron's CUDA graphs (``CUDA_GRAPHS``). ``pp`` pipeline
+    stages, each of ``vpp`` virtual stages (interleaved schedule) where ``vpp`` > 1; the stages
+    exchange BF16 hidden states.
 
     Sequence parallel is on whenever ``tp`` > 1. Megatron-Core 0.19 does not require it (not even
     for TE FP8), but without it each TP rank keeps the whole sequence's norm and residual
@@ -86,6 +86,14 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # the interleaved schedule sends activations and gradients between the same two ranks at
+        # once (at PP 2 a stage's next and previous stage are one rank): batched into one call they
+        # were matched to each other's buffers (gloo, measured), so overlap them as separate calls,
+        # as megatron.training does (its --overlap-p2p-communication default; batch_p2p_comm off)
+        overlap_p2p_comm=vpp > 1,
+        batch_p2p_comm=vpp == 1,
         sequence_parallel=tp > 1,
         perform_initialization=False,  # init_weights_by_name sets every weight
         use_cpu_initialization=not cuda,
@@ -100,23 +108,6 @@ def transformer_config(preset: Preset, mode: Mode, tp: int = 1, *, ddp: bool = T
     if mode.fp8_recipe is not None:
         fields.update(fp8="hybrid", fp8_recipe=mode.fp8_recipe, activation_func_fp8_input_store=mode.fp8_input_store)
     return TransformerConfig(**fields)
-
-
-def wgrad_fusion() -> bool:
-    """Whether each mode adds its wgrad into DDP's gradient buffer inside the GEMM, as fast Megatron
-    training does: TE's linears (bf16, te-fp8-*) with TE's own ``fuse_wgrad_accumulation``, COAT's with
-    theirs (``CoatConfig.fuse_wgrad_accumulation``); neither needs apex, which Megatron's own flag waits
-    for. ``COAT_COMPARE_WGRAD_FUSION=off`` turns it off in every mode (Megatron then adds a BF16 wgrad
-    tensor per micro-batch), to measure what it is worth."""
-    value = os.environ.get("COAT_COMPARE_WGRAD_FUSION", "on")
-    if value not in ("on", "off"):
-        raise ValueError(f"COAT_COMPARE_WGRAD_FUSION={value!r}: use on (the default) or off")
-    return value == "on"
-
-
-def coat_config(mode: Mode) -> CoatConfig:
-    config = mode.coat_config()
-    return config if wgrad_fusion() else replace(config, fuse_wgrad_accumulation=False)
 
 
 def fuse_te_wgrad_accumulation(model: torch.nn.Module) -> None:
@@ -173,28 +164,30 @@ def layer_spec(mode: Mode, config):
     if spec == "te":
         return get_gpt_layer_with_transformer_engine_spec()
     if spec == "coat":
-        return get_gpt_layer_coat_spec(coat_config(mode))
+        return get_gpt_layer_coat_spec(mode.coat_config())
     local = get_gpt_layer_local_spec(normalization="RMSNorm")
     if config.sequence_parallel:
         local.submodules.input_layernorm = local.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     return local
 
 
-def block_spec(mode: Mode, config):
-    """The GPT block: the TE spec's own (with TE's final norm); the local spec with its own norm
-    class as the final norm (Megatron would otherwise want apex); COAT's block."""
+def block_spec(mode: Mode, config, vp_stage: int | None = None):
+    """The GPT block of this pipeline stage (and virtual stage ``vp_stage``): the TE spec's own
+    (with TE's final norm); the local spec with its own norm class as the final norm (Megatron
+    would otherwise want apex); COAT's block."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from coat_megatron.spec import get_gpt_block_coat_spec
 
     spec = mode.resolved_spec()
     if spec == "coat":
-        return get_gpt_block_coat_spec(config, coat_config(mode))
+        return get_gpt_block_coat_spec(config, mode.coat_config(), vp_stage=vp_stage)
     layer = layer_spec(mode, config)
     if spec == "te":
         return layer
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=layer.submodules.input_layernorm
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=layer.submodules.input_layernorm,
     )
 
 
@@ -208,20 +201,67 @@ def parameter_name(name: str) -> str:
     return name
 
 
+# The gated fc1 of a SwiGLU MLP holds [gate; up] (2 x FFN rows at TP 1); each TP rank keeps its slice
+# of both, [gate_r; up_r]: a split with stride 2, as Megatron's checkpoints store it. TE's fc1 carries
+# stride 1 in its attributes but stores the same layout, so the name decides.
+GATED_FC1 = "mlp.linear_fc1.weight"
+
+
+def tensor_parallel_slice(full: torch.Tensor, dim: int, stride: int, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full`` along ``dim`` for a TP group of ``size``, as Megatron's CPU
+    initialisation cuts it (``_initialize_affine_weight_cpu``): ``full`` in ``size x stride``
+    equal pieces along ``dim``, the rank keeping pieces rank, rank + size, ... concatenated."""
+    pieces = torch.split(full, full.shape[dim] // (size * stride), dim=dim)
+    return torch.cat(pieces[rank::size], dim=dim)
+
+
+def global_parameter_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter's name -> its name in the whole, one-GPU model: wrapper prefixes dropped, TE's
+    fused-norm names mapped to the local spec's, and a pipeline stage's local layer index
+    (``decoder.layers.0`` of the second of two stages) replaced by the layer's global index
+    (``TransformerLayer.layer_number`` - 1)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    renames = {}
+    for prefix, module in model.named_modules():
+        head, _, index = prefix.rpartition(".")
+        if isinstance(module, TransformerLayer) and index.isdigit() and head.endswith("layers"):
+            renames[prefix + "."] = f"{head}.{module.layer_number - 1}."
+    names = {}
+    for name, _ in model.named_parameters():
+        whole = next((g + name[len(local) :] for local, g in renames.items() if name.startswith(local)), name)
+        names[name] = parameter_name(whole)
+    return names
+
+
 @torch.no_grad()
 def init_weights_by_name(model: torch.nn.Module, seed: int, num_layers: int) -> None:
     """Norm weights 1; output projections (linear_proj, linear_fc2) N(0, 0.02 / sqrt(2 layers)),
-    Megatron's scaled init; every other weight N(0, 0.02); each drawn from a generator seeded by
-    (seed, name) on the parameter's device, so any spec (and any rank's TP shard shape) gets
-    weights that depend only on the seed and the name."""
-    for name, param in model.named_parameters():
-        name = parameter_name(name)
+    Megatron's scaled init; every other weight N(0, 0.02). Each weight is drawn whole (its
+    one-GPU shape) from a generator seeded by (seed, its one-GPU name) on the parameter's device,
+    and a tensor-parallel rank keeps its slice (``tensor_parallel_slice``), so that any spec, TP
+    size and pipeline stage starts from the weights of the same model on one GPU."""
+    from megatron.core import parallel_state
+
+    split = parallel_state.model_parallel_is_initialized()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size() if split else 1
+    tp_rank = parallel_state.get_tensor_model_parallel_rank() if split else 0
+    names = global_parameter_names(model)
+    for local, param in model.named_parameters():
+        name = names[local]
         if param.dim() == 1:
             param.fill_(1.0)
             continue
         std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0.02
         g = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-        param.copy_(torch.randn(param.shape, generator=g, device=param.device, dtype=torch.float32).mul_(std))
+        parallel = tp_size > 1 and getattr(param, "tensor_model_parallel", False)
+        shape = list(param.shape)
+        if parallel:
+            dim = param.partition_dim
+            stride = 2 if name.endswith(GATED_FC1) else param.partition_stride
+            shape[dim] *= tp_size
+        full = torch.randn(shape, generator=g, device=param.device, dtype=torch.float32).mul_(std)
+        param.copy_(tensor_parallel_slice(full, dim, stride, tp_rank, tp_size) if parallel else full)
 
 
 def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
@@ -235,13 +275,28 @@ def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
     return layer, config
 
 
-def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = "none"):
-    """(DDP-wrapped GPTModel, optimizer) for ``mode``: Megatron's distributed optimizer with Adam
-    (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant with FP8
-    states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, the mode's gradient buffers
-    (``Mode.grad_fp32``).
+def build_gpt(
+    preset: Preset,
+    mode: Mode,
+    seed: int,
+    tp: int = 1,
+    graphs: str = "none",
+    *,
+    pp: int = 1,
+    vpp: int = 1,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+):
+    """(model chunks, optimizer) for ``mode``: this rank's pipeline stage as ``vpp`` DDP-wrapped
+    GPTModel chunks (one without virtual stages), and Megatron's distributed optimizer over them
+    with Adam (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant
+    with FP8 states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, the mode's
+    gradient buffers (``Mode.grad_fp32``).
     ``graphs``: Megatron's CUDA graphs: "local" (per layer, captured by its schedule after the
-    first step) or "full" (the whole forward+backward of a step: ``train`` wraps the schedule)."""
+    first step) or "full" (the whole forward+backward of a step: ``train`` wraps the schedule).
+    ``overlap_grad_reduce`` / ``overlap_param_gather``: Megatron's DDP options (the gradient
+    reduce-scatter in buckets during backward; the parameter all-gather during the next forward),
+    with the schedule hooks megatron.training installs for them."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -250,30 +305,47 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
 
     from coat_megatron.optimizer import coat_param_layout, get_coat_optimizer
 
-    config = transformer_config(preset, mode, tp, graphs=graphs)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec(mode, config),
-        vocab_size=preset.vocab,
-        max_sequence_length=preset.seq,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-    )
-    if torch.cuda.is_available():
-        gpt = gpt.cuda()
-    init_weights_by_name(gpt, seed, preset.layers)
-    if torch.cuda.is_available() and mode.resolved_spec() == "te" and wgrad_fusion():
-        fuse_te_wgrad_accumulation(gpt)
-    module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
+    config = transformer_config(preset, mode, tp, pp=pp, vpp=vpp, graphs=graphs)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=mode.grad_fp32, overlap_grad_reduce=False, use_distributed_optimizer=True
+        grad_reduce_in_fp32=mode.grad_fp32,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        use_distributed_optimizer=True,
     )
-    layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
-    with _ddp_stream(graphs):
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module, full_param_layout=layout)
+    chunks = []
+    for index in range(vpp):
+        vp_stage = index if vpp > 1 else None
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(mode, config, vp_stage),
+            vocab_size=preset.vocab,
+            max_sequence_length=preset.seq,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            gpt = gpt.cuda()
+        init_weights_by_name(gpt, seed, preset.layers)
+        if torch.cuda.is_available() and mode.resolved_spec() == "te" and mode.wgrad_fusion:
+            fuse_te_wgrad_accumulation(gpt)
+        module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
+        layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
+        with _ddp_stream(graphs):
+            chunks.append(
+                DistributedDataParallel(
+                    config=config,
+                    ddp_config=ddp_config,
+                    module=module,
+                    full_param_layout=layout,
+                    disable_bucketing=index > 0,  # megatron.training's choice for later chunks
+                )
+            )
     config.finalize_model_grads_func = finalize_model_grads
+    if overlap_grad_reduce:  # what megatron.training installs: the schedule defers each chunk's reduction
+        config.no_sync_func = [m.no_sync for m in chunks] if vpp > 1 else chunks[0].no_sync
     fields = dict(
         optimizer="adam",
         lr=preset.lr,
@@ -291,11 +363,11 @@ def build_gpt(preset: Preset, mode: Mode, seed: int, tp: int = 1, graphs: str = 
         fields.update(PRECISION_AWARE_FP8_FIELDS)
     opt_config = OptimizerConfig(**fields)
     if mode.coat_optimizer:
-        optimizer = get_coat_optimizer(opt_config, [model], coat_config(mode))
+        optimizer = get_coat_optimizer(opt_config, chunks, mode.coat_config())
     else:
-        optimizer = get_megatron_optimizer(opt_config, [model])
+        optimizer = get_megatron_optimizer(opt_config, chunks)
     config.grad_scale_func = optimizer.scale_loss
-    return model, optimizer
+    return chunks, optimizer
 
 
 @contextlib.contextmanager

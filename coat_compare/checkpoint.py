@@ -16,8 +16,15 @@ from __future__ import annotations
 import torch
 
 
-def checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> dict:
-    """The sharded state dict of model and optimizer, as ``megatron.training`` builds it."""
+def model_keys(chunks: list) -> list[str]:
+    """The state dict's key of each model chunk, as ``megatron.training`` names them: "model",
+    or "model0", "model1", ... with virtual pipeline stages."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def checkpoint_state(chunks: list, optimizer, sharding_type: str, is_loading: bool) -> dict:
+    """The sharded state dict of the model chunks (this rank's pipeline stage, DDP-wrapped) and
+    the optimizer, as ``megatron.training`` builds it."""
     from megatron.core import parallel_state
 
     metadata = dict(
@@ -28,27 +35,65 @@ def checkpoint_state(model, optimizer, sharding_type: str, is_loading: bool) -> 
         chained_optim_avoid_prefix=True,
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
     )
-    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading, metadata=metadata)
+    state = {key: chunk.module.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(chunks), chunks)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=metadata)
     return state
 
 
 def save_checkpoint(
-    directory, model, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
+    directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
 ) -> None:
-    """Save model and optimizer (and ``step``, the number of optimizer steps taken) into
+    """Save the model chunks and the optimizer (and ``step``, the number of optimizer steps taken;
+    the layout and the format, which ``check_checkpoint`` reads before a run loads it) into
     ``directory``, which must exist and be the same path on every rank."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
 
-    state = checkpoint_state(model, optimizer, sharding_type, is_loading=False)
+    state = checkpoint_state(chunks, optimizer, sharding_type, is_loading=False)
     if step is not None:
         state["step"] = step
+    state["layout"] = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "vpp": len(chunks),
+        "dp": parallel_state.get_data_parallel_world_size(),
+        "format": sharding_type,
+    }
     dist_checkpointing.save(state, str(directory))
 
 
-def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
-    """Load what ``save_checkpoint`` wrote into ``model`` and its distributed optimizer, built with
-    the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was saved).
+def check_checkpoint(directory: str) -> dict:
+    """The common state of the checkpoint in ``directory`` (step, layout), after checking that its
+    data files are whole: every byte range the checkpoint's metadata names lies inside a file that
+    exists. Raises ValueError saying what is wrong; reads no tensor and needs no process group."""
+    import os
+    import warnings
+
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with warnings.catch_warnings():  # torch's note that it reads without a process group, the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        common = dist_checkpointing.load_common_state_dict(directory)
+        metadata = FileSystemReader(directory).read_metadata()
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"its data file {name} is missing")
+        size = os.path.getsize(path)
+        if size < end:
+            raise ValueError(f"its data file {name} is cut short ({size} of at least {end} bytes)")
+    if not isinstance(common, dict):
+        raise ValueError("its common state is not a dict")
+    return common
+
+
+def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
+    """Load what ``save_checkpoint`` wrote into the model chunks and their distributed optimizer,
+    built with the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was
+    saved).
 
     COAT's optimizer needs nothing more. Megatron's own with torch's Adam (no apex or TE, so Adam
     keeps a ``step`` tensor per parameter) has three faults in megatron-core 0.19, worked around here:
@@ -69,8 +114,9 @@ def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_res
     for opt in megatron_adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
-    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
-    model.module.load_state_dict(state["model"])
+    state = dist_checkpointing.load(checkpoint_state(chunks, optimizer, sharding_type, is_loading=True), str(directory))
+    for key, chunk in zip(model_keys(chunks), chunks):
+        chunk.module.load_state_dict(state[key])
     # With FP32 params the distributed optimizer's main params are views of the parameters, which
     # its load copies into in place: that needs autograd off.
     with torch.no_grad():

@@ -58,8 +58,10 @@ def peaks(device_name: str) -> dict[str, float] | None:
 
 def utilisation(preset: Preset, tokens_per_s_per_gpu: float, device_name: str, per_token: float | None = None) -> dict:
     """The row fields: model TFLOP/s per GPU (``per_token`` FLOPs a token, the whole model's by
-    default) and MFU against the BF16 and FP8 peaks (None where the GPU's peaks are unknown, e.g.
-    on a CPU)."""
+    default; None on a CPU, where it says nothing of a GPU) and MFU against the BF16 and FP8 peaks
+    (None where the GPU's peaks are unknown)."""
+    if device_name == "CPU":
+        return {"model_tflops_per_gpu": None, "mfu_bf16": None, "mfu_fp8": None}
     tflops = tokens_per_s_per_gpu * (flops_per_token(preset) if per_token is None else per_token) / 1e12
     peak = peaks(device_name)
     return {

@@ -44,27 +44,33 @@ class Goal:
         return {"kind": "goal", **asdict(self)}
 
 
-def layout(row: dict) -> tuple[int, int]:
-    """(TP, DP) of a row; rows written before the job took --tp/--dp ran on one GPU."""
-    return row.get("tp", 1), row.get("dp", 1)
+def layout(row: dict) -> tuple[int, int, int, int]:
+    """(TP, PP, VPP, DP) of a row; rows written before the job took --tp/--pp/--dp ran on one GPU."""
+    return row.get("tp", 1), row.get("pp", 1), row.get("vpp", 1), row.get("dp", 1)
 
 
-def group_name(preset: str, tp: int, dp: int) -> str:
+ONE_GPU = (1, 1, 1, 1)
+
+
+def group_name(preset: str, tp: int, pp: int, vpp: int, dp: int) -> str:
     """What a table or a goal is about: the preset, and its layout when it is not one GPU."""
-    return preset if tp * dp == 1 else f"{preset} at TP {tp} x DP {dp}"
+    if (tp, pp, vpp, dp) == ONE_GPU:
+        return preset
+    stages = f"PP {pp}" + (f" (x {vpp} virtual)" if vpp > 1 else "")
+    return f"{preset} at TP {tp} x {stages} x DP {dp}"
 
 
-def groups(rows: list[dict]) -> list[tuple[str, int, int]]:
-    """(preset, TP, DP) of the rows, in order of appearance: rows compare within one group only."""
+def groups(rows: list[dict]) -> list[tuple[str, int, int, int, int]]:
+    """(preset, TP, PP, VPP, DP) of the rows, in order of appearance: rows compare within one group only."""
     return list(dict.fromkeys((r["preset"], *layout(r)) for r in rows if "preset" in r))
 
 
 def _ok(rows, group, kind):
-    preset, tp, dp = group
+    preset = group[0]
     return [
         r
         for r in rows
-        if r.get("kind") == kind and r.get("preset") == preset and layout(r) == (tp, dp) and r.get("status") == "ok"
+        if r.get("kind") == kind and r.get("preset") == preset and layout(r) == group[1:] and r.get("status") == "ok"
     ]
 
 
@@ -110,7 +116,10 @@ def _ratio_goal(goal, preset, num, den, key, target, at_most, reference) -> Goal
             goal, preset, f"{'<=' if at_most else '>='} {target}", None, None, note=f"not measured: no {missing}"
         )
     ratio = num[key] / den[key]
-    if key in SPEED_KEYS and (on_cpu(num) or on_cpu(den)):
+    if on_cpu(num) or on_cpu(den):
+        # a CPU has no GPU allocator (memory is counted from saved tensors, without the GPU's workspaces,
+        # caches or fragmentation) and no GPU's speed: the ratio is shown, not judged
+        what = "speed" if key in SPEED_KEYS else "memory"
         where = f"vs {den['mode']}; measured on {den.get('device', '?')}"
         return Goal(
             goal,
@@ -118,7 +127,7 @@ def _ratio_goal(goal, preset, num, den, key, target, at_most, reference) -> Goal
             f"{'<=' if at_most else '>='} {target}",
             round(ratio, 4),
             None,
-            note=f"{NOT_APPLICABLE}: speed goals are judged on a GPU ({where})",
+            note=f"{NOT_APPLICABLE}: {what} goals are judged on a GPU ({where})",
         )
     met = ratio <= target if at_most else ratio >= target
     missed = "" if met else f"{abs(ratio - target) / target:.1%} {'above' if at_most else 'below'} the target"
@@ -287,10 +296,10 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
             for goal, preset, target, command in UNMEASURED
             if goal not in measured
         ]
-    if every_goal or any(r.get("preset") == "llama2-7b" and layout(r) == (1, 1) for r in rows):
+    if every_goal or any(r.get("preset") == "llama2-7b" and layout(r) == ONE_GPU for r in rows):
         goals.append(_llama2_7b_fits(rows))
         goals.append(_fits_one_gpu(rows, "llama2-7b", 2, 12000.0, 16, "80 GB", "H100"))
-    if every_goal or any(r.get("preset") == "llama2-13b" and layout(r) == (1, 1) for r in rows):
+    if every_goal or any(r.get("preset") == "llama2-13b" and layout(r) == ONE_GPU for r in rows):
         goals.append(_fits_one_gpu(rows, "llama2-13b", 2, None, None, "141 GB", "H200"))
     return goals
 
@@ -355,7 +364,7 @@ def _llama2_7b_fits(rows: list[dict]) -> Goal:
     goal = "llama2-7b trains on one GPU with COAT where BF16 does not fit"
     coat = bf16 = None
     for r in rows:
-        if r.get("preset") != "llama2-7b" or r.get("mode") not in (*DEFAULT_NAMES, "bf16") or layout(r) != (1, 1):
+        if r.get("preset") != "llama2-7b" or r.get("mode") not in (*DEFAULT_NAMES, "bf16") or layout(r) != ONE_GPU:
             continue
         if r.get("kind") == "search" and r.get("status") == "ok":
             fits = r["largest_micro_batch"] > 0
@@ -413,7 +422,7 @@ def _fits_one_gpu(
         if r.get("preset") == preset
         and r.get("mode") in DEFAULT_NAMES
         and r.get("kind") == "train"
-        and layout(r) == (1, 1)
+        and layout(r) == ONE_GPU
         and gpu in str(r.get("device", ""))
         and (global_batch is None or r.get("global_batch", r.get("micro_batch", 0)) >= global_batch)
     ]

@@ -15,9 +15,28 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from coat_megatron.memory import _inner_tensors, _plain, _storage_key, static_parts, tensor_bytes
+from coat_megatron.memory import (
+    fp8_copy_bytes,
+    gradient_bytes,
+    optimizer_parts,
+    static_parts,
+    tensor_bytes,
+    weights_bytes,
+)
+from coat_megatron.memory import inner_tensors as _inner_tensors
+from coat_megatron.memory import is_plain_tensor as _plain
+from coat_megatron.memory import storage_key as _storage_key
 
-__all__ = ["MIB", "SavedTensors", "static_parts", "tensor_bytes"]
+__all__ = [
+    "MIB",
+    "SavedTensors",
+    "fp8_copy_bytes",
+    "gradient_bytes",
+    "optimizer_parts",
+    "static_parts",
+    "tensor_bytes",
+    "weights_bytes",
+]
 
 MIB = 2**20
 
@@ -74,20 +93,27 @@ def expected_bytes_per_param(mode) -> dict[str, float]:
             "master_weights": masters, "states": states}  # fmt: skip
 
 
-def why_it_does_not_fit(mode, params: int, gpu_bytes: int) -> str:
-    """One sentence for an out-of-memory row: what the mode holds between steps, its largest part,
+def why_it_does_not_fit(mode, params: int, gpu_bytes: int, *, tp: int = 1, pp: int = 1, dp: int = 1) -> str:
+    """One sentence for an out-of-memory row: what each GPU holds between steps after the layout's
+    sharding (``params`` of the whole model; weights and gradient buffers split over TP x PP, master
+    weights and optimizer states over TP x PP x DP by the distributed optimizer), its largest part,
     and what COAT's default would hold instead."""
     from .modes import MODES
 
-    parts = expected_bytes_per_param(mode)
+    def per_gpu(parts: dict[str, float]) -> dict[str, float]:
+        sharded = ("master_weights", "states")
+        return {k: v / (tp * pp * (dp if k in sharded else 1)) for k, v in parts.items()}
+
+    parts = per_gpu(expected_bytes_per_param(mode))
     total = sum(parts.values())
     largest = max(parts, key=parts.get)
     held = total * params
     names = {"fp8_copies": "FP8 weight copies", "master_weights": "master weights", "states": "optimizer states"}
-    lean_total = sum(expected_bytes_per_param(MODES["coat"]).values())  # COAT's default: its memory mode
+    lean_total = sum(per_gpu(expected_bytes_per_param(MODES["coat"])).values())  # COAT's default: its memory mode
     advice = f"; coat holds {lean_total:.1f} B/param" if lean_total < total else ""
+    layout = "" if tp * pp * dp == 1 else f" at TP {tp} x PP {pp} x DP {dp}"
     return (
-        f"{mode.name} holds about {held / 2**30:.0f} GiB between steps ({total:.1f} B/param x {params / 1e9:.2f} B params) "
-        f"of this GPU's {gpu_bytes / 2**30:.0f} GiB, the most in {names.get(largest, largest)} ({parts[largest]:.1f} B/param), "
-        f"before activations{advice}"
+        f"{mode.name} holds about {held / 2**30:.0f} GiB per GPU between steps{layout} ({total:.1f} B/param x "
+        f"{params / 1e9:.2f} B params) of this GPU's {gpu_bytes / 2**30:.0f} GiB, the most in "
+        f"{names.get(largest, largest)} ({parts[largest]:.1f} B/param), before activations{advice}"
     )

@@ -29,6 +29,9 @@ coat-fp32-grads    coat with FP32 gradient buffers (``grad_buffers="fp32"``): mi
 coat-fp32          coat with every byte back: an FP32 copy of the master weights
                    (``master_weights="fp32"``), FP32 gradient buffers and cached W^T
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
+coat-tp-blocking   coat with ``tp_comm_overlap=False``: under sequence parallelism each chunk exchange
+                   is one blocking collective instead of a ring overlapped with the GEMMs (the
+                   same arithmetic): what the overlap is worth
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states and masters,
                    FP32 gradient buffers)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
@@ -47,7 +50,7 @@ made per backward, now the default) is refused with the names to use instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,15 +64,17 @@ class Mode:
     name: what ``--modes`` takes.
     spec: "te" (TE's layer spec), "local" (Megatron's), "coat", or "best-bf16" (te if TE
         imports, else local).
+    family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
     fp8_recipe: Megatron's ``TransformerConfig.fp8_recipe`` for TE FP8 ("delayed",
         "tensorwise", "blockwise"), None for no TE FP8.
     fp8_input_store: Megatron's ``activation_func_fp8_input_store``.
     precision_aware: Megatron's precision-aware optimizer with FP8 (uint8) Adam states.
-    coat_optimizer: COAT's FP8 AdamW instead of Megatron's Adam.
-    recompute_norm_output: ``CoatConfig.recompute_norm_output``.
-    cache_weight, cache_weight_transpose, master_weights, grad_buffers: the ``CoatConfig`` fields; None:
-        CoatConfig's default.
-    family: "bf16", "te-fp8" or "coat": what the report's ratios compare.
+    coat: the COAT recipe of the mode's COAT parts (the layer spec where ``spec`` is "coat";
+        COAT's FP8 AdamW where ``coat.optimizer``; DDP's gradient buffers ``coat.grad_buffers``);
+        None for a mode without any (Megatron's Adam, FP32 gradient buffers).
+    wgrad_fusion: each linear adds its weight gradient into DDP's buffer inside its GEMM (TE's
+        ``fuse_wgrad_accumulation``, COAT's ``CoatConfig.fuse_wgrad_accumulation``); False
+        (``coat-compare --wgrad-fusion off``) leaves the addition to Megatron in every mode.
     """
 
     name: str
@@ -78,34 +83,25 @@ class Mode:
     fp8_recipe: str | None = None
     fp8_input_store: bool = False
     precision_aware: bool = False
-    coat_optimizer: bool = False
-    recompute_norm_output: bool = False
-    cache_weight: bool | None = None
-    cache_weight_transpose: bool | None = None
-    master_weights: str | None = None
-    grad_buffers: str | None = None
+    coat: CoatConfig | None = None
+    wgrad_fusion: bool = True
+
+    @property
+    def coat_optimizer(self) -> bool:
+        """COAT's FP8 AdamW instead of Megatron's Adam."""
+        return self.coat is not None and self.coat.optimizer
 
     def coat_config(self) -> CoatConfig:
-        """The CoatConfig of this mode's COAT parts (for modes without any: optimizer off)."""
-        fields = dict(
-            optimizer=self.coat_optimizer,
-            recompute_norm_output=self.recompute_norm_output,
-            master_weights=self.master_weights,
-            grad_buffers=self.grad_buffers,
-        )
-        for name in ("cache_weight", "cache_weight_transpose"):
-            if getattr(self, name) is not None:
-                fields[name] = getattr(self, name)
-        return CoatConfig(**fields)
+        """The CoatConfig of this mode's COAT parts (for modes without any: the optimizer off),
+        with ``wgrad_fusion`` applied."""
+        config = self.coat if self.coat is not None else CoatConfig(optimizer=False)
+        return config if self.wgrad_fusion else replace(config, fuse_wgrad_accumulation=False)
 
     @property
     def grad_fp32(self) -> bool:
-        """DDP's ``grad_reduce_in_fp32``: the mode's CoatConfig decides where COAT's optimizer or
-        layers run, or where the mode names its gradient buffers (bf16-grads); every other mode
-        keeps Megatron's FP32 gradient buffers."""
-        if self.coat_optimizer or self.spec == "coat" or self.grad_buffers is not None:
-            return self.coat_config().ddp_grad_reduce_in_fp32
-        return True
+        """DDP's ``grad_reduce_in_fp32``: the mode's CoatConfig decides where it has one; every
+        other mode keeps Megatron's FP32 gradient buffers."""
+        return True if self.coat is None else self.coat.ddp_grad_reduce_in_fp32
 
     @property
     def needs_transformer_engine(self) -> bool:
@@ -128,24 +124,22 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-block", "te", "te-fp8", fp8_recipe="blockwise"),
         Mode("te-fp8-store", "te", "te-fp8", fp8_recipe="tensorwise", fp8_input_store=True),
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
-        Mode("coat", "coat", "coat", coat_optimizer=True),
-        Mode("coat-codes", "coat", "coat", coat_optimizer=True, cache_weight=True),
-        Mode("coat-cached", "coat", "coat", coat_optimizer=True, cache_weight_transpose=True),
-        Mode("coat-fp32-grads", "coat", "coat", coat_optimizer=True, grad_buffers="fp32"),
+        Mode("coat", "coat", "coat", coat=CoatConfig()),
+        Mode("coat-codes", "coat", "coat", coat=CoatConfig(cache_weight=True)),
+        Mode("coat-cached", "coat", "coat", coat=CoatConfig(cache_weight_transpose=True)),
+        Mode("coat-fp32-grads", "coat", "coat", coat=CoatConfig(grad_buffers="fp32")),
         Mode(
             "coat-fp32",
             "coat",
             "coat",
-            coat_optimizer=True,
-            master_weights="fp32",
-            grad_buffers="fp32",
-            cache_weight_transpose=True,
+            coat=CoatConfig(master_weights="fp32", grad_buffers="fp32", cache_weight_transpose=True),
         ),
-        Mode("coat-recompute", "coat", "coat", coat_optimizer=True, recompute_norm_output=True),
-        Mode("coat-act", "coat", "coat"),
-        Mode("coat-opt", "best-bf16", "coat", coat_optimizer=True),
-        Mode("coat-opt-states", "best-bf16", "coat", coat_optimizer=True, master_weights="fp32", grad_buffers="fp32"),
-        Mode("bf16-grads", "best-bf16", "coat", grad_buffers="bf16"),
+        Mode("coat-recompute", "coat", "coat", coat=CoatConfig(recompute_norm_output=True)),
+        Mode("coat-tp-blocking", "coat", "coat", coat=CoatConfig(tp_comm_overlap=False)),
+        Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),
+        Mode("coat-opt", "best-bf16", "coat", coat=CoatConfig()),
+        Mode("coat-opt-states", "best-bf16", "coat", coat=CoatConfig(master_weights="fp32", grad_buffers="fp32")),
+        Mode("bf16-grads", "best-bf16", "coat", coat=CoatConfig(optimizer=False, grad_buffers="bf16")),
     ]
 }
 ALIASES = {"te-fp8": "te-fp8-current", "coat-mem": "coat", "coat-min": "coat"}

@@ -1,8 +1,9 @@
 """Where a comparison runs: the device, torch.distributed and Megatron's model-parallel state.
 
-One process per GPU. Under ``torchrun`` the process group comes from its environment (RANK,
-WORLD_SIZE, MASTER_ADDR/PORT) and ``--tp`` x ``--dp`` must equal the world size; started plainly,
-the job is a world of one (a TCP rendezvous on a port the OS picks). NCCL on a GPU, gloo on a CPU.
+One process per GPU. A run of several processes is started by the job under ``torchrun``
+(``probe``); the process group comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT)
+and ``--tp`` x ``--pp`` x ``--dp`` equals the world size. A run of one process started plainly
+is a world of one (a TCP rendezvous on a port the OS picks). NCCL on a GPU, gloo on a CPU.
 
 On a CPU, Megatron-Core still names CUDA in a few places; ``coat_patches.cpu.megatron_on_cpu()``
 redirects those for the life of the job. (The comparison job is an application of the plugin, so
@@ -12,6 +13,7 @@ this is the one place ``coat_megatron`` reaches into ``coat_patches``, and only 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import os
 import socket
@@ -52,9 +54,10 @@ def per_rank(value) -> list:
     return out
 
 
-def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
-    """Join (or make) the process group and set Megatron's TP x DP state; CPU redirects are
-    entered on ``stack`` and undone when it closes."""
+def initialize(tp: int, dp: int, stack: contextlib.ExitStack, pp: int = 1, vpp: int = 1) -> None:
+    """Join (or make) the process group and set Megatron's TP x PP x DP state (``vpp`` virtual
+    pipeline stages per rank where > 1); CPU redirects are entered on ``stack`` and undone when it
+    closes."""
     from megatron.core import parallel_state
 
     if not torch.cuda.is_available():
@@ -62,10 +65,10 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
 
         stack.enter_context(megatron_on_cpu())
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if tp * dp != world:
+    if tp * pp * dp != world:
         raise ValueError(
-            f"--tp {tp} x --dp {dp} = {tp * dp} processes, but this job has {world}: "
-            f"launch with torchrun --nproc-per-node {tp * dp} -m coat_compare ..."
+            f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} processes, but this run has {world}: "
+            "run coat-compare with plain python, which starts the processes of each run itself"
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -80,7 +83,11 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack) -> None:
             torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     _WORLD.update(rank=torch.distributed.get_rank(), size=torch.distributed.get_world_size())
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        )
     stack.callback(_shutdown)
 
 
@@ -169,15 +176,21 @@ def free_memory() -> None:
 GC_INTERVAL = 50  # steps between garbage collections while training (Megatron's --manual-gc-interval)
 
 
-def gc_mode() -> str:
-    """The garbage collection while training: "manual" (the default, as Megatron's ``--manual-gc``:
-    a collection every ``GC_INTERVAL`` steps and none in between, so that no collection pause
-    lands inside a step at random) or "auto" (Python's own, ``COAT_COMPARE_GC=auto``: to compare
-    the two)."""
-    value = os.environ.get("COAT_COMPARE_GC", "manual")
-    if value not in ("manual", "auto"):
-        raise ValueError(f"COAT_COMPARE_GC={value!r}: use manual (the default) or auto")
-    return value
+@contextlib.contextmanager
+def step_watchdog(seconds: float | None):
+    """Run the block under a deadline: past ``seconds`` (None: no deadline) every thread's Python
+    stack goes to stderr after a line ``Timeout (H:MM:SS)!`` (``faulthandler``, which needs no GIL)
+    and the process exits (status 1), which makes torchrun end the run's other ranks. A
+    collective that one rank never joins would otherwise hang the whole job; the stacks say where
+    each rank was."""
+    if not seconds:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 @contextlib.contextmanager

@@ -1,10 +1,13 @@
-"""One run of the job in a fresh process: ``coat-compare ... --probe``, under ``torchrun`` when
+"""One run of the job in fresh processes: ``coat-compare ... --probe``, under ``torchrun`` when
 it needs more than one process.
 
-The micro-batch search (``search``) and the checkpoint-resume check (``resume``) are made of such
-runs: an out-of-memory error, and whatever state it leaves in the CUDA caching allocator, TE or
-Megatron, dies with its process, and each run can have its own number of processes (a checkpoint
-written by 2 resumes in 1). The probe prints its one row as a line starting with ``PROBE_MARK``.
+Every mode of a comparison on a GPU or on several processes, each try of the micro-batch search
+(``search``), each run of the checkpoint-resume check (``resume``) and of the layout check
+(``layouts``) is such a run: an out-of-memory error, and whatever state it leaves in the CUDA
+caching allocator, TE or Megatron, dies with its processes, a rank that dies or stalls takes its
+run down and not the job, and each run can have its own number of processes (a checkpoint written
+by 2 resumes in 1). ``run_args`` builds a run's command line from the job's. The probe prints its
+one row as a line starting with ``PROBE_MARK``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ class ProbeResult:
     log: str = ""  # the run's stderr when there is no row (the whole of it, for a log file)
 
 
-# lines that say why a run died, best first: a Python exception, a C++ abort, a CUDA error
+# lines that say why a run died, best first: a stalled step (the step watchdog's faulthandler
+# dump), a Python exception, a C++ abort, a CUDA error
 _CAUSES = (
+    re.compile(r"^Timeout \(\d+:\d\d:\d\d\)!"),
+    re.compile(r"^coat-compare: error: "),
     re.compile(r"^[\w.]*(Error|Exception): "),
     re.compile(r"what\(\):|terminate called"),
     re.compile(r"CUDA error|illegal memory|Assertion"),
@@ -42,6 +48,8 @@ def why_it_died(text: str) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     for cause in _CAUSES:
         hits = [line for line in lines if cause.search(line)]
+        if hits and cause is _CAUSES[0]:
+            return f"a step went past --step-timeout ({hits[-1]}): every rank's Python stack is in the log"
         if hits:
             return hits[-1]
     return lines[-1] if lines else "no output"
@@ -73,6 +81,65 @@ def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> Probe
             None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text
         )
     return ProbeResult(json.loads(lines[-1]), "", seconds)
+
+
+def run_args(
+    args,
+    preset,
+    mode: str,
+    *,
+    graphs: str = "none",
+    micro_batch: int | None = None,
+    steps: int | None = None,
+    layout: tuple[int, int, int, int] | None = None,
+    extra: tuple[str, ...] = (),
+    **data_overrides,
+) -> list[str]:
+    """The command line of one run of this job (a mode in one CUDA graph configuration): the
+    preset with its overrides, ``mode``, ``args``' seed, layout, training and data options, then
+    ``extra``. ``micro_batch``: the run's (None: none given, for the search to add its own);
+    ``steps``: the run's (None: the preset's);
+    ``layout``: (TP, PP, VPP, DP), default the job's; ``data_overrides`` replace the job's data
+    options (``data_args``)."""
+    tp, pp, vpp, dp = layout or (args.tp, args.pp, args.vpp, args.dp)
+    line = [
+        "--preset",
+        preset.name,
+        "--modes",
+        mode,
+        "--seq",
+        str(preset.seq),
+        "--seed",
+        str(args.seed),
+        "--tp",
+        str(tp),
+        "--pp",
+        str(pp),
+        "--vpp",
+        str(vpp),
+        "--dp",
+        str(dp),
+        "--cuda-graphs",
+        graphs,
+        "--gc",
+        args.gc,
+        "--wgrad-fusion",
+        args.wgrad_fusion,
+    ]
+    if preset.kind == "train":  # a per-layer preset takes no optimizer steps
+        line += ["--steps", str(preset.steps if steps is None else steps)]
+    if micro_batch is not None:
+        line += ["--micro-batch", str(micro_batch)]
+    if args.wgrad_accumulate is not None:
+        line += ["--wgrad-accumulate", args.wgrad_accumulate]
+    for flag in ("overlap_grad_reduce", "overlap_param_gather"):
+        if getattr(args, flag):
+            line.append("--" + flag.replace("_", "-"))
+    if args.step_timeout is not None:
+        line += ["--step-timeout", str(args.step_timeout)]
+    if args.checkpoint_format != "dp_reshardable" and "--checkpoint-format" not in extra:
+        line += ["--checkpoint-format", args.checkpoint_format]
+    return [*line, *data_args(args, **data_overrides), *extra]
 
 
 def data_args(args, **overrides) -> list[str]:

@@ -17,6 +17,7 @@ import os
 
 from .flops import FORMULA
 from .goals import NOT_APPLICABLE, Goal, best, group_name, groups, layout
+from .layouts import BF16_DRIFT_FACTOR, DRIFT_ABSOLUTE, FIRST_STEP_RELATIVE
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
@@ -103,8 +104,8 @@ def _mode_and_graphs(r: dict) -> list[str]:
 
 
 def _several_gpus(rows: list[dict]) -> bool:
-    tp, dp = layout(rows[0])
-    return tp * dp > 1
+    tp, pp, _, dp = layout(rows[0])
+    return tp * pp * dp > 1
 
 
 def _mib(value) -> str:
@@ -201,6 +202,7 @@ def train_table(rows: list[dict]) -> list[str]:
         head += [
             "tokens/s per GPU",
             "peak MiB per GPU",
+            "peak MiB per pipeline stage",
             "optimizer MiB per GPU",
             "SP all-gather MiB/step (FP8)",
             "vs BF16",
@@ -218,6 +220,7 @@ def train_table(rows: list[dict]) -> list[str]:
         if several:
             line += (
                 f" {_fmt(r.get('tokens_per_s_per_gpu'), 0)} | {' / '.join(_fmt(v, 1) for v in r.get('peak_MiB_per_rank', []))} | "
+                f"{' / '.join(_fmt(v, 1) for v in r.get('peak_MiB_per_stage', []))} | "
                 f"{' / '.join(_fmt(v, 1) for v in r.get('optimizer_MiB_per_rank', []))} | {_gathers(r, bf16_g)} | {_mib(r.get('dp_all_gather_bytes'))} |"
             )
         return [line]
@@ -304,17 +307,11 @@ def search_table(rows: list[dict]) -> list[str]:
 
 def resume_table(rows: list[dict]) -> list[str]:
     """One line per step after the checkpoint: the uninterrupted loss and the resumed ones."""
-    dp = rows[0].get("dp", 2)
-    names = ["resumed_dp1", f"resumed_dp{dp}"]
-    head = [
-        "mode",
-        "step",
-        f"uninterrupted (DP {dp})",
-        "resumed at DP 1",
-        "difference",
-        f"resumed at DP {dp}",
-        "difference",
-    ]
+    ok = next((r for r in rows if r.get("status") == "ok"), rows[0])
+    names = ok.get("resumed", [])
+    head = ["mode", "step", f"uninterrupted ({ok.get('saved_at', '-')})"]
+    for name in names:
+        head += [f"resumed at {name[len('resumed_') :]}", "difference"]
 
     def lines_of(r):
         lines = []
@@ -322,10 +319,43 @@ def resume_table(rows: list[dict]) -> list[str]:
         for i, loss in enumerate(after):
             cells = [f"{r['losses_' + n][i]:.5f} | {r['losses_' + n][i] - loss:+.1e}" for n in names]
             lines.append(f"| {r['mode']} | {r['save_step'] + i + 1} | {loss:.5f} | {' | '.join(cells)} |")
-        summary = [f"max {r['max_abs_diff_' + n]:.1e}" + (" (bit-exact)" if r["exact_" + n] else "") for n in names]
-        return lines + [f"| {r['mode']} | all | saved after step {r['save_step']} | | {summary[0]} | | {summary[1]} |"]
+        summary = [f"| max {r['max_abs_diff_' + n]:.1e}" + (" (bit-exact)" if r["exact_" + n] else "") for n in names]
+        return lines + [
+            f"| {r['mode']} | all | saved after step {r['save_step']} ({r['checkpoint_format']}) | {' | '.join(summary)} |"
+        ]
 
     return _table(head, rows, lines_of)
+
+
+def layout_table(rows: list[dict]) -> list[str]:
+    """One line per (mode, layout): its losses against the first layout's, judged by the rule
+    written before the runs (``coat_compare.layouts``)."""
+    head = [
+        "mode",
+        "layout",
+        "loss first -> last",
+        "tokens/s",
+        "first step vs reference (relative)",
+        "largest step difference",
+        "BF16's own",
+        "bound",
+        "agrees",
+    ]
+
+    def lines_of(r):
+        losses = f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+        if r["layout"] == r["reference"]:
+            return [
+                f"| {r['mode']} | {r['layout']} | {losses} | {_fmt(r.get('tokens_per_s'), 0)} | reference | | | | |"
+            ]
+        bf16 = "-" if r.get("bf16_drift") is None else f"{r['bf16_drift']:.2e}"
+        return [
+            f"| {r['mode']} | {r['layout']} | {losses} | {_fmt(r.get('tokens_per_s'), 0)} | "
+            f"{r['first_step_relative']:.2e} (<= {FIRST_STEP_RELATIVE:g}) | {r['drift']:.2e} | {bf16} | "
+            f"{r['drift_bound']:.3g} | {'yes' if r['agrees'] else 'NO'} |"
+        ]
+
+    return _table(head, rows, lines_of, lambda r: [r["mode"], r["layout"]])
 
 
 def same_batch_table(rows: list[dict]) -> list[str]:
@@ -400,8 +430,11 @@ COLUMNS = {
     "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process; "
     "one micro-batch per optimizer step unless the note says more: --search-micro-batches); "
     "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
-    "resume": "A dist checkpoint (dp_reshardable) written after the step named, by the uninterrupted run; the resumed runs load it at "
-    "DP 1 (micro-batch x DP: the same global batch) and at the saving DP size, and train the same steps on the same batches. "
+    "layout": "Every layout trains the same weights on the same global batches; the first is the reference. The rule, fixed "
+    f"before the runs: the first step's loss within {FIRST_STEP_RELATIVE:g} relative, and every step's within "
+    f"{DRIFT_ABSOLUTE:g} absolute or {BF16_DRIFT_FACTOR:g} x BF16's own largest difference between the same two layouts.",
+    "resume": "A dist checkpoint written after the step named (its format in brackets), by the uninterrupted run; the resumed "
+    "runs load it at each layout named and at the saving one, and train the same steps on the same global batches. "
     "difference: resumed minus uninterrupted loss.",
 }
 BUDGET_NOTE = (
@@ -420,23 +453,37 @@ SEVERAL_GPUS = (
     "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "
     "DP all-gather: the distributed optimizer's parameter gather."
 )
-TABLES = {"layer": layer_table, "train": train_table, "search": search_table, "resume": resume_table}
-TITLES = {"layer": "Per-layer", "train": "End to end", "search": "Largest micro-batch", "resume": "Checkpoint resume"}
+TABLES = {
+    "layer": layer_table,
+    "train": train_table,
+    "search": search_table,
+    "resume": resume_table,
+    "layout": layout_table,
+}
+TITLES = {
+    "layer": "Per-layer",
+    "train": "End to end",
+    "search": "Largest micro-batch",
+    "resume": "Checkpoint resume",
+    "layout": "Parallel layouts against the first",
+}
 
 
 def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal], notes: list[str] = ()) -> str:
     """The report: a title, run facts, one table per (preset, kind), the goals, notes (plots)."""
     lines = [f"# {title}", "", *header, ""]
-    for preset, tp, dp in groups(rows):
+    for group in groups(rows):
+        preset, tp, pp, _, dp = group
         for kind, table in TABLES.items():
-            chosen = [r for r in rows if r.get("preset") == preset and layout(r) == (tp, dp) and r.get("kind") == kind]
+            chosen = [r for r in rows if r.get("preset") == preset and layout(r) == group[1:] and r.get("kind") == kind]
             if chosen:
                 first = chosen[0]
                 shape = first.get("shape", "")
-                gpus = f"{tp * dp} x " if tp * dp > 1 and kind != "resume" else ""
-                notes_for = [COLUMNS[kind]] + ([SEVERAL_GPUS] if tp * dp > 1 and kind in ("layer", "train") else [])
+                several = tp * pp * dp > 1
+                gpus = f"{tp * pp * dp} x " if several and kind != "resume" else ""
+                notes_for = [COLUMNS[kind]] + ([SEVERAL_GPUS] if several and kind in ("layer", "train") else [])
                 lines += [
-                    f"## {TITLES[kind]}: {group_name(preset, tp, dp)} ({shape}) on {gpus}{first.get('device', '?')}",
+                    f"## {TITLES[kind]}: {group_name(*group)} ({shape}) on {gpus}{first.get('device', '?')}",
                     "",
                     *table(chosen),
                     "",
@@ -446,7 +493,7 @@ def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal],
                 budget = budget_table(chosen) if kind == "train" else []
                 if budget:
                     lines += [
-                        f"### Bytes per parameter between steps: {group_name(preset, tp, dp)}",
+                        f"### Bytes per parameter between steps: {group_name(*group)}",
                         "",
                         *budget,
                         "",

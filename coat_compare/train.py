@@ -35,7 +35,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
 from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
 from .flops import utilisation
-from .memory import MIB, SavedTensors, static_parts
+from .memory import MIB, SavedTensors, fp8_copy_bytes, gradient_bytes, optimizer_parts, weights_bytes
 from .modes import Mode
 from .presets import Preset
 
@@ -76,6 +76,13 @@ def train(
     save_step: int | None = None,
     load: str | None = None,
     graphs: str = "none",
+    pp: int = 1,
+    vpp: int = 1,
+    gc_mode: str = "manual",
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    step_timeout: float | None = None,
+    checkpoint_format: str = "dp_reshardable",
 ) -> dict:
     """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
 
@@ -86,7 +93,16 @@ def train(
     second step); either way before the timed steps. Validation runs eagerly either way
     (``validation_loss``).
 
-    ``save``: write a dist checkpoint into this directory after ``save_step`` steps (and go on).
+    ``tp``, ``pp`` (with ``vpp`` virtual stages each), ``dp``: the layout, set up by
+    ``parallel.initialize``; the loss is the last stage's, reduced to every rank.
+    ``gc_mode``: "manual" (a collection every ``parallel.GC_INTERVAL`` steps, none in between)
+    or "auto" (Python's). ``overlap_grad_reduce`` / ``overlap_param_gather``: Megatron's DDP
+    options (``build.build_gpt``). ``step_timeout``: a step (or validation) that takes longer
+    dumps every thread's stack and ends the process (``parallel.step_watchdog``), so that a stalled
+    collective fails its run instead of hanging the job.
+
+    ``save``: write a dist checkpoint (``checkpoint_format``) into this directory after ``save_step``
+    steps (and go on).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
     learning rate and the batches continue from there, so a resumed run sees what the
     uninterrupted one saw.
@@ -98,13 +114,24 @@ def train(
     corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
     data = training_windows(preset, data_seed, dp, corpus)
     validation, validation_sha256 = validation_set(preset, corpus, dp) if preset.eval_every else (None, None)
-    model, optimizer = build_gpt(preset, mode, seed, tp, graphs=graphs)
+    chunks, optimizer = build_gpt(
+        preset,
+        mode,
+        seed,
+        tp,
+        graphs=graphs,
+        pp=pp,
+        vpp=vpp,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+    )
+    params_of_stage = [p for chunk in chunks for p in chunk.parameters()]
     forward_backward = forward_backward_function(graphs)
     if save is not None:
         os.makedirs(save, exist_ok=True)
     first = 0
     if load is not None:
-        first = load_checkpoint(load, model, optimizer)
+        first = load_checkpoint(load, chunks, optimizer, sharding_type=checkpoint_format)
         if first is None:
             raise ValueError(f"the checkpoint in {load} has no step: write it with coat-compare --save")
     if preset.steps - first <= preset.warmup_steps:
@@ -128,12 +155,12 @@ def train(
     losses, step_ms, skipped, valid_losses = [], [], 0, []
     gathered = Counter()
     activations = static = warmup_peak = warmup_reserved = None
-    collect = parallel.gc_mode() == "manual"
+    collect = gc_mode == "manual"
     with AllGatherBytes() as counter, parallel.manual_gc(collect):
         for step in range(first, preset.steps):
             batches = micro(data.batch(step), micro_batches)
             if save is not None and step == save_step:
-                save_checkpoint(save, model, optimizer, step=step)
+                save_checkpoint(save, chunks, optimizer, step=step, sharding_type=checkpoint_format)
             set_learning_rate(optimizer, preset, step)
             measure = step == first + preset.warmup_steps
             if measure and cuda:
@@ -142,13 +169,14 @@ def train(
                 warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
                 warmup_reserved = torch.cuda.max_memory_reserved()
                 torch.cuda.reset_peak_memory_stats()
-            saved = SavedTensors(exclude=[*model.parameters(), *batches[0].values()]) if measure and not cuda else None
+            saved = SavedTensors(exclude=[*params_of_stage, *batches[0].values()]) if measure and not cuda else None
             before = counter.snapshot()
             parallel.synchronize()
             start = time.perf_counter()
             if collect and step > first and (step - first) % parallel.GC_INTERVAL == 0:
                 gc.collect()  # inside the step's time, as Megatron's manual collection is in its iteration's
-            loss, ok = train_step(model, optimizer, batches, preset, saved, forward_backward)
+            with parallel.step_watchdog(step_timeout):
+                loss, ok = train_step(chunks, optimizer, batches, preset, saved, forward_backward)
             parallel.synchronize()
             if step >= first + preset.warmup_steps:
                 step_ms.append((time.perf_counter() - start) * 1e3)
@@ -159,16 +187,16 @@ def train(
             losses.append(loss)
             done = step + 1
             if validation is not None and (done % preset.eval_every == 0 or done == preset.steps):
-                valid_losses.append(
-                    [done, validation_loss(model, [micro(b, 1)[0] for b in validation], preset, graphs)]
-                )
+                with parallel.step_watchdog(step_timeout):
+                    valid = validation_loss(chunks, [micro(b, 1)[0] for b in validation], preset, graphs)
+                valid_losses.append([done, valid])
             if progress is not None:
                 progress.update(done, loss=loss, **({"valid": valid_losses[-1][1]} if valid_losses else {}))
     if progress is not None:
         progress.close()
 
-    parts = static_parts(model, unwrap_optimizers(optimizer))
-    params = sum(p.numel() for p in model.parameters())
+    parts = held_between_steps(chunks, unwrap_optimizers(optimizer))
+    params = sum(p.numel() for p in params_of_stage)
     if cuda:
         activations = torch.cuda.max_memory_allocated() - static
         parts["other"] = max(0, static - sum(parts.values()))  # TE's FP8 weights, workspaces, ...
@@ -182,31 +210,46 @@ def train(
     budget = {k: v / params for k, v in parts.items()}  # bytes per parameter this GPU holds between steps
     parts["optimizer"] = parts["master_weights"] + parts["states"]
     parts["activations"] = activations
-    ranks = parallel.per_rank({"peak": peak, "optimizer": parts["optimizer"], "reserved": reserved or 0})
+    ranks = parallel.per_rank(
+        {
+            "peak": peak,
+            "optimizer": parts["optimizer"],
+            "reserved": reserved or 0,
+            "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        }
+    )
     median_ms = statistics.median(step_ms)
     tokens_per_s = preset.global_batch_for(dp) * preset.seq / (median_ms / 1e3)
+    gpus = tp * pp * dp
     result = {
         "micro_batch": preset.micro_batch,
         "global_batch": preset.global_batch_for(dp),
         "micro_batches": micro_batches,
         "seq": preset.seq,
         "graphs": graphs,
-        "gc": parallel.gc_mode(),
+        "gc": gc_mode,
         "steps": preset.steps,
         "first_step": first,
         "tp": tp,
+        "pp": pp,
+        "vpp": vpp,
         "dp": dp,
-        "params": params,  # of this rank's tensor-parallel shard
+        "overlap_grad_reduce": overlap_grad_reduce,
+        "overlap_param_gather": overlap_param_gather,
+        "params": params,  # of this rank's tensor-parallel shard of its pipeline stage
         "linear_params": sum(
-            m.weight.numel() for m in model.modules() if hasattr(m, "weight_cache")
+            m.weight.numel() for chunk in chunks for m in chunk.modules() if hasattr(m, "weight_cache")
         ),  # those with FP8 copies
         "step_ms": median_ms,
         "step_ms_per_step": step_ms,
         "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_gpu": tokens_per_s / (tp * dp),
-        **utilisation(preset, tokens_per_s / (tp * dp), parallel.device_name()),
+        "tokens_per_s_per_gpu": tokens_per_s / gpus,
+        **utilisation(preset, tokens_per_s / gpus, parallel.device_name()),
         "peak_MiB": max(r["peak"] for r in ranks) / MIB,  # the fullest GPU's
         "peak_MiB_per_rank": [r["peak"] / MIB for r in ranks],
+        "peak_MiB_per_stage": [
+            max(r["peak"] for r in ranks if r["stage"] == stage) / MIB for stage in range(pp)
+        ],  # the fullest GPU of each pipeline stage
         "peak_reserved_MiB": max(r["reserved"] for r in ranks) / MIB if reserved is not None else None,
         **{f"{k}_MiB": v / MIB for k, v in parts.items()},  # rank 0's
         "optimizer_MiB_per_rank": [r["optimizer"] / MIB for r in ranks],
@@ -218,7 +261,7 @@ def train(
         "lr_warmup_steps": lr_warmup_steps(preset),
         "lr_decay": preset.lr_decay,
         "adam_eps": preset.adam_eps,
-        "wgrad_fused_linears": list(fused_wgrad_linears(model)),  # [in-GEMM wgrad accumulation, linears]
+        "wgrad_fused_linears": [sum(c) for c in zip(*map(fused_wgrad_linears, chunks))],  # [in-GEMM, linears]
         "losses": losses,
         "data_seed": data_seed,
         **corpus.identity(),
@@ -230,14 +273,25 @@ def train(
         "skipped_steps": skipped,
         "memory_source": source,
     }
-    del model, optimizer
+    del chunks, optimizer, params_of_stage
     return result
 
 
+def held_between_steps(chunks: list, optimizers: list) -> dict[str, int]:
+    """Bytes this rank holds between steps, by part (``coat_megatron.memory``), summed over its
+    model chunks (the virtual pipeline stages), the optimizer's parts counted once."""
+    parts = Counter()
+    for chunk in chunks:
+        parts.update(weights=weights_bytes(chunk), fp8_copies=fp8_copy_bytes(chunk), grads=gradient_bytes(chunk))
+    parts.update(optimizer_parts(optimizers, torch.nn.ModuleList(chunks)))
+    return dict(parts)
+
+
 def forward_backward_function(graphs: str = "none"):
-    """Megatron's schedule (one pipeline stage: forward and backward of each micro-batch); for
-    ``graphs="full"`` wrapped in Megatron's whole-step CUDA graph (eager at the first step, which
-    allocates what the graph will reuse, captured at the second, replayed from then on)."""
+    """Megatron's schedule for this layout (no pipelining, 1F1B, or interleaved 1F1B with virtual
+    stages: ``get_forward_backward_func``); for ``graphs="full"`` wrapped in Megatron's whole-step
+    CUDA graph (eager at the first step, which allocates what the graph will reuse, captured at
+    the second, replayed from then on)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     schedule = get_forward_backward_func()
@@ -249,20 +303,21 @@ def forward_backward_function(graphs: str = "none"):
 
 
 def train_step(
-    model, optimizer, batches: list[dict], preset: Preset, saved: SavedTensors | None, forward_backward=None
+    chunks: list, optimizer, batches: list[dict], preset: Preset, saved: SavedTensors | None, forward_backward=None
 ) -> tuple[float, bool]:
     """One optimizer step on this DP rank's micro-batches (their gradients summed in DDP's
     buffers): (the loss per token over the global batch, whether the optimizer took the step)."""
 
     forward_backward = forward_backward or forward_backward_function()
-    model.zero_grad_buffer()
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     if saved is not None:
         saved.__enter__()
     try:
         # FP32, summed in the order a larger micro-batch or DP size would sum it: the reported loss
         # of one global batch does not depend on how it is split
-        total = token_loss_totals(forward_backward, model, batches, preset, forward_only=False, dtype=torch.float32)
+        total = token_loss_totals(forward_backward, chunks, batches, preset, forward_only=False, dtype=torch.float32)
     finally:
         if saved is not None:
             saved.__exit__(None, None, None)
@@ -271,32 +326,39 @@ def train_step(
 
 
 def token_loss_totals(
-    schedule, model, batches: list[dict], preset: Preset, forward_only: bool, dtype: torch.dtype = torch.float64
+    schedule, chunks: list, batches: list[dict], preset: Preset, forward_only: bool, dtype: torch.dtype = torch.float64
 ) -> torch.Tensor:
-    """Megatron's forward(-backward) ``schedule`` over ``batches`` (this DP rank's micro-batches):
-    the summed token loss and token count, reduced over DP, in ``dtype``."""
+    """Megatron's forward(-backward) ``schedule`` over ``batches`` (this DP rank's micro-batches;
+    every model chunk reads all of them): the summed token loss and token count, reduced over DP,
+    in ``dtype``. Only the last pipeline stage computes the loss; the others contribute zeros to a
+    sum over the pipeline group, so every rank returns the same totals."""
     from megatron.core import parallel_state
 
     outputs = schedule(
         forward_step_func=forward_step,
-        data_iterator=iter(batches),
-        model=[model],
+        data_iterator=[iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches),
+        model=chunks,
         num_microbatches=len(batches),
         seq_length=preset.seq,
         micro_batch_size=preset.micro_batch,
         forward_only=forward_only,
     )
-    total = torch.stack([o["lm loss"] for o in outputs]).to(dtype).sum(0)
+    if outputs:
+        total = torch.stack([o["lm loss"] for o in outputs]).to(dtype).sum(0)
+    else:  # an earlier pipeline stage
+        total = torch.zeros(2, dtype=dtype, device=parallel.device())
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     return total
 
 
-def validation_loss(model, batches: list[dict], preset: Preset, graphs: str = "none") -> float:
-    """Mean per-token loss of ``model`` on ``batches`` (this DP rank's slices; the sums and token
-    counts are reduced over DP): forward only (Megatron's schedule with ``forward_only=True``),
-    in eval mode and without autograd, then back to training mode. Nothing the next step reads
-    changes (COAT's FP8 weight copies follow the weights; TE's delayed scaling, whose amax
-    history a forward updates, is the exception).
+def validation_loss(chunks: list, batches: list[dict], preset: Preset, graphs: str = "none") -> float:
+    """Mean per-token loss of the model on ``batches`` (this DP rank's slices; the sums and token
+    counts are reduced over DP and the pipeline): forward only (Megatron's schedule with
+    ``forward_only=True``), in eval mode and without autograd, then back to training mode. Nothing
+    the next step reads changes (COAT's FP8 weight copies follow the weights; TE's delayed
+    scaling, whose amax history a forward updates, is the exception).
 
     Always eager: with CUDA graphs (``graphs`` other than "none") the forward runs under
     ``torch.inference_mode()``, in which Megatron's per-layer graph managers step aside and call
@@ -304,12 +366,14 @@ def validation_loss(model, batches: list[dict], preset: Preset, graphs: str = "n
     beside the training step's; the whole-step graph wraps the training schedule only."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    model.eval()
+    for chunk in chunks:
+        chunk.eval()
     try:
         with torch.inference_mode() if graphs != "none" else torch.no_grad():
-            total = token_loss_totals(get_forward_backward_func(), model, batches, preset, forward_only=True)
+            total = token_loss_totals(get_forward_backward_func(), chunks, batches, preset, forward_only=True)
     finally:
-        model.train()
+        for chunk in chunks:
+            chunk.train()
     return (total[0] / total[1]).item()
 
 

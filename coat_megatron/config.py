@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from coat_kernels.expanded import K_RESOLUTION
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
+from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
 
 SWITCH_VALUES = {
     "true": True,
@@ -69,8 +70,8 @@ class CoatConfig:
             parameter), made once per optimizer step. False (the default, part of COAT's memory
             mode) keeps each weight's amax only and quantizes W in every forward and W^T in every
             backward from the weight with it: bit-identical results, 1 byte per parameter less,
-            one more pass over each weight per micro-batch's forward and backward (0.99x the
-            speed of the cached configuration on gpt-1b, docs/results.md). Left unset (None) it
+            one more pass over each weight per micro-batch's forward and backward (its cost in
+            speed: docs/results.md). Left unset (None) it
             resolves at construction: True with ``cache_weight_transpose`` on (W^T's codes are
             kept, so W's are), else False; False with ``cache_weight_transpose`` on is an error.
         cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
@@ -115,6 +116,12 @@ class CoatConfig:
             blocking all-gather or reduce-scatter per exchange: to measure what the overlap is
             worth. Either way each chunk keeps its producer's per-tensor scale, so no amax is
             all-reduced over the tensor-parallel group.
+        wgrad_accumulate: how a wgrad is added into a ``main_grad`` that already holds a sum (later
+            micro-batches, and every micro-batch under per-layer CUDA graphs): "auto" (the GEMM
+            adds it itself where cuBLASLt can, beta = 1 with no temporary; else "add"), "cublaslt"
+            (always in the GEMM; an error where cuBLASLt cannot take the shape) or "add" (the
+            product in an FP32 temporary, then an add: the path before the fused one, kept for
+            comparisons). The CPU always adds.
     """
 
     activations: bool = True
@@ -138,6 +145,7 @@ class CoatConfig:
     grad_buffers: str | None = None
     fuse_wgrad_accumulation: bool = True
     tp_comm_overlap: bool = True
+    wgrad_accumulate: str = "auto"
 
     def __post_init__(self) -> None:
         for name in (
@@ -168,6 +176,9 @@ class CoatConfig:
                 raise ValueError(f"{name}={value!r} is not an FP8 format: use 'e4m3' or 'e5m2'")
         self._resolve_master_weights()
         self._resolve_grad_buffers()
+        _check_choice(
+            "wgrad_accumulate", self.wgrad_accumulate, ACCUMULATE_BACKENDS, "'auto' adds in the GEMM where cuBLASLt can"
+        )
         _check_choice("group_size", self.group_size, GROUP_SIZES, "the hidden and FFN sizes must be multiples of it")
         _check_choice("optimizer_group_size", self.optimizer_group_size, OPTIMIZER_GROUP_SIZES, "128 is COAT's")
         for name in ("k_min", "k_max"):

@@ -15,16 +15,18 @@ from __future__ import annotations
 import torch
 
 
-def _plain(t: torch.Tensor) -> bool:
+def is_plain_tensor(t: torch.Tensor) -> bool:
+    """True for a ``torch.Tensor`` or ``nn.Parameter`` that holds its own data (no wrapper subclass
+    such as TE's Float8Tensor or COAT's Fp8Tensor, whose bytes sit in the tensors inside it)."""
     return type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor holds, looking inside wrapper subclasses (TE's Float8Tensor, COAT's
     Fp8Tensor) at the tensors they carry; an unknown wrapper counts its logical size."""
-    if _plain(t):
+    if is_plain_tensor(t):
         return t.numel() * t.element_size()
-    inner = _inner_tensors(t)
+    inner = inner_tensors(t)
     return sum(p.numel() * p.element_size() for p in inner) if inner else t.numel() * t.element_size()
 
 
@@ -40,19 +42,21 @@ _WRAPPED = (
 )
 
 
-def _inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors inside a wrapper subclass ([] when it is not one we can see into)."""
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors inside a wrapper subclass, recursively (``__tensor_flatten__``'s, or TE's
+    data, transpose and scale attributes); [] when it is not one we can see into."""
     flatten = getattr(t, "__tensor_flatten__", None)
     names = flatten()[0] if flatten is not None else _WRAPPED
     out = []
     for name in names:
         inner = getattr(t, name, None)
         if isinstance(inner, torch.Tensor):
-            out += [inner] if _plain(inner) else _inner_tensors(inner)
+            out += [inner] if is_plain_tensor(inner) else inner_tensors(inner)
     return out
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the storage under a plain tensor: equal for views of one storage."""
     return (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
 
 
@@ -80,13 +84,13 @@ def optimizer_parts(optimizers: list, model: torch.nn.Module | None = None) -> d
     seen: dict[tuple, tuple[str, int]] = {}
 
     def add(t, part):
-        inner = [t] if _plain(t) else _inner_tensors(t)
+        inner = [t] if is_plain_tensor(t) else inner_tensors(t)
         if not inner:  # a wrapper we cannot see into: its logical size, once
             seen.setdefault((id(t),), (part, tensor_bytes(t)))
         for p in inner:
             if p.untyped_storage().data_ptr() in model_storages:
                 continue
-            seen.setdefault((*_storage_key(p), p.data_ptr(), p.numel()), (part, tensor_bytes(p)))
+            seen.setdefault((*storage_key(p), p.data_ptr(), p.numel()), (part, tensor_bytes(p)))
 
     for opt in optimizers:
         inner = getattr(opt, "optimizer", None)

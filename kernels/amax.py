@@ -1,6 +1,6 @@
 """A per-tensor amax finished inside the kernel that computes its parts: no reduction launch.
 
-Group scaling (DESIGN 3.2): the kernel that produces a tensor, or reads it once, has every program
+Group scaling (docs/design.md#mixed-granularity): the kernel that produces a tensor, or reads it once, has every program
 store the amax of its tile or row (a *partial*). Reducing those partials used to take a separate
 launch (``partials.amax()``), 8 per transformer layer fwd+bwd. Here the program that finishes last
 reduces them in the same launch:

@@ -3,8 +3,12 @@
 ``backend="auto"`` (the default of every public dispatcher) runs Triton for CUDA tensors and the
 torch reference otherwise. ``"triton"`` forces Triton: on a CPU tensor that needs the Triton
 interpreter (``TRITON_INTERPRET=1`` set before the kernels are imported), which is how the CPU
-tests run the real kernels. ``"reference"`` forces the torch reference on any device. The
-environment variable ``COAT_KERNELS_BACKEND`` (auto, triton, reference) overrides the default.
+tests run the real kernels. ``"reference"`` forces the torch reference on any device.
+
+Two environment variables are read once, when this module is imported (debugging switches, listed
+in docs/user-guide.md): ``COAT_KERNELS_BACKEND`` (auto, triton, reference) replaces the default
+"auto" of every call, and Triton's own ``TRITON_INTERPRET`` says whether a CPU tensor can run Triton
+(Triton reads it when it compiles the kernels, which are imported after this module).
 """
 
 from __future__ import annotations
@@ -15,22 +19,16 @@ import torch
 
 BACKENDS = ("auto", "triton", "reference")
 
+_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# None: not set, "auto" calls pick by device (the hot path below tests this constant, not the environment)
+_OVERRIDE = os.environ.get("COAT_KERNELS_BACKEND")
+if _OVERRIDE is not None and _OVERRIDE not in BACKENDS:
+    raise ValueError(f"COAT_KERNELS_BACKEND={_OVERRIDE!r}: use one of {', '.join(BACKENDS)}, or unset it")
+
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# os.environ's own dict (bytes keys on POSIX): ``name in os.environ`` goes through Mapping.__contains__,
-# which raises and catches a KeyError for an absent name (~2 us); this looks it up directly. Still read
-# on every call, so a variable set at run time counts.
-_ENVIRON_DATA = getattr(os.environ, "_data", None)
-_OVERRIDE_KEY = os.environ.encodekey("COAT_KERNELS_BACKEND") if hasattr(os.environ, "encodekey") else None
-
-
-def _backend_overridden() -> bool:
-    if _ENVIRON_DATA is not None and _OVERRIDE_KEY is not None:
-        return _OVERRIDE_KEY in _ENVIRON_DATA
-    return "COAT_KERNELS_BACKEND" in os.environ
+    """Whether Triton kernels run under Triton's interpreter (``TRITON_INTERPRET`` at import)."""
+    return _INTERPRETER
 
 
 _FP8_DEVICES: set[int] = set()  # CUDA devices already checked for FP8 support (once per process)
@@ -40,9 +38,9 @@ def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
     """True when the call on ``x`` should launch the Triton kernel. On the hot path (CUDA, "auto",
     a device already checked) it costs two attribute reads and a set lookup."""
     if backend == "auto":
-        if x.is_cuda and x.device.index in _FP8_DEVICES and not _backend_overridden():
+        if x.is_cuda and x.device.index in _FP8_DEVICES and _OVERRIDE is None:
             return True
-        backend = os.environ.get("COAT_KERNELS_BACKEND", "auto")
+        backend = _OVERRIDE or "auto"
     if backend not in BACKENDS:
         raise ValueError(f"unknown kernel backend {backend!r}: use one of {', '.join(BACKENDS)}")
     if backend == "reference":

@@ -2,7 +2,8 @@
 
 Granularity: 1-D groups of ``group_size`` (default 128) consecutive elements of the flattened
 tensor; group j covers elements [j*G, (j+1)*G), the last group may be shorter (ragged). Each group
-stores FP8 codes (1 byte per element) and FP32 ``scale``, ``k`` and ``center`` (DESIGN 5.1):
+stores FP8 codes (1 byte per element) and FP32 ``scale``, ``k`` and ``center``
+(docs/design.md#dynamic-range-expansion-dre):
 
     amax = max |x|, amin = min |x| over the non-zero elements, R = amax / amin
     k    = floor(K_RESOLUTION * log2(fmax^2 / 2) / log2 R) / K_RESOLUTION, clamped to [k_min, k_max]
@@ -16,30 +17,26 @@ and plain absmax scaling; so does every group when expansion is off (then k and 
 A group holding inf or NaN gets an infinite scale and zero codes, so it dequantizes to NaN (the
 flag, as in ``coat_kernels.scaling``), never to a finite number.
 
-Exactness: ``a^k`` is ``exp2(k * log2(a))``. The torch reference evaluates it with log2 and exp2
-written here from IEEE operations only (bit manipulation, +, *, correctly rounded division and
-square root), and the Triton kernels can do the same (``exact_math=True``): with FMA contraction off
-(always in exact mode: ``enable_fp_fusion=False``) the GPU, the Triton interpreter and torch on the CPU then
+Exactness: ``a^k`` is ``exp2(k * log2(a))``, from ``coat_kernels.log2_exp2``. The torch reference
+uses its exact functions (IEEE operations only), and so can the Triton kernels (``exact_math=True``,
+which also turns FMA contraction off): then the GPU, the Triton interpreter and torch on the CPU
 produce the same bits, and kernel and reference are compared byte for byte. That costs hundreds of
 FP32 instructions per element in the AdamW step (the per-group metadata is computed redundantly by
-every thread holding part of the group), which makes it compute-bound on an H100/H200. So on CUDA
-the kernels default to the hardware's ``lg2.approx``/``ex2.approx`` and approximate division and
-square root (``exact_math=False``), per element and for the metadata: the centre is
-``exp2((log2 amax + log2 amin) / 2)`` and the largest expanded value ``exp2(k log2(amax / c))``.
-(``tl.log2`` itself compiles to a 20-instruction polynomial, so the kernels emit ``lg2.approx`` as
-inline PTX; the interpreter, which cannot run PTX, uses numpy's log2 in that mode.) The error, about
-2^-22 in log2, is amplified by k (or 1/k) <= 16 in the exponent: at most about 2^-16 relative,
-2^-12 of an E4M3 step. A code differs from the reference's only when the value lies that close to a
-rounding midpoint (about 1 in 10^4 codes), and then by one step; k differs (by 1/16) only in a
-group whose ratio ``k_target / log2 R`` lies within that error of an integer. The stored metadata
-is what dequantization uses, so a fast-math state is self-consistent. Under the interpreter the
-default is exact.
+every thread holding part of the group), which makes the step compute-bound on the GPU. So on CUDA
+the kernels default to the fast functions (the hardware's ``lg2.approx``/``ex2.approx``) and
+approximate division and square root (``exact_math=False``), per element and for the metadata: the
+centre is ``exp2((log2 amax + log2 amin) / 2)`` and the largest expanded value
+``exp2(k log2(amax / c))``. Their error, about 2^-22 in log2, is amplified by k (or 1/k) <= 16 in
+the exponent: at most about 2^-16 relative, 2^-12 of an E4M3 step. A code differs from the
+reference's only when the value lies that close to a rounding midpoint (about 1 in 10^4 codes), and
+then by one step; k differs (by 1/16) only in a group whose ratio ``k_target / log2 R`` lies within
+that error of an integer. The stored metadata is what dequantization uses, so a fast-math state is
+self-consistent. Under the interpreter the default is exact.
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +44,21 @@ import triton
 import triton.language as tl
 
 from .backend import interpreter_enabled, use_triton
-from .formats import FP32_MIN_NORMAL, fp8_format
+from .formats import fp8_format
 from .launch import cdiv, lean
+from .log2_exp2 import (
+    MIN_NORMAL,
+    copy_sign,
+    div_rn_reference,
+    f32,
+    log2_fast,
+    log2_fast_ftz,
+    log2_ieee,
+    log2_ieee_reference,
+    pow_ieee,
+    pow_ieee_reference,
+    sqrt_rn_reference,
+)
 from .scaling import (
     NonFiniteInputError,
     abs_or_inf,
@@ -65,135 +75,19 @@ DEFAULT_K_MIN = 1 / K_RESOLUTION
 DEFAULT_K_MAX = 16.0
 
 
-def f32(value: float) -> float:
-    """``value`` rounded to the nearest FP32 (as a Python float): what a Triton scalar argument or
-    an FP32 constant holds, so that host-side scalars mean the same on every path."""
-    return struct.unpack("f", struct.pack("f", value))[0]
-
-
 def k_target(fmax: float) -> float:
     """K_RESOLUTION * log2(fmax^2 / 2), FP32: the numerator of k's formula.
 
     The target ratio fmax^2/2 (100352 for E4M3, not E4M3's full 2^17.8) puts the smallest element of
     a group at 2/fmax, 1.2 binades above the format's smallest subnormal, where it keeps some
-    precision (DESIGN 5.1); for E5M2 the same rule gives the same headroom.
+    precision (docs/design.md#dynamic-range-expansion-dre); for E5M2 the same rule gives the same headroom.
     """
     return f32(K_RESOLUTION * math.log2(fmax * fmax / 2))
-
-
-# Coefficients of log2(m) = t * (C1 + t^2 (C3 + ...)), t = (m - 1) / (m + 1), m in [sqrt(1/2), sqrt(2)):
-# 2 / (ln 2 * (2i + 1)), the series of 2 atanh(t) / ln 2. |t| <= 0.1716, so the first omitted term
-# is 2e-9 of the result (below FP32's 6e-8).
-_LOG2_C = [f32(2.0 / (math.log(2.0) * (2 * i + 1))) for i in range(5)]
-# 2^f = sum (f ln 2)^i / i! for f in [-0.5, 0.5]; the first omitted term is 5e-9 of the result.
-_EXP2_C = [f32(math.log(2.0) ** i / math.factorial(i)) for i in range(8)]
-_SQRT2 = f32(math.sqrt(2.0))
-_TWO_POW_23 = 2.0**23
-
-L2C0: tl.constexpr = tl.constexpr(_LOG2_C[0])
-L2C1: tl.constexpr = tl.constexpr(_LOG2_C[1])
-L2C2: tl.constexpr = tl.constexpr(_LOG2_C[2])
-L2C3: tl.constexpr = tl.constexpr(_LOG2_C[3])
-L2C4: tl.constexpr = tl.constexpr(_LOG2_C[4])
-E2C0: tl.constexpr = tl.constexpr(_EXP2_C[0])
-E2C1: tl.constexpr = tl.constexpr(_EXP2_C[1])
-E2C2: tl.constexpr = tl.constexpr(_EXP2_C[2])
-E2C3: tl.constexpr = tl.constexpr(_EXP2_C[3])
-E2C4: tl.constexpr = tl.constexpr(_EXP2_C[4])
-E2C5: tl.constexpr = tl.constexpr(_EXP2_C[5])
-E2C6: tl.constexpr = tl.constexpr(_EXP2_C[6])
-E2C7: tl.constexpr = tl.constexpr(_EXP2_C[7])
-SQRT2: tl.constexpr = tl.constexpr(_SQRT2)
-MIN_NORMAL: tl.constexpr = tl.constexpr(FP32_MIN_NORMAL)
-TWO_POW_23: tl.constexpr = tl.constexpr(_TWO_POW_23)
 
 
 # --------------------------------------------------------------------------------------------
 # Triton device functions (shared with the fused AdamW step in fp8_adamw.py)
 # --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def log2_ieee(x):
-    """log2 of positive finite FP32 values (subnormals included), from IEEE operations only."""
-    sub = x < MIN_NORMAL
-    x = tl.where(sub, x * TWO_POW_23, x)  # exact: brings a subnormal into the normal range
-    bits = x.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 127 - tl.where(sub, 23, 0)
-    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    big = m > SQRT2
-    m = tl.where(big, m * 0.5, m)
-    e = tl.where(big, e + 1, e)
-    t = tl.div_rn(m - 1.0, m + 1.0)
-    t2 = t * t
-    p = L2C4
-    p = p * t2 + L2C3
-    p = p * t2 + L2C2
-    p = p * t2 + L2C1
-    p = p * t2 + L2C0
-    return e.to(tl.float32) + t * p
-
-
-@triton.jit
-def exp2_ieee(a):
-    """2^a for finite FP32 a, from IEEE operations only (underflows to 0, overflows to inf)."""
-    a = tl.minimum(tl.maximum(a, -200.0), 200.0)
-    n = tl.floor(a + 0.5)
-    f = a - n  # exact, |f| <= 0.5
-    p = E2C7
-    p = p * f + E2C6
-    p = p * f + E2C5
-    p = p * f + E2C4
-    p = p * f + E2C3
-    p = p * f + E2C2
-    p = p * f + E2C1
-    p = p * f + E2C0
-    ni = n.to(tl.int32)
-    n1 = ni >> 1  # arithmetic shift: floor(n / 2) for negative n too
-    n2 = ni - n1
-    # two powers of two within the normal range: only the last product can round (or underflow)
-    s1 = ((n1 + 127) << 23).to(tl.float32, bitcast=True)
-    s2 = ((n2 + 127) << 23).to(tl.float32, bitcast=True)
-    return (p * s1) * s2
-
-
-@triton.jit
-def pow_ieee(a, k):
-    """a^k for a >= 0 (0^k = 0); exact for k = 1."""
-    safe = tl.where(a == 0.0, 1.0, a)
-    r = tl.where(k == 1.0, a, exp2_ieee(k * log2_ieee(safe)))
-    return tl.where(a == 0.0, 0.0, r)
-
-
-@triton.jit
-def log2_fast(x, PTX: tl.constexpr):
-    """log2 of x >= 0, fast: with PTX (compiled for NVIDIA) ``lg2.approx.f32`` (about 2^-22 absolute
-    error, subnormal inputs handled, log2 0 = -inf); ``tl.log2`` itself compiles to a
-    20-instruction polynomial. Without (the interpreter, which cannot run PTX): ``tl.log2``."""
-    if PTX:
-        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.log2(x)
-
-
-@triton.jit
-def log2_fast_ftz(x, PTX: tl.constexpr):
-    """``log2_fast`` for the per-element powers: ``lg2.approx.ftz.f32``, one instruction (the
-    subnormal handling of the plain form costs three more). A subnormal x (below 2^-126) counts as
-    0 (log2 = -inf), so it encodes to, or decodes from, code 0: below any Adam state that matters."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            "lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return tl.log2(tl.where(x < MIN_NORMAL, 0.0, x))
-
-
-@triton.jit
-def copy_sign(mag, x):
-    """mag (>= 0) with the sign bit of x: one bitwise instruction instead of compare, negate, select."""
-    bits = mag.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -288,56 +182,6 @@ def dequantize_expanded_tile(q, scale, k, center, EXPAND: tl.constexpr, FAST: tl
 # --------------------------------------------------------------------------------------------
 # torch reference: the same operations in the same order
 # --------------------------------------------------------------------------------------------
-
-
-def sqrt_rn_reference(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded FP32 sqrt (as ``tl.sqrt_rn``). torch's CPU float32 sqrt is not: about
-    0.7% of results are 1 ULP off; the float64 sqrt rounded to FP32 is exact."""
-    return torch.sqrt(x.double()).float()
-
-
-def div_rn_reference(a: torch.Tensor, b) -> torch.Tensor:
-    """Correctly rounded FP32 a / b (as ``tl.div_rn``), through float64 (exact after rounding)."""
-    b = b.double() if isinstance(b, torch.Tensor) else b
-    return (a.double() / b).float()
-
-
-def log2_ieee_reference(x: torch.Tensor) -> torch.Tensor:
-    sub = x < FP32_MIN_NORMAL
-    x = torch.where(sub, x * _TWO_POW_23, x)
-    bits = x.view(torch.int32)
-    e = ((bits >> 23) & 0xFF) - 127 - torch.where(sub, 23, 0).to(torch.int32)
-    m = ((bits & 0x7FFFFF) | 0x3F800000).view(torch.float32)
-    big = m > _SQRT2
-    m = torch.where(big, m * 0.5, m)
-    e = torch.where(big, e + 1, e)
-    t = div_rn_reference(m - 1.0, m + 1.0)
-    t2 = t * t
-    p = torch.full_like(t, _LOG2_C[4])
-    for c in reversed(_LOG2_C[:4]):
-        p = p * t2 + c
-    return e.to(torch.float32) + t * p
-
-
-def exp2_ieee_reference(a: torch.Tensor) -> torch.Tensor:
-    a = a.clamp(-200.0, 200.0)
-    n = torch.floor(a + 0.5)
-    f = a - n
-    p = torch.full_like(f, _EXP2_C[7])
-    for c in reversed(_EXP2_C[:7]):
-        p = p * f + c
-    ni = n.to(torch.int32)
-    n1 = ni >> 1
-    n2 = ni - n1
-    s1 = ((n1 + 127) << 23).view(torch.float32)
-    s2 = ((n2 + 127) << 23).view(torch.float32)
-    return (p * s1) * s2
-
-
-def pow_ieee_reference(a: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    safe = torch.where(a == 0, 1.0, a)
-    r = torch.where(k == 1.0, a, exp2_ieee_reference(k * log2_ieee_reference(safe)))
-    return torch.where(a == 0, 0.0, r)
 
 
 def quantize_expanded_groups_reference(x: torch.Tensor, fmax: float, expand: bool, k_min: float, k_max: float):

@@ -44,16 +44,14 @@ from .expanded import (
     compiled_for_nvidia,
     dequantize_expanded_groups_reference,
     dequantize_expanded_tile,
-    div_rn_reference,
-    f32,
     k_target,
     quantize_expanded_groups_reference,
     quantize_expanded_tile,
-    sqrt_rn_reference,
     use_exact_math,
 )
 from .formats import fp8_format
 from .launch import lean
+from .log2_exp2 import div_rn_reference, f32, sqrt_rn_reference
 from .master import join_master, join_master_tile, split_master, split_master_tile
 from .scaling import fp8_bits
 
@@ -480,7 +478,7 @@ def _alignment(offsets: list[int]) -> int:
 
 def step_blocks(group_size: int) -> tuple[int, int]:
     """(groups per program, num_warps): 2048 elements per program with 128-element groups, 4 warps
-    (16 elements per thread): the fastest tiling measured on an H200 (benchmarks/optimizer.py --sweep)."""
+    (16 elements per thread): the fastest tiling of ``benchmarks/optimizer.py --sweep`` (docs/results.md)."""
     return max(1, 2048 // group_size), 4
 
 
@@ -622,7 +620,7 @@ def fp8_adamw_step(
         k_min, k_max: expansion limits for the requantization.
         exact_math: Triton only: True is bit-identical to the torch reference (IEEE operations, no
             FMA contraction), False uses the hardware's exp2/log2, division and square root per
-            element (the CUDA default: the exact path is compute-bound on an H100/H200); see
+            element (the CUDA default: the exact path is compute-bound on the GPU); see
             ``coat_kernels.expanded``.
     Returns:
         int64 tensor [m codes, v codes] on the params' device: how many non-zero values became code 0

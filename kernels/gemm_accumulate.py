@@ -42,6 +42,8 @@ from .cublaslt import (  # noqa: F401  (the binding's names, also reached throug
 )
 from .gemm import _pad_k, check_gpu_layout, check_operands, fp8_gemm, fp8_gemm_reference
 
+ACCUMULATE_BACKENDS = ("auto", "cublaslt", "add")
+
 
 def accumulate_by_add(a, a_scale, b, b_scale, out, *, use_fast_accum: bool = False) -> torch.Tensor:
     """The reference (and the fallback): the product in FP32, added into ``out`` (rounded once)."""
@@ -75,7 +77,7 @@ def fp8_gemm_accumulate(
     ``backend``: "auto" (``backend_for``), "cublaslt" or "add" (the FP32 temporary and an add).
     Scales are 0-d (or one-element) FP32 tensors, as the quantizers return them.
     """
-    if backend not in ("auto", "cublaslt", "add"):
+    if backend not in ACCUMULATE_BACKENDS:
         raise ValueError(f"backend {backend!r}: use 'auto', 'cublaslt' or 'add'")
     check_operands(a, b, "fp8_gemm_accumulate")
     if out.shape != (a.shape[0], b.shape[1]) or out.dtype not in (torch.bfloat16, torch.float32):

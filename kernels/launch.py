@@ -1,8 +1,9 @@
 """A leaner way to launch the same compiled Triton kernels: less host time per launch in eager mode.
 
-Eager COAT is bound by its host (``benchmarks/host_overhead.py``): on an H100 host a Triton launch
-through ``kernel[grid](...)`` costs about 15 us of Python (argument binding, specialization key,
-cache lookup, knobs, hooks) against a few for the driver call itself, and a layer issues about 30.
+Eager COAT is bound by its host (``benchmarks/host_overhead.py``; figures in docs/results.md): a
+Triton launch through ``kernel[grid](...)`` spends most of its host time in Python (argument binding,
+specialization key, cache lookup, knobs, hooks) rather than in the driver call itself, and a layer
+issues dozens.
 ``lean`` wraps a ``@triton.jit`` kernel so that, once Triton has compiled and launched it for a set
 of arguments, later launches with arguments that Triton would specialize the same way go straight
 to the compiled kernel's launcher:
@@ -45,7 +46,7 @@ _OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "enable_
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for Python ints (``triton.cdiv`` is a constexpr function: ~2 us a call)."""
+    """ceil(a / b) for Python ints (``triton.cdiv`` is a constexpr function, slow to call from Python)."""
     return -(-a // b)
 
 

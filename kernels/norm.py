@@ -298,8 +298,8 @@ _STATS_BLOCKS: dict[int, tuple[int, int]] = {}
 
 def _stats_blocks(n_cols: int, group_size: int) -> tuple[int, int]:
     """(rows per program, num_warps) of the stats pass: one row per program by default. Two or four
-    rows per program (fewer amax tickets) were no faster on an H100 at hidden 4096 (0.135 against
-    0.119 ms for norm_to_fp8) and within 5% at 2048 (benchmarks/results/issue23-h100/sweep23)."""
+    rows per program (fewer amax tickets) were no faster in ``benchmarks/ops.py``'s tile sweep
+    (docs/results.md)."""
     block_n = max(group_size, next_power_of_2(n_cols))
     if block_n in _STATS_BLOCKS:
         rows, warps = _STATS_BLOCKS[block_n]

@@ -85,7 +85,8 @@ def load_groups(
         mask=row_ok & (groups[None, :] < col_limit // GROUP),
         other=1.0,
     )
-    # (a per-element load of the scales, cols // GROUP, measured 5-25x slower on an H200)
+    # (one load per group, broadcast over its elements: a per-element load of the scales,
+    # cols // GROUP, was several times slower, docs/results.md)
     x = tl.reshape(q.to(tl.float32), (BLOCK_M, GROUPS, GROUP)) * s[:, :, None]
     return tl.reshape(x, (BLOCK_M, BLOCK_N))
 

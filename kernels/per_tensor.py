@@ -130,7 +130,7 @@ _AMAX_BLOCKS = (64, 256, 8)  # (BLOCK_M, BLOCK_N, num_warps) of the tile-amax pa
 
 def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the quantizing pass."""
-    if transpose:  # measured on an H200 (benchmarks/results): 64x128 tiles, 4 warps
+    if transpose:  # 64x128 tiles, 4 warps: the fastest of benchmarks/quantize.py --sweep (docs/results.md)
         return 64, min(128, max(16, next_power_of_2(n_cols))), 4
     block_n = min(256, max(16, next_power_of_2(n_cols)))
     return max(1, 8192 // block_n), block_n, 8
@@ -154,7 +154,7 @@ def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
     """Whether the quantizing pass itself writes the transposed copy.
 
     Triton 3.6 on Hopper miscompiles ``tl.trans`` of an FP8 tile in some register layouts: a tile
-    loaded as FP32 (measured on an H200, 2026-11-22: wrong codes in q or q_t), and tiles built
+    loaded as FP32 (wrong codes in q or q_t), and tiles built
     through 3-D reshapes, as the SwiGLU kernel's. Tiles loaded as BF16/FP16 are right (the GPU
     tests check every shape class). The others get their transposed copy from the FP8 codes in a
     second, 1-byte pass (``finish_transpose``).
@@ -164,7 +164,7 @@ def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
 
 # (BLOCK_M, BLOCK_N, num_warps) of the byte transpose (``benchmarks/quantize.py --sweep`` times others;
 # benchmarks/results/default-h200/quantize.md)
-_TRANSPOSE_BLOCKS = (64, 128, 4)  # H200: 0.88 of device-copy bandwidth, against 0.78 at 64 x 64
+_TRANSPOSE_BLOCKS = (64, 128, 4)  # faster than 64 x 64 (docs/results.md, "quantization kernels")
 
 
 @lean

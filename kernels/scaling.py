@@ -78,10 +78,10 @@ def encode_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
     Why not ``y.to(fp8)``: Triton 3.6's FP32 -> FP8 conversion on Hopper (cvt ... e4m3x2/e5m2x2,
     two values per instruction) writes constant garbage (0x60, 0xFC) into half of the bytes in
-    some register layouts, the fused optimizer step's among them (measured on an H200,
-    2026-11-22). Rounding: adding and subtracting c = 2^(e - MBITS + 23), whose FP32 ulp is the
-    FP8 step of y's binade (the smallest normal binade's step below it), rounds |y| to that step,
-    ties to even; the result is an FP8 value whose bits are then assembled.
+    some register layouts, the fused optimizer step's among them. Rounding: adding and subtracting
+    c = 2^(e - MBITS + 23), whose FP32 ulp is the FP8 step of y's binade (the smallest normal
+    binade's step below it), rounds |y| to that step, ties to even; the result is an FP8 value whose
+    bits are then assembled.
     """
     a = tl.abs(y)
     bits = y.to(tl.int32, bitcast=True)

@@ -19,6 +19,7 @@ import re
 from dataclasses import fields
 
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
+from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
 from coat_megatron.config import GRAD_BUFFERS, MASTER_WEIGHTS, OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
 
 from .replacements import Replacements
@@ -91,6 +92,9 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "tp_comm_overlap": (
         dict(type=_switch, metavar="on|off"),
         "with --sequence-parallel, pass the sequence chunks between tensor-parallel ranks in a ring of point-to-point transfers, each hidden behind the GEMM of the chunk in hand (default on); off: the same arithmetic with one blocking all-gather or reduce-scatter per exchange, to measure what the overlap is worth",
+    "wgrad_accumulate": (
+        dict(choices=ACCUMULATE_BACKENDS),
+        "how COAT's linears add a weight gradient into a gradient buffer that already holds a sum, in later micro-batches and in every micro-batch under per-layer CUDA graphs (default auto: inside the GEMM where cuBLASLt can, else through an FP32 temporary and an add); cublaslt: always inside the GEMM; add: always the temporary and the add, for comparisons",
     ),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word

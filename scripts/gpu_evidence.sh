@@ -1,23 +1,315 @@
 #!/usr/bin/env bash
-# The GPU measurements of this repository, on the device machine after the staged
-# megatron-core/TE install:  bash scripts/gpu_evidence.sh [tests] [quantize] [ops] [layer] [optimizer]
-# (all of them when none is named); results under $OUT.
+# The GPU evidence behind the README's results and docs/results.md, one part per claim, each within
+# one 10-minute device command; run on the device machine after the staged megatron-core/TE install.
+#
+#   bash scripts/gpu_evidence.sh PART [ARGS]                      # one part, on the visible GPU
+#   bash scripts/gpu_evidence.sh --each-gpu "PART [ARGS]" ...     # parts at once, one per GPU (" + ": one after another)
+#   bash scripts/gpu_evidence.sh --help                           # this list
+#
+# Parts, and the folder of benchmarks/results/ each one measures again:
+#   gpu-tests                                    every GPU test (pytest -m gpu)
+#   fits-llama2-7b                               Llama-2-7B, global batch 16, on one 80 GB GPU -> llama2-7b-fits-80gb-1gpu
+#   max-batch-llama2-7b MODES [START [PER_STEP]]  each mode's largest micro-batch, eager -> llama2-7b-max-batch-1gpu
+#   train-llama2-13b [ADAM_EPS]                  Llama-2-13B, micro-batch 2, 150 steps (epsilon 1e-5) -> llama2-13b-1gpu
+#   fits-llama2-13b                              Llama-2-13B at micro-batch 1, every recipe and BF16 -> llama2-13b-1gpu
+#   default-vs-cached-gpt-1b                     the default against the cached recipes, gpt-1b -> gpt-1b-default-vs-cached-1gpu
+#   default-vs-cached-llama2-7b                  the same, Llama-2-7B micro-batch 1 -> llama2-7b-default-vs-cached-1gpu
+#   memory-gpt-1b                                bytes per parameter by recipe, gpt-1b -> gpt-1b-memory-by-mode-1gpu
+#   weight-passes                                what the default's weight passes cost -> weight-passes-1gpu
+#   mlp-block-llama2-7b                          the MLP block's time and activations -> mlp-block-llama2-7b-1gpu
+#   speed-gpt-1b                                 gpt-1b, global batch 32, every mode eager and graphed -> gpt-1b-speed-1gpu
+#   wgrad-fusion-gpt-1b                          the wgrad added inside the GEMMs or by Megatron -> gpt-1b-speed-1gpu
+#   eager-gpt-1b                                 eager gpt-1b, the default against coat-cached -> gpt-1b-eager-1gpu
+#   eager-step-profile-gpt-1b                    where an eager gpt-1b step's time goes -> gpt-1b-eager-1gpu
+#   speed-llama2-7b                              Llama-2-7B micro-batch 1, eager and graphed -> llama2-7b-speed-1gpu
+#   pretrain-gpt-1b                              --coat-fp8 through Megatron's pretrain() -> pretrain-gpt-1b-1gpu
+#   host-time-layer                              host time to issue one layer -> host-time-layer-1gpu
+#   gemm-plans-gpt-1b                            the cuBLASLt plans' GEMMs against torch._scaled_mm -> host-time-layer-1gpu
+#   kernel-launches                              kernel launches per layer -> kernel-launches-layer-1gpu
+#   full-step-graphs                             Megatron's whole-step CUDA graph -> full-step-graphs-1gpu
+#   layer-llama2-7b                              one layer's time, activations and kernel classes -> layer-llama2-7b-1gpu
+#   quantize-kernels                             the quantizers against a device copy -> kernel-bandwidth-1gpu
+#   swiglu-norm-tiles                            SwiGLU and norm kernel tiles at two shapes -> kernel-bandwidth-1gpu
+#   swiglu-fusion-study                          2-D layouts of a fused SwiGLU backward -> kernel-bandwidth-1gpu
+#   wgrad-accumulate                             the wgrad added by the GEMM, per layer -> wgrad-accumulate-gemm-1gpu
+#   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
+#   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
+#   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
+#   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
+#   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
+#   warmup-spike-llama2-7b                       the same, Llama-2-7B -> warmup-spike-1gpu
+#   spike-batches-llama2-13b                     the 13B spike's batches beside its losses -> warmup-spike-1gpu
+#   outlier-stress                               a growing outlier channel, 400 steps -> outlier-stress-gpt-125m-1gpu
+#   te-fp8-pa-divergence                         Megatron's FP8-moment Adam through pretrain() -> te-fp8-pa-divergence-1gpu
+#
+# A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
+# (the device machine returns a limited number of files). --each-gpu runs argument i on GPU i with
+# OUT=$OUT/gpu<i>, stops an argument still running after $LIMIT seconds (default 540) and packs what
+# it wrote; its processes share the host, so compare timings only within one part's report.
 set -uo pipefail
-out=${OUT:-benchmarks/results/latest}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests quantize ops layer optimizer)
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-for step in "${steps[@]}"; do
-  if [ "$step" = tests ]; then
-    python3 -m pytest -q -m gpu tests 2>&1 | tee "$out/pytest-gpu.log" | tail -2
-    grep -E "^(FAILED|E  )" "$out/pytest-gpu.log" | head -10
-    continue
-  fi
-  extra=()
-  [ "$step" = optimizer ] && extra=(--sweep)
-  echo "== benchmarks/$step.py ${extra[*]}"
-  python3 "benchmarks/$step.py" "${extra[@]}" --out "$out" 2>&1 | grep -v -i warn | tail -40
-done
+
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
+
+each_gpu() {  # "PART [ARGS] [+ PART [ARGS]]" per GPU, all at once
+  [ $# -ge 1 ] || { echo "usage: gpu_evidence.sh --each-gpu \"PART [ARGS]\" ... (one per GPU)" >&2; exit 2; }
+  local base=${OUT:-out} n i spec
+  n=$(nvidia-smi -L | wc -l)
+  [ "$n" -ge $# ] || { echo "--each-gpu got $# parts but this machine has $n GPUs: give at most $n" >&2; exit 2; }
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+  export COAT_GPU_INSTALLED=1  # installed once here: concurrent installs of one project can race
+  mkdir -p "$base"
+  i=0
+  for spec in "$@"; do
+    (
+      rest=$spec
+      while [ -n "$rest" ]; do
+        one=${rest%% + *}
+        if [ "$one" = "$rest" ]; then rest=""; else rest=${rest#* + }; fi
+        read -ra words <<<"$one"
+        CUDA_VISIBLE_DEVICES=$i OUT="$base/gpu$i" timeout -k 5 "${LIMIT:-540}" bash "$0" "${words[@]}"
+        rc=$?
+        if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "stopped after ${LIMIT:-540} s (LIMIT): what it wrote is packed"; break; fi
+      done
+    ) >"$base/gpu$i.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  shopt -s nullglob
+  local dir
+  for dir in "$base"/gpu*/*/; do  # a part stopped before packing its folder
+    dir=${dir%/}
+    [ -f "$dir.tgz" ] || tar czf "$dir.tgz" -C "$dir" .
+    rm -rf "$dir"
+  done
+  i=0
+  for spec in "$@"; do echo "=== GPU $i: $spec"; cat "$base/gpu$i.txt"; i=$((i + 1)); done
+}
+
+case ${1:-} in
+  "" | -h | --help) usage; exit 0 ;;
+  --each-gpu) shift; each_gpu "$@"; exit 0 ;;
+esac
+part=$1
+shift
+parts() { sed -n '/^# Parts,/,/^#$/p' "$0" | grep -oE '^#   [a-z0-9-]+' | cut -c5-; }
+parts | grep -qx -- "$part" || { echo "unknown part $part: bash scripts/gpu_evidence.sh --help lists them" >&2; exit 2; }
+out=${OUT:-out}/$part
+dest=${OUT:-out}
+source "$(dirname "$0")/gpu_lib.sh"
+gpu_setup
+big=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)  # 7B and 13B near the memory limit: fewer fragments
+rows() { grep -h -E "^\| ($1) \|" "${@:2}" 2>/dev/null | cut -c1-200; }  # a report's table rows, for the printout
+
+case $part in
+  gpu-tests)
+    run 580 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests
+    tail -3 "$out/pytest-gpu.log" ;;
+  fits-llama2-7b)
+    run 290 llama2-7b-mb4 "${big[@]}" coat-compare --preset llama2-7b --micro-batch 4 --global-batch 16 --steps 5 \
+      --modes coat,coat-codes --out "$out" --name llama2-7b-mb4 --no-plots
+    run 290 llama2-7b-gb16 "${big[@]}" coat-compare --preset llama2-7b --micro-batch 2 --global-batch 16 --steps 5 \
+      --modes coat-codes,bf16,te-fp8-current,te-fp8-pa --out "$out" --name llama2-7b-gb16 --no-plots
+    rows "coat|coat-codes|bf16|te-fp8-current|te-fp8-pa" "$out"/llama2-7b-*.md ;;
+  max-batch-llama2-7b)
+    modes=${1:?max-batch-llama2-7b MODES [START [PER_STEP]]}; start=${2:-1}; per_step=${3:-1}; tag=${modes//,/-}-x$per_step
+    n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
+    run 585 "search-$tag" "${big[@]}" coat-compare --preset llama2-7b --modes "$modes" --search --search-start "$start" \
+      --search-micro-batches "$per_step" --search-time-limit $((540 / n_modes)) --out "$out" --name "llama2-7b-search-$tag" --no-plots
+    rows "${modes//,/|}" "$out/llama2-7b-search-$tag.md" ;;
+  train-llama2-13b)
+    eps=${1:-1e-5}
+    run 590 "llama2-13b-eps$eps" "${big[@]}" coat-compare --preset llama2-13b --micro-batch 2 --global-batch 4 --steps 150 \
+      --eval-every 25 --eval-windows 48 --adam-eps "$eps" --modes coat --out "$out" --name "llama2-13b-eps$eps-150" --no-plots
+    grep -E "^\| (coat|training loss)" "$out/llama2-13b-eps$eps-150.md" | cut -c1-260 ;;
+  fits-llama2-13b)
+    run 580 llama2-13b-mb1 "${big[@]}" coat-compare --preset llama2-13b --micro-batch 1 --steps 8 \
+      --modes coat,coat-codes,coat-fp32,bf16 --out "$out" --name llama2-13b --no-plots
+    rows "coat|coat-codes|coat-fp32|bf16" "$out/llama2-13b.md" ;;
+  default-vs-cached-gpt-1b)
+    run 560 gpt-1b coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-codes,coat-cached \
+      --cuda-graphs none,local --out "$out" --name gpt-1b --no-plots
+    rows "bf16|coat|coat-codes|coat-cached" "$out/gpt-1b.md" ;;
+  default-vs-cached-llama2-7b)
+    run 560 llama2-7b "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --steps 8 --modes coat,coat-codes,coat-cached \
+      --cuda-graphs local --out "$out" --name llama2-7b-default-vs-cached --no-plots
+    rows "coat|coat-codes|coat-cached" "$out/llama2-7b-default-vs-cached.md" ;;
+  memory-gpt-1b)
+    run 580 gpt-1b-memory coat-compare --preset gpt-1b --micro-batch 4 --steps 20 --modes bf16,te-fp8-pa,coat,coat-codes,coat-fp32 \
+      --cuda-graphs none,local --out "$out" --name gpt-1b-memory --no-plots
+    rows "bf16|te-fp8-pa|coat|coat-codes|coat-fp32" "$out/gpt-1b-memory.md" ;;
+  weight-passes)
+    for preset in llama2-7b gpt-1b; do
+      run 240 "weight-passes-$preset" python3 benchmarks/weight_passes.py --preset "$preset" --out "$out"
+    done
+    tail -5 "$out"/weight_passes-*.md ;;
+  mlp-block-llama2-7b)
+    run 400 ops python3 benchmarks/ops.py --out "$out"
+    head -20 "$out/ops.md" ;;
+  speed-gpt-1b)
+    run 570 gpt-1b-fastest coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
+      --modes bf16,te-fp8-delayed,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name gpt-1b-fastest --no-plots
+    rows "bf16|te-fp8-delayed|te-fp8-current|coat" "$out/gpt-1b-fastest.md" ;;
+  wgrad-fusion-gpt-1b)
+    common=(--preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 --cuda-graphs local --out "$out" --no-plots)
+    run 220 fused coat-compare "${common[@]}" --modes bf16,te-fp8-delayed,coat --name gpt-1b-fused
+    # the same with every mode's wgrad left to Megatron, then COAT's through an FP32 temporary and an add
+    run 220 unfused coat-compare "${common[@]}" --wgrad-fusion off --modes bf16,te-fp8-delayed,coat --name gpt-1b-unfused
+    run 120 fused-add coat-compare "${common[@]}" --wgrad-accumulate add --modes coat --name gpt-1b-fused-add
+    rows "bf16|te-fp8-delayed|coat" "$out"/gpt-1b-*.md ;;
+  eager-gpt-1b)
+    for gb in 4 32; do
+      run 280 "eager-gb$gb" coat-compare --preset gpt-1b --micro-batch 4 --global-batch "$gb" --steps 10 \
+        --modes bf16,coat,coat-cached --out "$out" --name "gpt-1b-eager-gb$gb" --no-plots
+    done
+    rows "bf16|coat|coat-cached" "$out"/gpt-1b-eager-gb*.md ;;
+  eager-step-profile-gpt-1b)
+    run 400 step-profile python3 benchmarks/step_profile.py --preset gpt-1b --micro-batch 4 --global-batch 32 \
+      --modes bf16,coat --steps 2 --out "$out"
+    rows "bf16|coat" "$out/step_profile.md" ;;
+  speed-llama2-7b)
+    run 585 llama2-7b-mb1 "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 8 --steps 8 \
+      --modes bf16,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name llama2-7b-mb1 --no-plots
+    rows "bf16|te-fp8-current|coat" "$out/llama2-7b-mb1.md" ;;
+  pretrain-gpt-1b)
+    run 570 pretrain env OUT="$out" GPUS=1 ITERS=30 GLOBAL_BATCH=32 GRAPHS=local PYTHON=python3 \
+      bash "$(dirname "$0")/gpu_pretrain.sh"
+    cat "$out/comparison.md" ;;
+  host-time-layer)
+    run 400 host-overhead python3 benchmarks/host_overhead.py --out "$out"
+    rows "coat|coat, before.*|bf16|te-fp8-current|bf16-local" "$out/host_overhead.md" ;;
+  gemm-plans-gpt-1b)
+    for how in torch auto; do  # COAT_FP8_GEMM=torch: torch._scaled_mm; auto: the cuBLASLt plans (the default)
+      run 270 "gemm-$how" env COAT_FP8_GEMM=$how coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
+        --modes coat --cuda-graphs local --out "$out" --name "gpt-1b-gemm-$how" --no-plots
+    done
+    rows coat "$out"/gpt-1b-gemm-*.md ;;
+  kernel-launches)
+    run 300 lean-path python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/megatron/test_lean_path.py
+    grep -E "launches|passed|failed" "$out/lean-path.log" | cut -c1-300 ;;
+  full-step-graphs)
+    run 150 tiny-graphs coat-compare --preset tiny --modes bf16,coat --steps 12 --cuda-graphs none,local,full \
+      --out "$out" --name tiny-graphs --no-plots
+    run 420 gpt-1b-graphs coat-compare --preset gpt-1b --micro-batch 4 --steps 20 --modes bf16,coat \
+      --cuda-graphs none,local,full --out "$out" --name gpt-1b-bf16-coat --no-plots
+    rows "bf16|coat" "$out"/*.md ;;
+  layer-llama2-7b)
+    run 200 layer coat-compare --preset llama2-7b-layer \
+      --modes bf16-local,bf16,te-fp8-delayed,te-fp8-current,te-fp8-block,te-fp8-store,coat,coat-recompute \
+      --out "$out" --name llama2-7b-layer --no-plots
+    run 200 layer-profile-7b python3 benchmarks/layer_profile.py --preset llama2-7b-layer \
+      --modes coat,te-fp8-current,te-fp8-delayed --out "$out/7b"
+    run 180 layer-profile-1b python3 benchmarks/layer_profile.py --preset gpt-1b-layer \
+      --modes coat,te-fp8-current,te-fp8-delayed --out "$out/1b"
+    rows "bf16.*|te-fp8.*|coat.*" "$out/llama2-7b-layer.md"
+    grep -h -E "^\| (GEMM|\*\*total)" "$out"/*/layer_profile.md ;;
+  quantize-kernels)
+    run 240 quantize python3 benchmarks/quantize.py --sweep --out "$out"
+    grep -E "of copy|transpose|copy" "$out/quantize.md" | head -20 ;;
+  swiglu-norm-tiles)
+    run 270 ops-llama2-7b python3 benchmarks/ops.py --sweep --out "$out/llama2-7b"
+    run 270 ops-gpt-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/gpt-1b"
+    grep -h -E "^\| (norm|quantize_swiglu|swiglu)" "$out"/*/ops.md | cut -c1-120 ;;
+  swiglu-fusion-study)
+    mkdir -p "$out"
+    { timeout 270 python3 benchmarks/swiglu_fusion_study.py; timeout 270 python3 benchmarks/swiglu_fusion_study.py 8192 5632; } \
+      2>&1 | tee "$out/swiglu_fusion_study.txt" | tail -30 ;;
+  wgrad-accumulate)
+    run 240 pytest-wgrad python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_accumulate.py
+    tail -1 "$out/pytest-wgrad.log"
+    for preset in gpt-1b llama2-7b; do
+      run 150 "wgrad-$preset" python3 benchmarks/wgrad_accumulate.py --preset "$preset" --out "$out/$preset"
+    done
+    grep -h -E "^\| \*\*layer|^Per micro-batch" "$out"/*/wgrad_accumulate.md ;;
+  optimizer-step)
+    run 560 optimizer python3 benchmarks/optimizer.py --sweep --out "$out"
+    rows "18 tensors.*" "$out/optimizer.md" ;;
+  accuracy-gpt-1b)
+    mode=${1:?accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]}; seed=${2:?accuracy-gpt-1b MODE SEED}
+    decay=${3:-constant}; repeat=${4:-1}; tag=$mode
+    more=()
+    [ "$repeat" != 1 ] && { more+=(--repeat "$repeat"); tag="$tag-run$repeat"; }
+    [ "$decay" != constant ] && { more+=(--lr-decay "$decay"); tag="$tag-$decay"; }
+    run 590 "gpt-1b-acc-$tag-$seed" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 \
+      --eval-every 46 --cuda-graphs local --modes "$mode" --seed "$seed" "${more[@]}" --out "$out/seed$seed" \
+      --name "gpt-1b-acc-$tag" --no-plots
+    grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$tag.md" | cut -c1-260 ;;
+  accuracy-gpt-125m)
+    seeds=${1:?accuracy-gpt-125m SEEDS (e.g. 1,2,3,4)}
+    runs=/tmp/coat-accuracy-gpt-125m  # kept while the machine stays warm: a later call goes on from here
+    mkdir -p "$runs" "$out"
+    last=0; rc=75
+    while [ "$rc" -eq 75 ] && [ $((SECONDS + last)) -le 480 ]; do  # six runs at once per round, while one more fits
+      start=$SECONDS
+      python3 benchmarks/accuracy.py --preset gpt-125m --steps 1000 --seeds "$seeds" --modes bf16,coat,te-fp8-delayed \
+        --micro-batch 4 --global-batch 16 --jobs 6 --max-runs 6 --out "$runs" >>"$out/accuracy.log" 2>&1
+      rc=$?; last=$((SECONDS - start))
+    done
+    cp -r "$runs"/. "$out"/
+    if [ "$rc" -eq 0 ]; then echo "all runs done: $out/accuracy.md"; tail -8 "$out/accuracy.md"
+    elif [ "$rc" -eq 75 ]; then tail -1 "$out/accuracy.log"
+    else echo "accuracy.py failed ($rc):"; tail -15 "$out/accuracy.log"; fi ;;
+  accuracy-llama2-7b)
+    mode=${1:?accuracy-llama2-7b MODE (bf16, coat or te-fp8-current)}
+    run 590 "llama2-7b-acc-$mode" "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
+      --eval-every 25 --eval-windows 48 --modes "$mode" --out "$out/seed1234" --name "llama2-7b-acc-$mode" --no-plots
+    grep -E "^\| ($mode|training loss)" "$out/seed1234/llama2-7b-acc-$mode.md" | cut -c1-260 ;;
+  warmup-spike-gpt-1b)
+    for w in 5 20; do
+      run 280 "gpt-1b-warmup$w" coat-compare --preset gpt-1b --micro-batch 4 --steps 30 --modes bf16,coat \
+        --lr-warmup-steps "$w" --out "$out" --name "gpt-1b-warmup$w" --no-plots
+    done
+    grep -h -E "^\| training loss below" "$out"/gpt-1b-warmup*.md | cut -c1-200 ;;
+  warmup-spike-llama2-7b)
+    for w in 50 100; do  # Adam's epsilon as these runs had it (the preset's is 1e-5 since)
+      run 280 "llama2-7b-warmup$w" "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 30 \
+        --lr-warmup-steps "$w" --adam-eps 1e-8 --modes coat --out "$out" --name "llama2-7b-warmup$w" --no-plots
+    done
+    grep -h -E "^\| training loss below" "$out"/llama2-7b-warmup*.md | cut -c1-200 ;;
+  spike-batches-llama2-13b)
+    run 300 spike-batches python3 benchmarks/spike_batches.py --preset llama2-13b --global-batch 4 --steps 40 \
+      --rows benchmarks/results/llama2-13b-1gpu/llama2-13b-mb2.jsonl --out "$out"
+    grep -A12 "^Pearson" "$out/spike_batches.md" ;;
+  outlier-stress)
+    run 570 outlier-stress python3 benchmarks/outlier_stress.py --preset gpt-125m --steps 400 --growth 1.03 --target swiglu \
+      --modes bf16,te-fp8-current,coat --mode-timeout 180 --out "$out"
+    sed -n '/^| mode/,/^$/p' "$out/outlier_stress.md" ;;
+  te-fp8-pa-divergence)
+    # Megatron's own loop without --coat-fp8 (coat-megatron-run adds only the dataset-helper fix): gpt-1b,
+    # TE FP8 current scaling, the byte corpus; each run changes the optimizer's moment storage alone
+    pa_common=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --seq-length 2048
+      --max-position-embeddings 2048 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
+      --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
+      --transformer-impl transformer_engine --use-distributed-optimizer --no-gradient-accumulation-fusion
+      --fp8-format hybrid --fp8-recipe tensorwise --micro-batch-size 4 --global-batch-size 4 --train-iters 30
+      --lr 3e-4 --min-lr 3e-4 --lr-decay-style constant --lr-warmup-iters 10 --lr-warmup-init 0 --weight-decay 0.1
+      --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --seed 1234 --byte-corpus stdlib_docstrings
+      --tokenizer-type NullTokenizer --num-workers 1 --log-interval 1 --eval-iters 0 --eval-interval 1000000)
+    pa=(--use-precision-aware-optimizer)
+    declare -A pa_runs=(
+      [pa-fp8]="--vocab-size 32000 ${pa[*]} --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
+      [pa-fp8-v-bf16]="--vocab-size 32000 ${pa[*]} --exp-avg-dtype fp8 --exp-avg-sq-dtype bf16"
+      [pa-bf16-v-fp8]="--vocab-size 32000 ${pa[*]} --exp-avg-dtype bf16 --exp-avg-sq-dtype fp8"
+      [no-pa]="--vocab-size 32000"
+      [pa-fp8-vocab256]="--vocab-size 256 ${pa[*]} --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
+    )
+    names=(pa-fp8 pa-fp8-v-bf16 pa-bf16-v-fp8 no-pa pa-fp8-vocab256)
+    for name in "${names[@]}"; do
+      read -ra flags <<<"${pa_runs[$name]}"
+      run 110 "$name" python3 -m coat_patches.launch examples/pretrain_gpt.py "${pa_common[@]}" "${flags[@]}"
+    done
+    {  # the loss of every iteration, one column per run
+      printf '| iteration |'; printf ' %s |' "${names[@]}"; echo
+      printf '|---|'; printf -- '---|%.0s' "${names[@]}"; echo
+      for it in $(seq 1 30); do
+        printf '| %s |' "$it"
+        for name in "${names[@]}"; do
+          loss=$(sed -nE "s/.*iteration +$it\/.*lm loss: ([0-9.Ee+-]+).*/\1/p" "$out/$name.log" 2>/dev/null | head -1)
+          if [ -n "$loss" ]; then printf ' %.3f |' "$loss"; else printf ' - |'; fi
+        done
+        echo
+      done
+    } >"$out/losses.md"
+    cat "$out/losses.md" ;;
+  *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
+esac
+tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

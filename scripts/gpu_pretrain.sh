@@ -11,7 +11,7 @@
 # (--no-gradient-accumulation-fusion: Megatron's default needs apex's fused wgrad kernel, absent on a
 # plain torch + TE install. COAT's linears still add their wgrad into main_grad inside the GEMM
 # (--coat-fuse-wgrad-accumulation, default on); the BF16 run's TE linears then leave the add to
-# Megatron, which on gpt-1b cost TE 2.6% of its speed in coat-compare (benchmarks/results/fusion-h200):
+# Megatron, which on gpt-1b cost TE 2.6% of its speed in coat-compare (benchmarks/results/gpt-1b-speed-1gpu):
 # read the BF16 ratio with that in mind, or give both runs apex.)
 # Environment: OUT (default ./out: logs, --coat-report JSONs, comparison.md), SIZE (1b | tiny),
 # GPUS (processes; default: the visible GPUs, or 1), ITERS (default 50), PYTHON (default python),

@@ -1,6 +1,7 @@
 """The documentation stays true to the code and to itself: the generated flags reference matches
 the ``--coat-*`` flags and CoatConfig's defaults, the README stays a front door (size, CI blocks),
-and every relative link in the README, docs/ and the results index points at a file that exists."""
+every relative link in the README, docs/ and the results index points at a file that exists, and
+every reference to a section of docs/design.md, in code or docs, names one of its headings."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ CI_BLOCKS = {
     "<!-- ci:install -->": 'python -m pip install -e ".[test]"',
     "<!-- ci:test -->": "python -m pytest -n 2",
 }
+DESIGN = ROOT / "docs" / "design.md"
+# "docs/design.md#the-fused-step" in a docstring, "(design.md#...)" in a markdown link
+DESIGN_REFERENCE = re.compile(r"design\.md#([A-Za-z0-9_-]*)")
+# a section number ("DESIGN 5.1", "DESIGN section 5"): docs/design.md numbers none
+SECTION_NUMBER = re.compile(r"\bDESIGN (?:section )?\d+(?:\.\d+)*")
+# Files other sessions were rewriting when the numbers were replaced, each with the anchor it needs:
+# coat_compare/__init__.py "DESIGN 6" -> docs/compare.md, coat_compare/checkpoint.py "DESIGN 5.3" ->
+# docs/design.md#distributed, coat_megatron/optimizer/__init__.py "DESIGN section 5" ->
+# docs/design.md#the-fp8-optimizer. The test fails once one is fixed, so that its entry goes.
+NUMBERED_ELSEWHERE = {"coat_compare/__init__.py", "coat_compare/checkpoint.py", "coat_megatron/optimizer/__init__.py"}
+SOURCES = ("coat_megatron", "coat_compare", "kernels", "patches", "tests", "benchmarks", "scripts", "examples", "docs")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)|!\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -74,3 +86,61 @@ def test_relative_links_point_at_files(document):
         if not (document.parent / path).exists():
             broken.append(target)
     assert not broken, f"{document.relative_to(ROOT)} links to missing files: {', '.join(broken)}"
+
+
+def _heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a document's headings: lower case, punctuation dropped, spaces as
+    hyphens, a repeated one suffixed -1, -2, ..."""
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", re.sub(r"```.*?```", "", markdown, flags=re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in anchors:
+            n += 1
+            anchor = f"{slug}-{n}"
+        anchors.add(anchor)
+    return anchors
+
+
+def _text_files() -> list[Path]:
+    files = [README]
+    for top in SOURCES:
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.suffix in (".py", ".md", ".sh", ".txt") and "results" not in path.relative_to(ROOT).parts[:2]:
+                files.append(path)
+    return [f for f in files if f != Path(__file__).resolve()]  # this file quotes both forms
+
+
+def test_heading_anchors_follow_githubs_rule():
+    text = "# Design\n## The FP8 optimizer\n### Dynamic range expansion (DRE)\n```\n# not a heading\n```\n## Design\n"
+    assert _heading_anchors(text) == {"design", "the-fp8-optimizer", "dynamic-range-expansion-dre", "design-1"}
+
+
+def test_references_to_the_design_name_its_headings():
+    anchors = _heading_anchors(DESIGN.read_text())
+    broken, numbered = [], set()
+    for path in _text_files():
+        name = str(path.relative_to(ROOT))
+        text = path.read_text(errors="replace")
+        broken += [f"{name}: design.md#{a}" for a in DESIGN_REFERENCE.findall(text) if a not in anchors]
+        if SECTION_NUMBER.search(text):
+            numbered.add(name)
+    assert not broken, (
+        f"no such heading in docs/design.md: {', '.join(broken)} (headings: {', '.join(sorted(anchors))})"
+    )
+    assert numbered <= NUMBERED_ELSEWHERE, (
+        f"{', '.join(sorted(numbered - NUMBERED_ELSEWHERE))} cite design sections by number, which docs/design.md "
+        "does not have: write docs/design.md#<heading anchor> instead"
+    )
+    fixed = NUMBERED_ELSEWHERE - numbered
+    assert not fixed, f"{', '.join(sorted(fixed))} no longer cite a section number: drop them from NUMBERED_ELSEWHERE"
+
+
+def test_readme_quotes_the_torch_pin_of_pyproject():
+    """The CPU-only torch the README installs first must satisfy the project's pin, or the project's
+    own install replaces it with the CUDA build."""
+    import tomllib
+
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_pin,) = [d for d in dependencies if re.match(r"torch\b", d)]
+    assert f'"{torch_pin}"' in README.read_text(), f"README.md must quote pyproject.toml's pin {torch_pin}"

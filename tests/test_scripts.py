@@ -1,103 +1,158 @@
-"""The GPU scripts parse (``bash -n``), and every part a script's header names has its branch in
-the script's ``case`` and the other way round: a device command names a part, and a dropped branch
-would only show on the GPU, as "unknown part", after the machine's set-up time was spent."""
+"""The GPU scripts parse (``bash -n``), and scripts/gpu_evidence.sh keeps its promises: every part its
+--help lists has its branch and the other way round, every file a part runs exists, every evidence
+folder a part names exists and every GPU evidence folder has a part, every part that the evidence
+and docs/results.md name exists, and --each-gpu runs parts at once, one per GPU, each with its
+arguments. A broken part would otherwise only show on the GPU, after the machine's set-up time."""
 
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).parent.parent / "scripts").glob("gpu_*.sh"))
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "scripts" / "gpu_evidence.sh"
+RESULTS = ROOT / "benchmarks" / "results"
+HEADER_PART = re.compile(r"^  ([a-z0-9-]+)((?: [A-Z\[][^ ]*)*)  +(\S.*)$")  # part, its arguments, what it measures
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def listed_parts() -> dict[str, str]:
+    """Part -> its description, from the runner's --help."""
+    proc = subprocess.run(["bash", str(RUNNER), "--help"], capture_output=True, text=True, check=True)
+    body = proc.stdout.split("Parts, and the folder", 1)[1].split("\n\n", 1)[0]
+    parts = {}
+    for line in body.splitlines()[1:]:
+        match = HEADER_PART.match(line)
+        assert match, f"not a part line: {line!r}"
+        parts[match[1]] = match[3]
+    return parts
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
 def test_the_script_parses(script):
     proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
-def test_every_documented_part_has_a_branch_and_every_branch_is_documented():
-    script = Path(__file__).parent.parent / "scripts" / "gpu_default.sh"
-    text = script.read_text()
-    documented = set(re.findall(r"^#\s+(?:\S+=\S+ )*bash scripts/gpu_default\.sh ([a-z0-9-]+)", text, re.M))
-    branches = set(re.findall(r"^  ([a-z0-9-]+)\)$", text, re.M))
-    assert documented == branches, documented ^ branches
-    unknown = re.search(r'unknown part \$part: ([^"]+)"', text).group(1)
-    listed = set(re.findall(r"[a-z0-9-]+", unknown.replace(" or ", ", "))) - {"or"}
-    assert listed == branches, listed ^ branches
+def test_every_listed_part_has_a_branch_and_every_branch_is_listed():
+    branches = set(re.findall(r"^  ([a-z0-9-]+)\)$", RUNNER.read_text(), re.M))
+    listed = set(listed_parts())
+    assert len(listed) >= 30 and listed == branches, listed ^ branches
+    history = [p for p in listed if re.search(r"\b(issue\d*|before|now|latest)\b|\d{4}-\d\d", p)]
+    assert not history, f"parts named after their history, not what they measure: {history}"
 
 
-def test_parts_run_at_once_one_per_gpu_each_with_its_own_environment(tmp_path):
-    """scripts/gpu_parts.sh with a stand-in nvidia-smi (three GPUs) and a stand-in part script that
-    records what each part saw: its GPU, its results folder, its NAME=VALUE words, and that the
-    project was installed once for all (no second pip install racing the first); " + " runs two
-    parts one after another on one GPU."""
+def test_every_file_a_part_runs_exists():
+    text = RUNNER.read_text()
+    named = set(re.findall(r"\b((?:benchmarks|tests|examples|scripts)/[\w./-]+\.(?:py|sh|jsonl))", text))
+    named |= {f"scripts/{name}" for name in re.findall(r'\$\(dirname "\$0"\)/(\w+\.sh)', text)}
+    assert {"benchmarks/accuracy.py", "scripts/gpu_lib.sh", "scripts/gpu_pretrain.sh"} <= named
+    missing = sorted(n for n in named if not (ROOT / n).exists())
+    assert not missing, missing
+
+
+def test_the_parts_and_the_evidence_folders_name_each_other():
+    folders = set()
+    for part, description in listed_parts().items():
+        assert "->" in description or part == "gpu-tests", f"{part} names no evidence folder"
+        folders |= {f.strip() for f in description.split("->", 1)[-1].split(",")} if "->" in description else set()
+    missing = sorted(f for f in folders if not (RESULTS / f).is_dir())
+    assert not missing, f"parts name evidence folders that do not exist: {missing}"
+    gpu_folders = {p.name for p in RESULTS.iterdir() if p.is_dir() and re.search(r"-\d+gpu$", p.name)}
+    assert gpu_folders <= folders, f"GPU evidence no part measures again: {sorted(gpu_folders - folders)}"
+
+
+def test_every_part_the_evidence_and_the_index_name_exists():
+    parts = set(listed_parts())
+    named = {}
+    for commands in RESULTS.glob("*/commands.txt"):
+        for part in re.findall(r"gpu_evidence\.sh (?:--each-gpu )?([a-z0-9-]+)", commands.read_text()):
+            named.setdefault(part, commands.parent.name)
+    index = (ROOT / "docs" / "results.md").read_text()
+    for row in re.findall(r"^\|.*\|$", index, re.M):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        if len(cells) == 7 and cells[5].startswith("`"):  # the "run again" column
+            for part in re.findall(r"`([a-z0-9-]+)[^`]*`", cells[5]):
+                named.setdefault(part, "docs/results.md")
+    unknown = {p: where for p, where in named.items() if p not in parts}
+    assert len(named) >= 25 and not unknown, unknown
+
+
+@pytest.fixture
+def stand_ins(tmp_path):
+    """nvidia-smi (three GPUs), python3 and coat-compare stand-ins that record each call with its GPU."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: a"\necho "GPU 1: b"\necho "GPU 2: c"\n')
-    (bin_dir / "python3").write_text('#!/bin/sh\necho pip-install >> "$INSTALLS"\n')  # the install
+    record = 'echo "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
+    (bin_dir / "python3").write_text("#!/bin/sh\n" + record)
+    (bin_dir / "coat-compare").write_text("#!/bin/sh\n" + record + '[ -z "${STAND_IN_SLEEP:-}" ] || exec sleep 30\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    part = tmp_path / "part.sh"
-    part.write_text(
-        'echo "args=$* gpu=$CUDA_VISIBLE_DEVICES out=$OUT tests=${GPU_TESTS:-} installed=$COAT_GPU_INSTALLED"\n'
-        'mkdir -p "$OUT/$1" && echo row > "$OUT/$1/a.jsonl" && echo log > "$OUT/$1/a.log"\n'
-        '[ "$1" = spike7b ] || tar czf "$OUT/$1.tgz" -C "$OUT/$1" .\n'  # spike7b: a part that died unpacked
-    )
-    env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "SCRIPT": str(part),
-        "OUT": str(tmp_path / "out"),
-        "INSTALLS": str(tmp_path / "installs"),
-    }
-    script = Path(__file__).parent.parent / "scripts" / "gpu_parts.sh"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "CALLS": str(tmp_path / "calls")}
+    return tmp_path, env
+
+
+def test_each_gpu_runs_the_parts_at_once_one_per_gpu_with_their_arguments(stand_ins):
+    tmp_path, env = stand_ins
     proc = subprocess.run(
-        ["bash", str(script), "GPU_TESTS=1 acc1b coat 7", "spike7b", "batches + GPU_TESTS=2 gc"],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+        ["bash", str(RUNNER), "--each-gpu", "default-vs-cached-gpt-1b", "weight-passes + optimizer-step",
+         "accuracy-gpt-1b coat 7 cosine"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    seen = [(tmp_path / "out" / f"gpu{i}.txt").read_text().strip() for i in (0, 1, 2)]
-    assert seen[0] == f"args=acc1b coat 7 gpu=0 out={tmp_path}/out/gpu0 tests=1 installed=1"
-    assert seen[1] == f"args=spike7b gpu=1 out={tmp_path}/out/gpu1 tests= installed=1"
-    assert seen[2].splitlines() == [
-        f"args=batches gpu=2 out={tmp_path}/out/gpu2 tests= installed=1",
-        f"args=gc gpu=2 out={tmp_path}/out/gpu2 tests=2 installed=1",
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls.count("gpu= python3 -m pip install -q --no-deps --no-build-isolation -e .") == 1  # once for all
+    out = tmp_path / "out"
+    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
+    assert by_gpu["0"] == [
+        f"coat-compare --preset gpt-1b --micro-batch 4 --steps 40 --modes bf16,coat,coat-codes,coat-cached "
+        f"--cuda-graphs none,local --out {out}/gpu0/default-vs-cached-gpt-1b --name gpt-1b --no-plots"
     ]
-    assert (tmp_path / "installs").read_text() == "pip-install\n"
-    # each part's results come back as one archive (the device returns a limited number of files)
-    left = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert by_gpu["1"] == [  # two parts one after the other on GPU 1
+        f"python3 benchmarks/weight_passes.py --preset llama2-7b --out {out}/gpu1/weight-passes",
+        f"python3 benchmarks/weight_passes.py --preset gpt-1b --out {out}/gpu1/weight-passes",
+        f"python3 benchmarks/optimizer.py --sweep --out {out}/gpu1/optimizer-step",
+    ]
+    assert by_gpu["2"] == [
+        "coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 --cuda-graphs local "
+        f"--modes coat --seed 7 --lr-decay cosine --out {out}/gpu2/accuracy-gpt-1b/seed7 "
+        "--name gpt-1b-acc-coat-cosine --no-plots"
+    ]
+    # each part's folder comes back as one archive, with its logs
+    left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert left == [
-        "gpu0.txt",
-        "gpu0/acc1b.tgz",
-        "gpu1.txt",
-        "gpu1/spike7b.tgz",
-        "gpu2.txt",
-        "gpu2/batches.tgz",
-        "gpu2/gc.tgz",
-    ], left
-    listing = subprocess.run(
-        ["tar", "tzf", str(tmp_path / "out" / "gpu1" / "spike7b.tgz")], capture_output=True, text=True
-    )
-    assert {"./a.jsonl", "./a.log"} <= set(listing.stdout.split())
-    assert "=== GPU 0: GPU_TESTS=1 acc1b coat 7" in proc.stdout and "=== GPU 2: batches + GPU_TESTS=2 gc" in proc.stdout
-    # a part past LIMIT is stopped, and what it wrote is packed all the same
-    (tmp_path / "out").rename(tmp_path / "first")
-    (tmp_path / "slow.sh").write_text('mkdir -p "$OUT/$1" && echo row > "$OUT/$1/a.jsonl"\nexec sleep 30\n')
+        "gpu0.txt", "gpu0/default-vs-cached-gpt-1b.tgz", "gpu1.txt", "gpu1/optimizer-step.tgz",
+        "gpu1/weight-passes.tgz", "gpu2.txt", "gpu2/accuracy-gpt-1b.tgz",
+    ], left  # fmt: skip
+    with tarfile.open(out / "gpu1" / "weight-passes.tgz") as archive:
+        assert {"./gpu.txt", "./weight-passes-llama2-7b.log", "./weight-passes-gpt-1b.log"} <= set(archive.getnames())
+    assert "=== GPU 1: weight-passes + optimizer-step" in proc.stdout
+
+
+def test_a_part_past_the_limit_is_stopped_and_what_it_wrote_comes_back(stand_ins):
+    tmp_path, env = stand_ins
     proc = subprocess.run(
-        ["bash", str(script), "slow", "quick"],
-        capture_output=True,
-        text=True,
-        env={**env, "SCRIPT": str(tmp_path / "slow.sh"), "LIMIT": "2"},
-        timeout=20,
-    )
+        ["bash", str(RUNNER), "--each-gpu", "speed-gpt-1b", "kernel-launches"],
+        capture_output=True, text=True, env={**env, "LIMIT": "2", "STAND_IN_SLEEP": "1"}, cwd=ROOT, timeout=60,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "stopped after 2 s (LIMIT): what it wrote is packed" in (tmp_path / "out" / "gpu0.txt").read_text()
-    assert (tmp_path / "out" / "gpu0" / "slow.tgz").exists() and not (tmp_path / "out" / "gpu0" / "slow").exists()
-    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho "GPU 0: a"\necho "GPU 1: b"\n')
-    proc = subprocess.run(["bash", str(script), "quick", "gc", "pretrain"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 2 and "got 3 parts but this machine has 2 GPUs: give at most 2" in proc.stderr
-    proc = subprocess.run(["bash", str(script), "quick"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 2 and "two or more" in proc.stderr
+    out = tmp_path / "out"
+    assert "stopped after 2 s (LIMIT): what it wrote is packed" in (out / "gpu0.txt").read_text()
+    assert (out / "gpu0" / "speed-gpt-1b.tgz").exists() and not (out / "gpu0" / "speed-gpt-1b").exists()
+    assert (out / "gpu1" / "kernel-launches.tgz").exists()  # python3's stand-in does not sleep
+
+
+def test_wrong_calls_fail_before_any_set_up(stand_ins):
+    tmp_path, env = stand_ins
+    proc = subprocess.run(["bash", str(RUNNER), "no-such-part"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "unknown part no-such-part: bash scripts/gpu_evidence.sh --help" in proc.stderr
+    proc = subprocess.run(["bash", str(RUNNER), "bash"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert proc.returncode == 2  # a word of the header that is not a part
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "--each-gpu", "gpu-tests", "gpu-tests", "gpu-tests", "gpu-tests"],
+        capture_output=True, text=True, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "got 4 parts but this machine has 3 GPUs" in proc.stderr
+    assert not (tmp_path / "calls").exists()  # nothing installed, nothing run

@@ -18,7 +18,6 @@ for fprop and dgrad, the FP8 output, and the wgrad summed over chunks (``WeightG
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -37,15 +36,6 @@ from coat_kernels.swiglu import quantize_swiglu_input
 from ..config import CoatConfig
 from .tensor import Fp8Tensor, take_amax
 from .weights import Fp8WeightCache, weight_cache_for
-
-# How a wgrad is added into a gradient buffer that already holds a sum: "auto" (the default) has the
-# GEMM itself add it where cuBLASLt can ("cublaslt": beta = 1, no temporary; gpt-1b on an H200 ran
-# 4.5% faster than with "add": benchmarks/results/fusion-h200), else "add" (the product in an FP32
-# temporary, then an add: on a CPU, or for an output height that is not a multiple of 16).
-# COAT_WGRAD_ACCUMULATE picks one.
-WGRAD_ACCUMULATE = os.environ.get("COAT_WGRAD_ACCUMULATE", "auto")
-if WGRAD_ACCUMULATE not in ("auto", "cublaslt", "add"):
-    raise ValueError(f"COAT_WGRAD_ACCUMULATE={WGRAD_ACCUMULATE!r}: use auto (the default), cublaslt or add")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +126,7 @@ class _Fp8Linear(torch.autograd.Function):
                 )[2]
             elif x_t is None:
                 x_t = ctx.x_t_fn()
-            wgrad = WeightGradient(weight, main_grad)
+            wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
             wgrad.add(dy_t, dy_scale, x_t.t(), x_scale)
             dw = wgrad.result()
         if has_bias and ctx.needs_input_grad[2]:
@@ -162,12 +152,13 @@ class WeightGradient:
     (``grad_added_to_main_grad`` False: the first micro-batch of a step), the first chunk's GEMM
     writes straight into it, with no FP32 temporary to add (8 bytes per weight element less
     traffic); later chunks, later micro-batches, and a captured per-layer graph, which serves every
-    micro-batch, add (``WGRAD_ACCUMULATE``). A BF16 main_grad is rounded once per chunk. Without
+    micro-batch, add, the way ``accumulate`` (``CoatConfig.wgrad_accumulate``) says. A BF16 main_grad is rounded once per chunk. Without
     it: one chunk writes dW in the weight's dtype; several are summed in an FP32 temporary.
     """
 
-    def __init__(self, weight: torch.Tensor, into_main_grad: bool, chunks: int = 1):
+    def __init__(self, weight: torch.Tensor, into_main_grad: bool, chunks: int = 1, accumulate: str = "auto"):
         self.weight = weight
+        self.accumulate = accumulate
         self.main = weight.main_grad if into_main_grad and hasattr(weight, "main_grad") else None
         self.chunks = chunks
         self.sum = None
@@ -183,13 +174,13 @@ class WeightGradient:
             ):
                 fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
             else:
-                fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=WGRAD_ACCUMULATE)
+                fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=self.accumulate)
             self.sum = main
         elif first:
             dtype = self.weight.dtype if self.chunks == 1 else torch.float32
             self.sum = fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=dtype)
         else:
-            fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, self.sum, backend=WGRAD_ACCUMULATE)
+            fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, self.sum, backend=self.accumulate)
 
     def result(self) -> torch.Tensor | None:
         """What the autograd Function returns for the weight: dW, or main_grad's placeholder."""
@@ -220,8 +211,9 @@ def fp8_linear(
     Args:
         x: (..., in): an ``Fp8Tensor`` (per-tensor, from a COAT producer) or a plain BF16 tensor.
         weight: (out, in), BF16 or FP32; bias: (out,) or None.
-        config: formats (forward_format for X and Y, backward_format for dY, weight_format for W)
-            and the 1xG group size of an FP8 output.
+        config: formats (forward_format for X and Y, backward_format for dY, weight_format for W),
+            the 1xG group size of an FP8 output, and how a wgrad is added into a ``main_grad``
+            that already holds a sum (wgrad_accumulate).
         weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent,
             keeping the codes and their transposed copy as ``config.cache_weight`` and
             ``config.cache_weight_transpose`` say).

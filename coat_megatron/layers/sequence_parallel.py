@@ -131,7 +131,7 @@ class _ColumnParallelSP(torch.autograd.Function):
         scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
         scatter = scatter if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
-        wgrad = WeightGradient(weight, main_grad, chunks=n) if need_dw else None
+        wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None
         for _ in range(n):
             taken = gather.take() if gather else None  # posts the transfer of the next chunk
             if scatter:
@@ -201,7 +201,7 @@ class _RowParallelSP(torch.autograd.Function):
         gather = all_gather_chunks(dy_q, dy_scale, group, overlap=config.tp_comm_overlap)
         dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
-        wgrad = WeightGradient(weight, main_grad, chunks=n) if need_dw else None
+        wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None
 
         def x_t_of(j: int) -> torch.Tensor:  # (in/n, R_c): the transposed codes of chunk j of X
             rows = slice(j * r_c, (j + 1) * r_c)

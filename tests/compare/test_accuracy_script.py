@@ -1,14 +1,15 @@
-"""benchmarks/accuracy.py: BF16 vs COAT validation loss over seeds with the noise floors and the
-ablations, on the tiny preset; and its verdict rule on made-up gaps."""
+"""benchmarks/accuracy.py, run as a user runs it: BF16 vs COAT validation loss over seeds with the
+noise floors and the ablations, on the tiny preset; its verdict rules on the rows of made-up runs;
+and its refusal of malformed mode keys."""
 
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
 import pytest
-from load_file import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "accuracy.py")
@@ -39,10 +40,6 @@ def accuracy(out, *args):
         timeout=600,
         env=env,
     )
-
-
-def load_script():
-    return load_file("benchmarks/accuracy.py", "accuracy_script")
 
 
 def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_path):
@@ -186,73 +183,123 @@ def test_runs_of_another_learning_rate_schedule_are_neither_used_nor_counted_as_
     assert "--lr-decay cosine`" in text and "then a cosine down to 10% of it at the last step" in text
 
 
-def test_mode_keys_name_the_dp_size_data_order_and_run():
-    script = load_script()
-    assert script.parse_key("bf16@run2") == ("bf16", 1, 1, 2)
-    assert script.parse_key("coat@dp2@data3@run2") == ("coat", 2, 3, 2)
-    assert script.mode_key("coat", 2, 3, 2) == "coat@dp2@data3@run2" and script.mode_key("bf16") == "bf16"
-    for bad in ("bf16@run0", "bf16@run", "bf16@twice"):
-        with pytest.raises(SystemExit, match="MODE@runN"):
-            script.parse_key(bad)
+def made_up_runs(directory, preset, steps, adam_eps, valid_by_seed):
+    """Rows as coat-compare writes them for finished runs, with the given final validation loss per
+    seed and mode key (``MODE`` or ``MODE@data2``), in ``directory``/seedN/: what accuracy.py reads."""
+    for seed, valid in valid_by_seed.items():
+        (directory / f"seed{seed}").mkdir(parents=True)
+        with open(directory / f"seed{seed}" / "made-up.jsonl", "w") as f:
+            for key, loss in valid.items():
+                mode, _, order = key.partition("@data")
+                row = {
+                    "kind": "train",
+                    "status": "ok",
+                    "mode": mode,
+                    "seed": seed,
+                    "data_seed": seed + 1000 * (int(order or 1) - 1),
+                    "dp": 1,
+                    "adam_eps": adam_eps,
+                    "losses": [3.0] * (steps - 1) + [loss],
+                    "valid_loss": loss,
+                    "valid_losses": [[steps, loss]],
+                    "device": "made-up GPU",
+                    "corpus": "made-up",
+                    "corpus_files": 1,
+                    "corpus_train_bytes": 10**6,
+                    "corpus_train_sha256": "a" * 64,
+                    "corpus_valid_bytes": 10**4,
+                    "corpus_valid_sha256": "b" * 64,
+                    "valid_windows_sha256": "c" * 64,
+                    "eval_windows": 8,
+                    "eval_every": steps,
+                    "seq": 64,
+                    "steps": steps,
+                    "micro_batch": 4,
+                    "global_batch": 16,
+                }
+                f.write(json.dumps(row) + "\n")
 
 
-def test_the_modes_start_with_the_bf16_reference(capsys):
-    script = load_script()
-    with pytest.raises(SystemExit):
-        script.parse_args(["--modes", "coat,bf16"])
-    assert "start with bf16" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="is not MODE, MODE@dpN, MODE@dataN or MODE@runN"):
-        script.parse_args(["--modes", "bf16,coat,bf16@data0"])
-    assert script.parse_args(["--modes", "bf16,coat,bf16@data2"])[1] == ["bf16", "coat", "bf16@data2"]
+def gaps_to_losses(gaps: dict[str, list[float]]) -> dict[int, dict[str, float]]:
+    """BF16 ends at 1.0 in every seed; each other key at 1 + its gap."""
+    seeds = range(1, len(next(iter(gaps.values()))) + 1)
+    return {s: {"bf16": 1.0, **{k: 1.0 + g[s - 1] for k, g in gaps.items()}} for s in seeds}
 
 
-def test_the_verdict_rule():
-    script = load_script()
-    assert script.parse_key("bf16@data2") == ("bf16", 1, 2, 1)
-    assert script.parse_key("coat-act@dp2") == ("coat-act", 2, 1, 1)
-    assert script.mode_key("bf16", 1, 2) == "bf16@data2" and script.data_seed(3, 2) == 1003
+def verdicts(out) -> dict[str, dict]:
+    rows = [json.loads(line) for line in (out / "accuracy.jsonl").read_text().splitlines()]
+    return {r.get("mode", r["kind"]): r for r in rows if r["kind"] in ("verdict", "paired_verdict")}
 
-    noise = [0.002, -0.004, 0.005]  # per-seed BF16-vs-BF16 gaps: rms 0.39%, so a 3-seed mean's se is 0.22%
-    rms = math.sqrt((0.002**2 + 0.004**2 + 0.005**2) / 3)
 
-    close = [0.0015, 0.0025, 0.002]  # mean +0.20%: under 0.25% and within 2 x 0.22% of zero
-    v = script.verdict(close, noise, "bf16@data2")
-    assert v["met"] is True and v["gap_coat"] == pytest.approx(0.002) and v["gap_noise"] == pytest.approx(0.001)
-    assert v["noise_rms"] == pytest.approx(rms) and v["allowed_gap"] == pytest.approx(2 * rms / math.sqrt(3))
+def test_the_verdict_rules_on_made_up_gaps(tmp_path):
+    """gpt-125m's rule (mean gap <= 0.25% and mean + 2 standard errors <= 0.5%) on four seeds: a mode
+    close to BF16 meets it, a scattered one misses the second bound only, a steady one above 0.25%
+    the first; the noise-floor reading takes bf16@data2's per-seed gaps, whatever their sign."""
+    gaps = {
+        "coat": [0.001, 0.002, 0.0015, 0.0025],  # mean 0.175%, se 0.048%
+        "coat-act": [-0.004, 0.006, -0.003, 0.007],  # mean 0.15%, se 0.29%: mean + 2 se 0.73%
+        "te-fp8-delayed": [0.003, 0.0031, 0.0029, 0.003],  # mean 0.30%
+        "bf16@data2": [0.002, -0.004, 0.005, -0.001],  # rms 0.339%
+    }
+    made_up_runs(tmp_path / "runs", "gpt-125m", 4, 1e-8, gaps_to_losses(gaps))
+    proc = accuracy(
+        tmp_path / "report", "--preset", "gpt-125m", "--steps", "4", "--seeds", "1,2,3,4", "--max-runs", "0",
+        "--modes", "bf16,coat,coat-act,te-fp8-delayed,bf16@data2", "--rows", str(tmp_path / "runs"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    v = verdicts(tmp_path / "report")
+    assert set(v) == {"verdict", "coat", "coat-act", "te-fp8-delayed"}  # the noise floor is not judged
 
-    # the sign of a BF16-vs-BF16 gap is arbitrary: flipping it changes nothing
-    flipped = script.verdict(close, [-g for g in noise], "bf16@data2")
-    assert flipped["met"] is True and flipped["allowed_gap"] == pytest.approx(v["allowed_gap"])
-
-    above = [0.0025, 0.0035, 0.003]  # mean +0.30%: above the goal though within the noise
-    v = script.verdict(above, noise)
-    assert v["met"] is False and v["note"] == "mean gap above 0.25%" and abs(v["gap_coat"]) <= v["allowed_gap"]
-
-    quiet_noise = [0.0001, -0.0001, 0.0]  # rms 0.008%: COAT's +0.20% is far outside two standard errors of it
-    tight = [0.0019, 0.0021, 0.002]
-    v = script.verdict(tight, quiet_noise)
-    assert v["met"] is False and v["note"] == "further from zero than two standard errors of the noise floor"
-    better = script.verdict([-0.003, -0.002, -0.004], quiet_noise)  # far better than BF16 is also far from the noise
-    assert better["met"] is False
-
-    assert script.verdict(close, None)["met"] is None and "add bf16@data2" in script.verdict(close, None)["note"]
-    assert script.verdict([0.001], [0.0])["met"] is None  # one seed: no standard error
-    line = script.verdict_line(script.verdict(close, noise, "bf16@data2"))
-    assert (
-        "COAT +0.200% (its own se " in line and "noise floor bf16@data2: per-seed gaps rms 0.387%, mean +0.100%" in line
+    assert v["coat"]["met"] is True and v["coat"]["gap_mean"] == pytest.approx(0.00175)
+    assert v["coat"]["upper"] == pytest.approx(0.00175 + 2 * statistics.stdev(gaps["coat"]) / 2)
+    assert v["coat-act"]["met"] is False and v["coat-act"]["note"].startswith("mean + 2 se +0.73")
+    assert v["te-fp8-delayed"]["met"] is False and v["te-fp8-delayed"]["note"].startswith(
+        "mean gap +0.300% above 0.25%"
     )
-    assert line.endswith("**met**.") and "The signed reading" in line
+
+    noise = v["verdict"]
+    rms = math.sqrt(sum(g * g for g in gaps["bf16@data2"]) / 4)
+    assert noise["noise_floor"] == "bf16@data2" and noise["noise_rms"] == pytest.approx(rms)
+    assert noise["allowed_gap"] == pytest.approx(2 * rms / 2) and noise["met"] is True  # |0.175%| <= 0.339%
+    md = (tmp_path / "report" / "accuracy.md").read_text()
+    assert "- coat vs BF16 over 4 seed(s), rule mean gap <= 0.25% and mean + 2 se <= 0.50%: +0.175%" in md
+    assert "| 2 | 1.0000 | 1.0020 | 1.0060 | 1.0031 | 0.9960 | +0.20% | +0.60% | +0.31% | -0.40% |" in md
+
+    # the sign of a BF16-vs-BF16 gap is arbitrary: the floor flipped reads the same
+    flipped = {**gaps, "bf16@data2": [-g for g in gaps["bf16@data2"]]}
+    made_up_runs(tmp_path / "flipped", "gpt-125m", 4, 1e-8, gaps_to_losses(flipped))
+    proc = accuracy(
+        tmp_path / "report2", "--preset", "gpt-125m", "--steps", "4", "--seeds", "1,2,3,4", "--max-runs", "0",
+        "--modes", "bf16,coat,bf16@data2", "--rows", str(tmp_path / "flipped"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert verdicts(tmp_path / "report2")["verdict"]["allowed_gap"] == pytest.approx(noise["allowed_gap"])
 
 
-def test_paired_verdict_bounds_the_mean_gap_and_its_upper_two_standard_errors():
-    acc = load_script()
-    met = acc.paired_verdict("coat", [0.001, 0.002, 0.0015, 0.0025], "gpt-125m")
-    assert met["met"] and met["gap_mean"] == pytest.approx(0.00175) and met["upper"] < 0.005
-    scattered = acc.paired_verdict("coat", [-0.004, 0.006, -0.003, 0.007], "gpt-125m")  # mean 0.15%, wide scatter
-    assert scattered["met"] is False and "mean + 2 se" in scattered["note"] and "mean gap" not in scattered["note"]
-    high = acc.paired_verdict("te-fp8-delayed", [0.003, 0.0031, 0.0029, 0.003], "gpt-125m")
-    assert high["met"] is False and high["note"].startswith("mean gap +0.300% above 0.25%")
-    assert acc.paired_verdict("coat", [0.001], "gpt-125m")["met"] is None  # one seed: no standard error
-    assert acc.paired_verdict("coat", [0.004], "llama2-7b")["met"]  # one long run, judged on its gap: <= 0.5%
-    assert acc.paired_verdict("coat", [0.003], "gpt-1b")["met"] is False  # <= 0.25%
-    assert "**NOT met**" in acc.paired_verdict_line(high)
+def test_one_long_run_is_judged_on_its_gap_alone(tmp_path):
+    """llama2-7b's rule: one seed, final gap <= 0.5% (no standard error needed)."""
+    made_up_runs(tmp_path / "runs", "llama2-7b", 3, 1e-5, gaps_to_losses({"coat": [0.004], "te-fp8-current": [0.006]}))
+    proc = accuracy(
+        tmp_path / "report", "--preset", "llama2-7b", "--steps", "3", "--seeds", "1", "--max-runs", "0",
+        "--modes", "bf16,coat,te-fp8-current", "--rows", str(tmp_path / "runs"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    v = verdicts(tmp_path / "report")
+    assert v["coat"]["met"] is True and v["coat"]["upper_bound"] is None
+    assert v["te-fp8-current"]["met"] is False and "above 0.50%" in v["te-fp8-current"]["note"]
+    assert v["verdict"]["met"] is None  # no noise floor among the modes
+
+
+@pytest.mark.parametrize(
+    "modes,message",
+    [
+        ("coat,bf16", "start with bf16"),
+        ("bf16,coat,bf16@data0", "is not MODE, MODE@dpN, MODE@dataN or MODE@runN"),
+        ("bf16,coat,bf16@run0", "is not MODE, MODE@dpN, MODE@dataN or MODE@runN"),
+        ("bf16,coat,bf16@twice", "is not MODE, MODE@dpN, MODE@dataN or MODE@runN"),
+    ],
+)
+def test_malformed_modes_are_refused_before_any_run(tmp_path, modes, message):
+    proc = accuracy(tmp_path, "--modes", modes)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # nothing ran or was written

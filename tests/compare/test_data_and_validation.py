@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from coat_compare import job
+from coat_compare import cli, probe, run
 from coat_compare.corpus import load_corpus
 from coat_compare.presets import get_preset
 from coat_compare.report import read_jsonl
@@ -110,10 +110,10 @@ def test_a_run_longer_than_its_corpus_is_refused_with_the_fix():
 
 def test_graphed_runs_validate_only_when_asked():
     # (a graphed run is a speed run: the preset's default validation is left out, an asked-for one runs)
-    job.check_args(job.parse_args(["--preset", "tiny", "--cuda-graphs", "none,local", "--eval-every", "5"]))
+    cli.check_args(cli.parse_args(["--preset", "tiny", "--cuda-graphs", "none,local", "--eval-every", "5"]))
     preset = get_preset("tiny")
-    assert job.preset_for(preset, "none").eval_every == 20 and job.preset_for(preset, "local").eval_every == 0
-    assert job.preset_for(preset, "local", eval_asked=True).eval_every == 20
+    assert run.preset_for(preset, "none").eval_every == 20 and run.preset_for(preset, "local").eval_every == 0
+    assert run.preset_for(preset, "local", eval_asked=True).eval_every == 20
 
 
 def _validation_loss_both_ways(mode_name: str) -> tuple[float, float, bool]:
@@ -144,8 +144,8 @@ def test_validation_beside_graphs_runs_in_inference_mode_with_the_same_loss(mode
 
 
 def test_data_args_are_passed_on_to_fresh_processes():
-    args = job.parse_args(["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"])
-    assert job.data_args(args) == [
+    args = cli.parse_args(["--data-seed", "7", "--corpus", "packages", "--eval-every", "5"])
+    assert probe.data_args(args) == [
         "--data-seed",
         "7",
         "--corpus",
@@ -153,7 +153,7 @@ def test_data_args_are_passed_on_to_fresh_processes():
         "--eval-every",
         "5",
     ]  # passed on to fresh processes
-    json.dumps(job.data_args(args))
+    json.dumps(probe.data_args(args))
 
 
 def _collections_while_training(interval: int) -> tuple[int, bool, str]:

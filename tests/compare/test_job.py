@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from coat_compare import plots
-from coat_compare.job import summarize
 from coat_compare.report import read_jsonl
+from coat_compare.run import summarize
 from coat_compare.search import probe_fits
 from coat_megatron.optional import transformer_engine_available
 
@@ -203,9 +203,8 @@ def test_markdown_has_every_row_ratios_and_goals(tiny):
         assert by_mode["te-fp8-pa"][2].startswith("skipped: te-fp8-pa needs TransformerEngine")
     goal = next(g for g in tiny["goals"] if g["goal"] == "end-to-end peak memory vs BF16, equal micro-batch")
     assert goal["measured"] == pytest.approx(peak_ratio, abs=1e-4)
-    assert goal["met"] == (peak_ratio <= 0.55)
-    assert ("above the target" in goal["missed_by"]) == (not goal["met"])
-    assert "| end-to-end peak memory vs BF16, equal micro-batch | tiny | <= 0.55 |" in md
+    assert goal["met"] is None and goal["missed_by"] == ""  # a CPU's bytes are shown, judged on a GPU
+    assert f"| end-to-end peak memory vs BF16, equal micro-batch | tiny | <= 0.55 | {peak_ratio:.2f} | n/a |" in md
 
 
 @pytest.mark.skipif(not plots.matplotlib_available(), reason="matplotlib not installed (pip install -e '.[report]')")
@@ -331,19 +330,20 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
     assert bad.returncode == 2 and "drop --cuda-graphs" in bad.stderr
 
 
-def test_a_configuration_runs_in_a_fresh_process(tmp_path, monkeypatch):
-    """What every job does on one GPU (each mode x configuration in its own process), run here
+def test_a_configuration_runs_in_processes_of_its_own(tmp_path, monkeypatch):
+    """What every job does on a GPU (each mode x configuration in processes of its own), run here
     with the eager configuration: the row comes back from the child whole."""
-    from coat_compare import job
+    from coat_compare import cli, run
     from coat_compare.presets import get_preset
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    args = job.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
+    args = cli.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
     preset = get_preset("tiny").with_overrides(steps=4)
-    assert not job.isolate_runs(preset, args)  # no GPU here
-    monkeypatch.setattr(job, "isolate_runs", lambda preset, args: True)  # as on one GPU
-    assert job.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
+    assert run.measure_here(preset, args)  # one process on a CPU: here
+    assert not run.measure_here(preset, cli.parse_args(["--preset", "tiny", "--tp", "2"]))  # several: their own
+    monkeypatch.setattr(run, "measure_here", lambda preset, args: False)  # as on a GPU
+    assert run.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
     rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["graphs"] == "none" and len(rows[0]["losses"]) == 4
 
@@ -353,7 +353,7 @@ def test_tiny_layer_per_mode(tmp_path):
     rows = {r["mode"]: r for r in read_jsonl(tmp_path / "tiny-layer.jsonl") if r["kind"] == "layer"}
     assert rows["bf16"]["status"] == rows["coat"]["status"] == "ok"
     assert "end-to-end presets" in rows["te-fp8-pa"]["reason"]
-    # DESIGN 3.3 on the tiny shape: COAT's layer saves about 0.6x of the local BF16 layer
+    # docs/design.md#data-flow-through-a-layer on the tiny shape: COAT's layer saves about 0.6x of the local BF16 layer
     assert 0.4 < rows["coat"]["activation_MiB"] / rows["bf16"]["activation_MiB"] < 0.75
     assert rows["coat"]["ms"] > 0
     assert not list(tmp_path.glob("*.png"))  # --no-plots
@@ -389,7 +389,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     """--search end to end with a fake try (the real one: test_one_search_try_in_a_fresh_process):
     bf16 fits up to 5, coat up to 12; the rows, the table and the tokens/s goal follow (the rows
     named as measured on a GPU: on a CPU a speed goal is not applicable)."""
-    from coat_compare import job, parallel
+    from coat_compare import parallel, run
     from coat_compare.search import Try
 
     limits = {"bf16": 5, "coat": 12}
@@ -411,10 +411,10 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
             },
         )
 
-    monkeypatch.setattr(job, "probe_fits", fake_probe_fits)
+    monkeypatch.setattr(run, "probe_fits", fake_probe_fits)
     monkeypatch.setattr(parallel, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     assert (
-        job.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
+        run.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
         == 0
     )
     rows = read_jsonl(tmp_path / "tiny-search.jsonl")
@@ -441,7 +441,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     per_step.clear()
     out = tmp_path / "accumulated"
     assert (
-        job.main(
+        run.main(
             [
                 "--preset",
                 "tiny",
@@ -556,7 +556,7 @@ def test_adam_eps_and_lr_reach_every_optimizer_and_its_row(tmp_path):
 
 def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
     """Llama-2-13B's loss passed ln(vocab) after step 10 at Megatron's 1e-8 (15.41 at step 12); at
-    Llama 2's 1e-5 its 150 steps stayed at or below 8.46 (benchmarks/results/cosine-h200x4/eps13b):
+    Llama 2's 1e-5 its 150 steps stayed at or below 8.46 (benchmarks/results/llama2-13b-1gpu):
     the Llama presets take 1e-5, the others keep Megatron's 1e-8, and --adam-eps overrides either."""
     from coat_compare.job import parse_args, preset_of
 
@@ -570,15 +570,11 @@ def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
 
 def test_rows_count_the_linears_that_add_their_wgrad_in_the_gemm(tmp_path):
     """Each row says how many of its linears add their wgrad into DDP's buffer inside the GEMM: all of
-    COAT's by default (no apex needed), none with COAT_COMPARE_WGRAD_FUSION=off; on a CPU the BF16 local
+    COAT's by default (no apex needed), none with --wgrad-fusion off; on a CPU the BF16 local
     spec's never (Megatron's own fusion wants apex and CUDA)."""
     common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
     run_job(*common, "--out", str(tmp_path / "on"))
-    os.environ["COAT_COMPARE_WGRAD_FUSION"] = "off"
-    try:
-        run_job(*common, "--out", str(tmp_path / "off"))
-    finally:
-        del os.environ["COAT_COMPARE_WGRAD_FUSION"]
+    run_job(*common, "--wgrad-fusion", "off", "--out", str(tmp_path / "off"))
     on = {r["mode"]: r for r in read_jsonl(tmp_path / "on" / "tiny.jsonl") if r["kind"] == "train"}
     off = {r["mode"]: r for r in read_jsonl(tmp_path / "off" / "tiny.jsonl") if r["kind"] == "train"}
     fused, linears = on["coat"]["wgrad_fused_linears"]

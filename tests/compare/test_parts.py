@@ -273,9 +273,19 @@ def test_an_out_of_memory_row_says_which_bytes_dominate():
     assert expected_bytes_per_param(MODES["coat-cached"])["fp8_copies"] == 2.0
     assert expected_bytes_per_param(MODES["coat-codes"])["fp8_copies"] == 1.0
     text = why_it_does_not_fit(MODES["bf16"], 6_740_000_000, 80 * 2**30)
-    assert text.startswith("bf16 holds about 113 GiB between steps (18.0 B/param x 6.74 B params) of this GPU's 80 GiB")
+    assert text.startswith(
+        "bf16 holds about 113 GiB per GPU between steps (18.0 B/param x 6.74 B params) of this GPU's 80 GiB"
+    )
     assert "the most in optimizer states (8.0 B/param)" in text and text.endswith("coat holds 8.2 B/param")
     assert "; coat holds" not in why_it_does_not_fit(MODES["coat"], 13_000_000_000, 80 * 2**30)  # already the leanest
+    # the distributed optimizer shards masters and states over DP: TE FP8 at DP 4 holds 2 + 4 + (4 + 8) / 4 = 9
+    sharded = why_it_does_not_fit(MODES["te-fp8-current"], 6_740_000_000, 140 * 2**30, dp=4)
+    assert sharded.startswith(
+        "te-fp8-current holds about 56 GiB per GPU between steps at TP 1 x PP 1 x DP 4 (9.0 B/param"
+    )
+    assert "the most in grads (4.0 B/param)" in sharded and sharded.endswith("coat holds 5.0 B/param")
+    # TP and PP split the weights and gradient buffers too: BF16 at TP 2 x DP 2 holds (2 + 4) / 2 + 12 / 4 = 6
+    assert "(6.0 B/param" in why_it_does_not_fit(MODES["bf16"], 6_740_000_000, 80 * 2**30, tp=2, dp=2)
 
 
 def test_model_flops_per_token_and_a_layers_share_of_them():

@@ -1,5 +1,5 @@
-"""benchmarks/spike_batches.py: each step's batch statistics beside the losses of runs that trained
-on those batches, on the tiny preset."""
+"""benchmarks/spike_batches.py, run as a user runs it: each step's batch statistics beside the losses
+of runs that trained on those batches, on the tiny preset."""
 
 import json
 import math
@@ -7,30 +7,9 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
-from load_file import load_file
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "benchmarks", "spike_batches.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-
-
-def load_script():
-    return load_file("benchmarks/spike_batches.py", "spike_batches_script")
-
-
-def test_batch_statistics_by_hand():
-    script = load_script()
-    freq = torch.zeros(256, dtype=torch.float64)
-    freq[ord("a")], freq[ord("b")], freq[200] = 0.5, 0.5 - 1e-6, 1e-6
-    log_p = freq.clamp_min(1e-12).log()
-    # the first byte of each window is input only: the labels are a, b, 200, a
-    windows = torch.tensor([[ord("x"), ord("a"), ord("b")], [ord("x"), 200, ord("a")]], dtype=torch.uint8)
-    stats = script.batch_stats(windows, log_p, freq)
-    assert stats["non_ascii"] == 0.25 and stats["rare"] == 0.25
-    assert stats["surprisal"] == pytest.approx((2 * math.log(2) - math.log(0.5 - 1e-6) - math.log(1e-6)) / 4)
-    assert script.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0) and script.pearson([1, 1, 1], [1, 2, 3]) is None
 
 
 def test_the_losses_of_runs_on_these_batches_sit_beside_their_bytes(tmp_path):

@@ -1,4 +1,5 @@
-"""What each FP8 op saves for backward, counted with saved_tensors_hooks (DESIGN 3.3).
+"""What each FP8 op saves for backward, counted with saved_tensors_hooks
+(docs/design.md#data-flow-through-a-layer).
 
 Per token, with hidden H, FFN F and 1xG groups:
     norm       the 1xG FP8 copy of its input + scales + rstd   H (1 + 4/G) + 4

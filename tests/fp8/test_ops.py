@@ -6,7 +6,6 @@ adds half its step, 2^-8 of the value; FP32 statistics (rstd, mean) add ~1e-5 re
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -204,38 +203,62 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
 
 
 @pytest.mark.gpu
-def test_wgrad_accumulated_in_the_gemm_matches_the_temporary_and_add(monkeypatch, seed):
-    """COAT_WGRAD_ACCUMULATE=cublaslt: later micro-batches add their wgrad into a BF16 main_grad inside
+def test_wgrad_accumulated_in_the_gemm_matches_the_temporary_and_add(seed):
+    """wgrad_accumulate="cublaslt": later micro-batches add their wgrad into a BF16 main_grad inside
     the GEMM (beta = 1); the sum equals the FP32 temporary's and add's within BF16 rounding."""
-    from coat_megatron.fp8 import linear as linear_mod
-
     dev = torch.device("cuda")
     xs = [activations((512, 1024), seed + i) for i in range(3)]
     dys = [activations((512, 2048), seed + 10 + i) for i in range(3)]
     w = activations((2048, 1024), seed + 20)
     sums = {}
     for way in ("add", "cublaslt"):
-        monkeypatch.setattr(linear_mod, "WGRAD_ACCUMULATE", way)
+        config = CoatConfig(wgrad_accumulate=way)
         weight = leaf(w, device=dev)
         weight.main_grad = torch.zeros(w.shape, dtype=torch.bfloat16, device=dev)
         weight.grad_added_to_main_grad = False
         for x, dy in zip(xs, dys):
-            fp8_linear(leaf(x, device=dev), weight, accumulate_into_main_grad=True).backward(dy.to(dev))
+            fp8_linear(leaf(x, device=dev), weight, config=config, accumulate_into_main_grad=True).backward(dy.to(dev))
         sums[way] = weight.main_grad.float()
     assert (sums["cublaslt"] - sums["add"]).abs().max() <= 2**-6 * sums["add"].abs().max()
     assert (sums["cublaslt"] != 0).any()
 
 
-def test_an_unknown_wgrad_accumulation_is_refused_at_import():
-    import subprocess
-    import sys
+@pytest.mark.parametrize("way", ["auto", "cublaslt", "add"])
+def test_the_configured_wgrad_accumulation_reaches_the_gemm(monkeypatch, way, seed):
+    """CoatConfig.wgrad_accumulate is the backend of the accumulating GEMM of every micro-batch after
+    the first (the first writes into main_grad); the sum is the plain wgrads' sum."""
+    from coat_megatron.fp8 import linear as linear_mod
 
-    env = {**os.environ, "COAT_WGRAD_ACCUMULATE": "sometimes"}
-    proc = subprocess.run(
-        [sys.executable, "-c", "import coat_megatron.fp8.linear"], capture_output=True, text=True, env=env, timeout=120
-    )
-    assert proc.returncode != 0
-    assert "COAT_WGRAD_ACCUMULATE='sometimes': use auto (the default), cublaslt or add" in proc.stderr
+    backends = []
+    real = linear_mod.fp8_gemm_accumulate
+
+    def recording(*args, backend, **kwargs):
+        backends.append(backend)
+        return real(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(linear_mod, "fp8_gemm_accumulate", recording)
+    xs = [activations((24, 64), seed + i) for i in range(3)]
+    dys = [activations((24, 32), seed + 10 + i) for i in range(3)]
+    w = activations((32, 64), seed + 20)
+    weight = leaf(w)
+    weight.main_grad = torch.zeros(w.shape)
+    weight.grad_added_to_main_grad = False
+    plain = torch.zeros(w.shape)
+    config = CoatConfig(wgrad_accumulate=way)
+    for x, dy in zip(xs, dys):
+        fp8_linear(leaf(x), weight, config=config, accumulate_into_main_grad=True).backward(dy)
+        alone = leaf(w, torch.float32)  # an FP32 weight: its wgrad comes out in FP32, as main_grad's
+        fp8_linear(leaf(x), alone).backward(dy)
+        plain += alone.grad
+    assert backends == [way, way]
+    assert torch.equal(weight.main_grad, plain)
+
+
+def test_an_unknown_wgrad_accumulation_is_refused():
+    with pytest.raises(
+        ValueError, match=r"wgrad_accumulate='sometimes' is not supported: use one of auto, cublaslt, add"
+    ):
+        CoatConfig(wgrad_accumulate="sometimes")
 
 
 def test_linear_fp8_output_is_1x16(seed):

@@ -1,4 +1,4 @@
-"""benchmarks/host_python.py, run as a user runs it (a subprocess: it stubs Triton's launch and the GEMMs
+"""tests/kernels/host_path_layer.py, run as a user runs it (a subprocess: it stubs Triton's launch and the GEMMs
 for the whole process): COAT's ops of one layer issue no more Triton launches than they did when the
 host path was measured on GPUs (2026-11-26: 29 per layer fwd+bwd at the harness's shapes), and after
 warm-up every one of them takes the lean launch path (coat_kernels.launch) instead of Triton's."""
@@ -15,7 +15,14 @@ def test_one_layer_launches_29_kernels_all_through_the_lean_path():
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "COAT_LEAN_LAUNCH")}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "host_python.py"), "--calls", "3", "--repeats", "1"],
+        [
+            sys.executable,
+            os.path.join(ROOT, "tests", "kernels", "host_path_layer.py"),
+            "--calls",
+            "3",
+            "--repeats",
+            "1",
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -486,10 +486,17 @@ def _train_masters(master_weights: str, grad_fp32: bool, steps: int) -> dict:
     model, optimizer = _build(master_weights=master_weights, grad_fp32=grad_fp32)
     inner = _inner(optimizer)
     batches = _my_micro_batches()
-    losses = [train_step(model, optimizer, batches) for _ in range(steps)]
+    losses = [train_step(model, optimizer, batches)]
+    # after the first update, per shard of this rank: (FP32 master, the model's BF16 weights)
+    first_update = [
+        (inner._main_fp32(main).clone(), p.detach().view(-1)[start:end].clone())
+        for p, main, start, end in inner._coat_shards()
+    ]
+    losses += [train_step(model, optimizer, batches) for _ in range(steps - 1)]
     opt_params = [p for g in inner.optimizer.param_groups for p in g["params"]]
     return dict(
         losses=losses,
+        first_update=first_update,
         params={n: p.detach().clone() for n, p in model.named_parameters()},
         param_dtypes={p.dtype for p in opt_params},
         grad_dtypes={b.grad_data.dtype for b in model.buffers},
@@ -579,15 +586,32 @@ def test_split_masters_checkpoint_resumes_and_steps_bit_exactly_like_fp32_master
 
 
 def test_split_masters_with_fp32_gradient_buffers_train_like_fp32_masters():
-    # split masters alone (gradients stay FP32): the same FP32 masters and the same FP32 gradients,
-    # clipped alike, so the losses follow the standard run to its BF16 rounding ties
+    """Split masters alone (gradients stay FP32) against FP32 masters: the same FP32 gradients,
+    clipped alike, and AdamW's arithmetic bit for bit, so after the first update both runs hold the
+    same FP32 masters. Their BF16 weights are then each master rounded to BF16, and the two roundings
+    differ where a master lies exactly halfway between two BF16 values: the split master's high half
+    rounds it away from zero, Megatron's copy to even. About 1 master in 131072 per update, so
+    whether the first update of this ~82k-element model makes one is a coin toss decided by the last
+    bits of the gradients, which depend on the vectorized CPU kernels torch picks for the machine
+    (on an AVX2 CPU, torch 2.11 and 2.14.1 alike, it makes two, and the second losses differ in
+    their sixth digit). So the first update is checked weight by weight, and the losses, which part
+    at the first such tie, within BF16 training's noise."""
     steps = 8
     split = run_distributed(_train_masters, 2, args=("split", True, steps), tensor_parallel=1)
-    standard = run_distributed(_train_masters, 2, args=("fp32", True, steps), tensor_parallel=1)[0]
+    standard = run_distributed(_train_masters, 2, args=("fp32", True, steps), tensor_parallel=1)
     losses = split[0]["losses"]
     assert losses[-1] < losses[0] - 0.5 and split[1]["losses"] == losses
-    assert losses[:2] == standard["losses"][:2]  # bit for bit until a rounding tie moves a weight (~1e-5 at step 3)
-    assert losses == pytest.approx(standard["losses"], abs=0.01), (losses, standard["losses"])
+    assert losses[0] == standard[0]["losses"][0]  # the same weights and data: the same forward, bit for bit
+    same_weights = True
+    for mine, theirs in zip(split, standard):
+        for (master, weights), (fp32_master, fp32_weights) in zip(mine["first_update"], theirs["first_update"]):
+            assert torch.equal(master, fp32_master)
+            assert torch.equal(weights, split_master(master)[0])  # nearest, ties away from zero
+            assert torch.equal(fp32_weights, fp32_master.to(torch.bfloat16))  # nearest, ties to even
+            same_weights &= torch.equal(weights, fp32_weights)
+    if same_weights:  # no tie in the first update: the second forward is the same too
+        assert losses[1] == standard[0]["losses"][1]
+    assert losses == pytest.approx(standard[0]["losses"], abs=0.01), (losses, standard[0]["losses"])
     for r in split:
         assert r["param_dtypes"] == {torch.bfloat16} and r["grad_dtypes"] == {torch.float32} and r["in_param_buffer"]
         assert (

@@ -1,0 +1,679 @@
+"""coat-compare: BF16, TransformerEngine FP8 and COAT on the same model, data and seed.
+
+    coat-compare --preset tiny                                   # CPU: bf16 and coat, TE rows skipped
+    coat-compare --preset llama2-7b-layer --modes all            # one layer: time, activation memory
+    coat-compare --preset gpt-1b --steps 30 --micro-batch 4      # end to end, equal micro-batch
+    coat-compare --preset gpt-1b --cuda-graphs none,local,full   # every mode eager and with CUDA graphs
+    coat-compare --preset llama2-7b --modes bf16,coat --search   # largest micro-batch that fits
+    coat-compare --summarize --out out                           # every report in out/ -> summary.md
+    coat-compare --preset llama2-7b --tp 2 --dp 2 --global-batch 16   # 4 GPUs: TP 2 (sequence parallel) x DP 2
+    coat-compare --preset gpt-1b --pp 2 --vpp 2 --global-batch 16     # 2 GPUs: 2 pipeline stages, 2 virtual each
+    coat-compare --preset gpt-1b --modes coat --dp 2 --resume-check   # DP 2 checkpoint -> DP 1 and DP 2
+    coat-compare --preset gpt-1b --layouts 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2 --global-batch 8 --steps 30
+                                                                 # each layout against one GPU, step by step
+    coat-compare --preset gpt-125m --modes bf16,coat --seed 1 --data-seed 2   # same weights, another data order
+
+Writes ``{out}/{preset}.jsonl`` (one JSON object per row), ``{out}/{preset}.md`` (tables with
+ratios, the goals) and PNG plots (with matplotlib), and prints the markdown. ``--search`` writes
+``{preset}-search.*``, ``--resume-check`` ``{preset}-resume.*``, ``--layouts``
+``{preset}-layouts.*``. A mode that cannot run here (no TransformerEngine, no GPU, out of memory)
+is a row with the reason. ``--cuda-graphs`` runs every mode of an end-to-end preset in each CUDA
+graph configuration named (one row each), so that every mode is also reported in its fastest
+configuration, and the goals compare those.
+
+Run it with plain python (not under torchrun): each (mode, CUDA graph configuration) trains in
+processes of its own, ``--tp`` x ``--pp`` x ``--dp`` of them under torchrun, which the job starts
+(one GPU each; sequence parallel on when ``--tp`` > 1), so that no mode inherits another's
+memory, CUDA graphs or process-wide state; a run whose rank dies or stalls (``--step-timeout``)
+is a failed row and the job goes on. On a CPU a run of one process trains inside the job.
+
+Every option is checked before any work: a value the job cannot run is one line on stderr and exit
+status 2, and ``--out`` is made and written to first. Each row is appended to
+``{out}/{name}.partial.jsonl`` as soon as it is measured, so that a job that dies keeps its rows;
+the report replaces that file at the end. The exit status is 1 when a row failed for another
+reason than memory or this machine (the report is written first), else 0.
+
+End-to-end presets train on a byte corpus (``--corpus``: the standard library's docstrings, or
+Python sources of the installed packages; built once into a cache, see ``coat_compare.corpus``),
+each window of text at most once, in the order of ``--data-seed``, and measure the loss on its
+held-out validation windows every ``--eval-every`` steps (eagerly, also between CUDA-graphed
+steps; graphed runs validate only when ``--eval-every`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+
+from .corpus import SOURCES
+from .layouts import parse_layouts
+from .modes import DEFAULT_MODES, MODES, parse_modes
+from .presets import PRESETS, Preset, get_preset
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr and exit status 2, without the usage (a screen of options): each
+    message names the fix, and ``--help`` lists the options."""
+
+    def error(self, message):
+        refuse(message)
+
+
+def refuse(message: str):
+    """End the job before any work: ``message`` (which names the fix) on one line, exit status 2."""
+    print(f"coat-compare: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked whole (``check_args``) before the job starts any work."""
+    p = _Parser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current); "
+        f"default: {','.join(DEFAULT_MODES)}",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps (end-to-end presets; default: the preset's): more than "
+        f"the preset's warm-up steps, which are not timed ({warmup_steps_help()})",
+    )
+    p.add_argument("--micro-batch", type=int, help="micro-batch per data-parallel rank (default: the preset's)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        metavar="N",
+        help="sequences per optimizer step (end-to-end presets): each data-parallel rank accumulates the gradients of "
+        "N / (micro-batch x DP) micro-batches (default: one micro-batch per rank)",
+    )
+    p.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
+    p.add_argument(
+        "--lr-warmup-steps",
+        type=int,
+        metavar="N",
+        help="linear learning-rate warm-up over N steps (default: 10%% of --steps, at least the preset's minimum: "
+        "20 steps; tiny 10, llama2-7b 50, llama2-13b 100)",
+    )
+    p.add_argument(
+        "--lr-decay",
+        choices=("constant", "cosine", "linear"),
+        help="after the warm-up: hold the peak (constant, the default) or decay it, cosine or linear, to 10%% of the "
+        "peak at the last step (Megatron's --lr-decay-style; Llama 2: cosine)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        metavar="LR",
+        help="peak learning rate for every mode (default: the preset's: gpt-1b 6e-4, llama2-7b and llama2-13b 1.5e-4)",
+    )
+    p.add_argument(
+        "--adam-eps",
+        type=float,
+        metavar="EPS",
+        help="Adam's epsilon for every mode (default: the preset's: 1e-8, Megatron's; llama2-7b and llama2-13b 1e-5, Llama 2's)",
+    )
+    p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help="a label kept in each row: the N-th run of the same seed, data and modes (benchmarks/accuracy.py's "
+        "MODE@runN, a noise floor); it changes nothing in the run",
+    )
+    data = p.add_argument_group("data (end-to-end presets)")
+    data.add_argument(
+        "--data-seed", type=int, help="order of the training windows (default: --seed): another order, same weights"
+    )
+    data.add_argument(
+        "--corpus",
+        choices=list(SOURCES),
+        help="docstrings (the standard library's, 1.4 MB) or packages (Python sources "
+        "of the standard library and the installed packages); default: the preset's (tiny: docstrings)",
+    )
+    data.add_argument(
+        "--corpus-bytes",
+        type=int,
+        metavar="N",
+        help="the corpus's size: whole files until N bytes (default: all of the docstrings; 100 MiB of package sources)",
+    )
+    data.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="validation loss after every N steps and after the last; 0: none (default: the preset's: tiny 20, "
+        "gpt-125m 100, others 0; runs with CUDA graphs 0 unless given: validation then runs eagerly between the graphed steps)",
+    )
+    data.add_argument(
+        "--eval-windows",
+        type=int,
+        metavar="N",
+        help="validation windows of seq + 1 bytes (default: the preset's: 64 tiny, 256 others)",
+    )
+    layout = p.add_argument_group("layout (one GPU per process; the job starts tp x pp x dp processes per run)")
+    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size, sequence parallel on above 1")
+    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (end-to-end presets): 1F1B schedule")
+    layout.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="virtual pipeline stages per rank (interleaved 1F1B; needs --pp 2 or more, and per-rank micro-batches "
+        "a multiple of --pp)",
+    )
+    layout.add_argument("--dp", type=int, default=1, help="data-parallel size (the distributed optimizer)")
+    layout.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="Megatron's DDP option: reduce-scatter gradients in buckets during backward",
+    )
+    layout.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="Megatron's DDP option: all-gather the updated parameters during the next forward",
+    )
+    layout.add_argument(
+        "--layouts",
+        metavar="LIST",
+        help="the layout check: train each mode in each layout (comma-separated, each 1 or x-joined tpN, ppN, "
+        "vppN, dpN: e.g. 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2) at one global batch and seed, and compare every "
+        "layout's losses step by step with the first's (the rule: coat_compare.layouts)",
+    )
+    p.add_argument(
+        "--gc",
+        choices=("manual", "auto"),
+        default="manual",
+        help="garbage collection while training: manual (Megatron's --manual-gc: one collection every 50 steps, "
+        "none in between; the default) or auto (Python's: a pause can land in any step)",
+    )
+    p.add_argument(
+        "--wgrad-fusion",
+        choices=("on", "off"),
+        default="on",
+        help="each linear adds its weight gradient into DDP's buffer inside its GEMM (TE's and COAT's own, no apex "
+        "needed; the default), or off: Megatron adds a BF16 wgrad per micro-batch, in every mode",
+    )
+    p.add_argument(
+        "--wgrad-accumulate",
+        choices=("auto", "cublaslt", "add"),
+        help="COAT modes: how a wgrad is added into a gradient buffer that holds a sum (CoatConfig.wgrad_accumulate: "
+        "auto, the default, has the GEMM add where cuBLASLt can; add: an FP32 temporary and an add)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a training step or validation that takes longer ends its run (every rank's Python stack in the run's "
+        "log, a failed row) instead of hanging the job (default 600: the first steps compile kernels and capture "
+        "CUDA graphs)",
+    )
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT", "out"),
+        help="report directory, made if missing and checked writable first (default $OUT or ./out)",
+    )
+    p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
+    p.add_argument(
+        "--cuda-graphs",
+        default="none",
+        type=parse_graphs,
+        metavar="LIST",
+        help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
+        "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local), full (the whole forward+backward "
+        "of a step in one graph, Megatron's full_iteration); default none",
+    )
+    p.add_argument("--no-plots", action="store_true")
+    search = p.add_argument_group("micro-batch search (end-to-end presets)")
+    search.add_argument(
+        "--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)"
+    )
+    search.add_argument("--search-start", type=int, default=1)
+    search.add_argument("--search-max-micro-batch", type=int, help="do not try beyond this micro-batch")
+    search.add_argument(
+        "--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed"
+    )
+    search.add_argument(
+        "--search-micro-batches",
+        type=int,
+        default=1,
+        help="micro-batches each rank accumulates per optimizer step in every try (default 1): the global "
+        "batch of a try at micro-batch n is n x this x DP, a realistic step with gradient accumulation",
+    )
+    search.add_argument(
+        "--search-steps",
+        type=int,
+        default=6,
+        help="steps per try (default 6): more than the preset's warm-up steps, which are not timed "
+        f"({warmup_steps_help()})",
+    )
+    search.add_argument(
+        "--fit-memory",
+        type=float,
+        help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)",
+    )
+    ckpt = p.add_argument_group("checkpoints (end-to-end presets)")
+    ckpt.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write a dist checkpoint (--checkpoint-format) into DIR after --save-step steps, and go on",
+    )
+    ckpt.add_argument("--save-step", type=int, help="steps before --save writes (default: half of --steps)")
+    ckpt.add_argument(
+        "--load",
+        metavar="DIR",
+        help="start from the checkpoint in DIR, at its step (dp_reshardable: any --dp, the saving --tp and --pp; "
+        "fully_reshardable: any layout)",
+    )
+    ckpt.add_argument(
+        "--resume-check",
+        action="store_true",
+        help="save at the job's layout after --save-step steps, resume at DP 1 (or at --resume-at) and at the "
+        "saving layout, compare the losses with the uninterrupted run",
+    )
+    ckpt.add_argument(
+        "--resume-at",
+        metavar="LIST",
+        help="--resume-check: the layouts to resume at (as --layouts: e.g. dp4,1 after --tp 2 --dp 2); a TP or PP "
+        "change saves fully_reshardable",
+    )
+    ckpt.add_argument(
+        "--checkpoint-format",
+        choices=("dp_reshardable", "fully_reshardable"),
+        default="dp_reshardable",
+        help="--save/--load: dp_reshardable (Megatron's default; COAT's compressed FP8 states, loads at any DP size) "
+        "or fully_reshardable (FP32 Adam states in Megatron's layout; loads at any TP, PP and DP)",
+    )
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        help="where --resume-check writes its checkpoint (a temporary directory inside; default: the system's)",
+    )
+    p.add_argument(
+        "--probe", action="store_true", help=argparse.SUPPRESS
+    )  # one run of --search / --resume-check, in its own processes
+    p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
+    args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def warmup_steps_help() -> str:
+    """Each end-to-end preset's warm-up steps, for the help of --steps and --search-steps."""
+    return ", ".join(f"{p.name} {p.warmup_steps}" for p in PRESETS.values() if p.kind == "train")
+
+
+def preset_of(args) -> Preset:
+    """The preset the command line asks for, with its overrides."""
+    names = (
+        "steps",
+        "micro_batch",
+        "global_batch",
+        "seq",
+        "lr_warmup_steps",
+        "lr_decay",
+        "lr",
+        "adam_eps",
+        "corpus",
+        "corpus_bytes",
+        "eval_every",
+        "eval_windows",
+    )
+    overrides = {name: getattr(args, name) for name in names}
+    return get_preset(args.preset).with_overrides(**overrides)
+
+
+END_TO_END = "an end-to-end preset (tiny, gpt-1b, llama2-7b)"
+
+
+def check_args(args) -> None:
+    """Raise ValueError, naming the fix, for a command line the job cannot run: every value is
+    checked here, before the job trains or starts a process, so that a bad one costs nothing."""
+    jobs = [name for name in ("search", "resume_check", "layouts") if getattr(args, name)]
+    if len(jobs) > 1:
+        raise ValueError(
+            f"{' and '.join('--' + j.replace('_', '-') for j in jobs)} are separate jobs; run one, then the other"
+        )
+    if args.probe and jobs:
+        raise ValueError("--probe is one run of a job; give no --search, --resume-check or --layouts")
+    if args.name is not None and (not args.name or os.sep in args.name):
+        raise ValueError(
+            f"--name {args.name!r} names the report files inside --out: give a file name without "
+            f"'{os.sep}' (and the directory as --out)"
+        )
+    if args.summarize:
+        return
+    if args.repeat is not None and args.repeat < 1:
+        raise ValueError(f"--repeat {args.repeat}: the N-th run counts from 1 (2: the second run of the same seed)")
+    if args.resume_check and args.dp < 2 and not args.resume_at:
+        raise ValueError(
+            "--resume-check saves at the job's layout and resumes at DP 1 and there: give --dp 2 (or more), "
+            "or --resume-at the layouts to resume at"
+        )
+    if args.resume_at and not args.resume_check:
+        raise ValueError("--resume-at names where --resume-check resumes: add --resume-check")
+    if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
+        raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
+    if args.probe and len(args.cuda_graphs) != 1:
+        raise ValueError("--probe is one run: give one --cuda-graphs value")
+    for name in (
+        "micro_batch",
+        "global_batch",
+        "seq",
+        "lr_warmup_steps",
+        "corpus_bytes",
+        "eval_windows",
+        "search_start",
+        "search_max_micro_batch",
+        "search_micro_batches",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr {args.lr}: the peak learning rate must be above 0")
+    if args.adam_eps is not None and not args.adam_eps > 0:
+        raise ValueError(f"--adam-eps {args.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
+    for name in ("search_time_limit", "fit_memory", "step_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: must be more than 0")
+    if args.eval_every is not None and args.eval_every < 0:
+        raise ValueError(f"--eval-every {args.eval_every}: must be 0 (no validation) or more")
+    if args.search_max_micro_batch is not None and args.search_max_micro_batch < args.search_start:
+        raise ValueError(
+            f"--search-max-micro-batch {args.search_max_micro_batch} is below --search-start "
+            f"{args.search_start}: give --search-max-micro-batch {args.search_start} or more"
+        )
+    parse_modes(args.modes)
+    preset = preset_of(args)
+    check_layout(preset, args)
+    check_steps(preset, args)
+    check_processes(args)
+
+
+def check_layout(preset: Preset, args) -> None:
+    """Raise ValueError, naming the fix, for what --tp / --pp / --vpp / --dp, the layouts of
+    --layouts and the checkpoint options cannot do with ``preset``."""
+    for name in ("tp", "pp", "vpp", "dp"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} {getattr(args, name)}: must be 1 or more")
+    layer = preset.kind == "layer"
+    if layer and (args.pp > 1 or args.vpp > 1):
+        raise ValueError(f"{preset.name} is one layer: pipeline stages (--pp, --vpp) need {END_TO_END}")
+    layouts = parse_layouts(args.layouts) if args.layouts else [(args.tp, args.pp, args.vpp, args.dp)]
+    for tp, pp, vpp, dp in layouts:
+        check_one_layout(preset, tp, pp, vpp, dp)
+        if not layer and args.global_batch is not None:
+            preset.micro_batches(dp)  # raises, listing the global batches that divide
+        if vpp > 1:
+            per_rank = preset.micro_batches(dp)
+            if per_rank < pp or per_rank % pp:
+                raise ValueError(
+                    f"the interleaved schedule (--vpp {vpp}) runs the micro-batches of a step in groups of --pp {pp}: "
+                    f"{per_rank} per rank is not a multiple of {pp}; give --global-batch {preset.micro_batch * dp * pp} "
+                    f"(or another multiple of micro-batch x DP x PP = {preset.micro_batch * dp * pp})"
+                )
+    if args.resume_at:
+        global_batch = preset.global_batch_for(args.dp)
+        for tp, pp, vpp, dp in parse_layouts(args.resume_at):
+            check_one_layout(preset, tp, pp, vpp, dp)
+            if global_batch % dp:
+                raise ValueError(
+                    f"--resume-at: the global batch {global_batch} does not split over DP {dp}: give --global-batch "
+                    f"a multiple of {math.lcm(dp, args.dp * preset.micro_batch)}"
+                )
+    if args.layouts:
+        if layer:
+            raise ValueError(f"--layouts trains each layout end to end: use {END_TO_END}")
+        if len(layouts) < 2:
+            raise ValueError("--layouts compares layouts with the first: give two or more, e.g. 1,tp2,dp2")
+        if args.search or args.save or args.load:
+            raise ValueError("--layouts starts its own runs: drop --search, --save and --load")
+    if layer and args.dp > 1:
+        raise ValueError(
+            f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: "
+            f"--dp {args.dp} would measure the same layer {args.dp} times; use --tp, or {END_TO_END} "
+            "for --dp"
+        )
+    if args.pp > 1 and "full" in args.cuda_graphs:
+        raise ValueError(
+            "Megatron's whole-step CUDA graph (--cuda-graphs full) runs one pipeline stage: with --pp use "
+            "--cuda-graphs none,local"
+        )
+    if layer and args.search:
+        raise ValueError(f"--search finds the largest micro-batch of {END_TO_END}; {preset.name} is a per-layer preset")
+    if args.global_batch is not None:
+        if layer:
+            raise ValueError(f"{preset.name} is one layer's fwd+bwd: --global-batch needs {END_TO_END}")
+        if args.search:
+            raise ValueError(
+                "--search sets each try's global batch from its micro-batch: drop --global-batch, and give "
+                "--search-micro-batches N for N micro-batches per optimizer step"
+            )
+    if layer and (args.save or args.load or args.resume_check):
+        raise ValueError(f"{preset.name} is a per-layer preset: checkpoints need {END_TO_END}")
+    if args.resume_check and (args.save or args.load):
+        raise ValueError(
+            "--resume-check writes and loads a checkpoint of its own (in --checkpoint-dir): drop --save and --load"
+        )
+    if (args.overlap_grad_reduce or args.overlap_param_gather) and layer:
+        raise ValueError(f"--overlap-grad-reduce and --overlap-param-gather are DDP options: use {END_TO_END}")
+
+
+def divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_one_layout(preset: Preset, tp: int, pp: int, vpp: int, dp: int) -> None:
+    """Raise ValueError, naming the valid values, where the model cannot be split ``tp`` x ``pp``
+    (x ``vpp``) ways, or the sequence for sequence parallelism."""
+    if preset.heads % tp or (preset.kv_heads or preset.heads) % tp:
+        groups = preset.kv_heads or preset.heads
+        raise ValueError(
+            f"--tp {tp}: {preset.name}'s {preset.heads} attention heads ({groups} query groups) do not split over "
+            f"{tp} tensor-parallel ranks; use --tp {divisors(math.gcd(preset.heads, groups))}"
+        )
+    if preset.ffn % tp or preset.hidden % tp:
+        raise ValueError(
+            f"--tp {tp}: hidden {preset.hidden} and FFN {preset.ffn} must both split over it; use --tp "
+            f"{divisors(math.gcd(preset.hidden, preset.ffn))}"
+        )
+    if preset.seq % tp:
+        raise ValueError(
+            f"sequence parallel splits the sequence over --tp {tp} ranks; --seq {preset.seq} is not "
+            f"a multiple: use --seq {max(tp, preset.seq - preset.seq % tp)}"
+        )
+    if vpp > 1 and pp < 2:
+        raise ValueError(
+            f"--vpp {vpp}: virtual pipeline stages interleave 2 or more pipeline stages: give --pp 2 or more"
+        )
+    if preset.layers % (pp * vpp):
+        what = f"--pp {pp}" + (f" x --vpp {vpp}" if vpp > 1 else "")
+        raise ValueError(
+            f"{what}: {preset.name}'s {preset.layers} layers do not split into {pp * vpp} equal stages; use "
+            f"--pp x --vpp in {divisors(preset.layers)}"
+        )
+
+
+def fewest_steps(preset: Preset, first: int = 0) -> int:
+    """The fewest --steps that leave a step to time: training starts at step ``first`` (a
+    checkpoint's step with --load, else 0), and its first ``preset.warmup_steps`` steps are left
+    out of the timing (``train.train``)."""
+    return first + preset.warmup_steps + 1
+
+
+def check_steps(preset: Preset, args) -> None:
+    """Raise ValueError, naming the true minimum, where --steps, --search-steps or --save-step
+    leave nothing to time or save."""
+    warmup = f"{preset.name} leaves its first {preset.warmup_steps} steps out of the timing (warm-up)"
+    if preset.kind == "layer":
+        if args.steps is not None:
+            raise ValueError(
+                f"--steps: {preset.name} times one layer's fwd+bwd, which takes no optimizer steps: "
+                f"drop --steps, or use {END_TO_END}"
+            )
+        return
+    if args.search:
+        if args.search_steps < fewest_steps(preset):
+            raise ValueError(
+                f"--search-steps {args.search_steps} leaves no step of a try to time: {warmup}; "
+                f"use --search-steps {fewest_steps(preset)} or more"
+            )
+        return
+    steps = preset.steps
+    if args.resume_check:
+        check_resume_steps(preset, args.save_step)
+        return
+    first = saved_step(args.load) if args.load else 0
+    if args.load:
+        check_load_layout(args)
+    if steps < fewest_steps(preset, first):
+        after = f" after the checkpoint's step {first}" if first else ""
+        raise ValueError(
+            f"--steps {steps} leaves no step to time{after}: {warmup}; "
+            f"use --steps {fewest_steps(preset, first)} or more"
+        )
+    if args.save:
+        save_step = steps // 2 if args.save_step is None else args.save_step
+        if not first <= save_step < steps:
+            raise ValueError(
+                f"--save-step {save_step} is not a step of this run (steps {first} .. {steps - 1}), so "
+                f"--save would write nothing: give --save-step {first} to {steps - 1}"
+            )
+
+
+def check_resume_steps(preset: Preset, save_step: int | None) -> None:
+    """--resume-check saves after ``save_step`` steps (half of --steps by default) and resumes
+    there: the runs from the checkpoint time steps of their own after their warm-up."""
+    steps, warmup = preset.steps, f"{preset.warmup_steps} steps out of the timing ({preset.name}'s warm-up)"
+    if save_step is None:
+        fewest = max(2, 2 * preset.warmup_steps + 1)  # the least n with 0 < n // 2 and n // 2 + warm-up < n
+        if steps < fewest:
+            raise ValueError(
+                f"--steps {steps}: --resume-check saves after half of the steps and resumes there, and "
+                f"each run leaves its first {warmup}; use --steps {fewest} or more (or --save-step)"
+            )
+        return
+    if save_step < 1:
+        raise ValueError(
+            f"--save-step {save_step}: --resume-check resumes from a checkpoint written after step 1 or "
+            "later: give --save-step 1 or more"
+        )
+    if steps < fewest_steps(preset, save_step):
+        raise ValueError(
+            f"--steps {steps} leaves no step to time after --save-step {save_step}: the resumed runs "
+            f"leave their first {warmup}; use --steps {fewest_steps(preset, save_step)} or more "
+            "(or a smaller --save-step)"
+        )
+
+
+def saved_step(directory: str) -> int:
+    """The optimizer step the checkpoint in ``directory`` was written after (``--save``), read
+    from its common state once its data files are checked whole (``checkpoint.check_checkpoint``;
+    no process group needed)."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"--load {directory}: no such directory; give the DIR an earlier --save DIR wrote")
+    from .checkpoint import check_checkpoint
+
+    try:
+        common = check_checkpoint(directory)
+    except Exception as e:  # noqa: BLE001 - whatever the reader says, the directory holds no checkpoint it can read
+        cause = (str(e).strip().splitlines() or [""])[0][:200]
+        what = cause if isinstance(e, ValueError) else f"{type(e).__name__}: {cause}"
+        raise ValueError(
+            f"--load {directory}: not a checkpoint this job can read ({what}); give the DIR an earlier --save DIR wrote"
+        ) from None
+    if common.get("step") is None:
+        raise ValueError(f"the checkpoint in {directory} has no step: write it with coat-compare --save")
+    return int(common["step"])
+
+
+def check_load_layout(args) -> None:
+    """Raise ValueError where --load's checkpoint cannot load at this run's layout or format (read
+    from the checkpoint's common state, where ``--save`` wrote them)."""
+    from .checkpoint import check_checkpoint
+
+    saved = check_checkpoint(args.load).get("layout")
+    if saved is None:
+        return
+    if saved["format"] != args.checkpoint_format:
+        raise ValueError(
+            f"--load {args.load} holds a {saved['format']} checkpoint: give --checkpoint-format {saved['format']}"
+        )
+    here = (args.tp, args.pp, args.vpp)
+    there = (saved["tp"], saved["pp"], saved["vpp"])
+    if saved["format"] == "dp_reshardable" and here != there:
+        raise ValueError(
+            f"--load {args.load} was written at TP {there[0]} x PP {there[1]} (x {there[2]} virtual) as dp_reshardable, "
+            f"which loads at any DP size but only at that TP x PP: give --tp {there[0]} --pp {there[1]} --vpp {there[2]}, "
+            "or save with --checkpoint-format fully_reshardable"
+        )
+
+
+def check_processes(args) -> None:
+    """The processes this job runs in. The job is started plainly and starts torchrun itself for
+    every run of several processes (each mode, and each try or resume of ``--search`` /
+    ``--resume-check`` / ``--layouts``); a run (``--probe``) is ``--tp`` x ``--pp`` x ``--dp``
+    processes of torchrun. On a GPU every process needs one of this machine's GPUs."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    processes = args.tp * args.pp * args.dp
+    if not args.probe:
+        if world > 1:
+            raise ValueError(
+                "run coat-compare with plain python, not under torchrun: it starts the "
+                f"{processes} processes of each run itself (one per GPU)"
+            )
+        layouts = parse_layouts(args.layouts) if args.layouts else [(args.tp, args.pp, args.vpp, args.dp)]
+        if args.resume_at:
+            layouts += parse_layouts(args.resume_at)
+        processes = max(tp * pp * dp for tp, pp, _, dp in layouts)
+    elif processes != world:
+        raise ValueError(
+            f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {processes} processes, but this run has {world}"
+        )
+    import torch
+
+    if torch.cuda.is_available() and processes > torch.cuda.device_count():
+        raise ValueError(
+            f"a run of --tp x --pp x --dp = {processes} processes needs {processes} GPUs, one each; this machine has "
+            f"{torch.cuda.device_count()}: give a layout of at most {torch.cuda.device_count()} GPUs"
+        )
+
+
+def check_directory(path: str, option: str, create: bool = True) -> None:
+    """Make ``path`` (when ``create``) and prove it writable by writing and deleting a file there;
+    raise ValueError naming the fix when it is not a directory this job can write into."""
+    fix = f"give {option} a directory you can write to"
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{option} {path} is a file, not a directory: {fix}")
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".coat-compare-write-check-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}): {fix}") from None
+
+
+def parse_graphs(text: str) -> list[str]:
+    """``"none,local"`` -> ["none", "local"], each one of CUDA_GRAPHS (``full_iteration`` = ``full``)."""
+    from .build import CUDA_GRAPHS
+
+    names = []
+    for raw in text.split(","):
+        name = {"full_iteration": "full", "off": "none"}.get(raw.strip(), raw.strip())
+        if name not in CUDA_GRAPHS:
+            raise argparse.ArgumentTypeError(
+                f"unknown CUDA graph configuration {raw.strip()!r}: use {', '.join(CUDA_GRAPHS)} (comma-separated)"
+            )
+        if name not in names:
+            names.append(name)
+    return names
