@@ -92,6 +92,7 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "tp_comm_overlap": (
         dict(type=_switch, metavar="on|off"),
         "with --sequence-parallel, pass the sequence chunks between tensor-parallel ranks in a ring of point-to-point transfers, each hidden behind the GEMM of the chunk in hand (default on); off: the same arithmetic with one blocking all-gather or reduce-scatter per exchange, to measure what the overlap is worth",
+    ),
     "wgrad_accumulate": (
         dict(choices=ACCUMULATE_BACKENDS),
         "how COAT's linears add a weight gradient into a gradient buffer that already holds a sum, in later micro-batches and in every micro-batch under per-layer CUDA graphs (default auto: inside the GEMM where cuBLASLt can, else through an FP32 temporary and an add); cublaslt: always inside the GEMM; add: always the temporary and the add, for comparisons",
