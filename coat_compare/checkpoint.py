@@ -71,10 +71,7 @@ def check_checkpoint(directory: str) -> dict:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
-    with warnings.catch_warnings():  # torch's note that it reads without a process group, the intent here
-        warnings.simplefilter("ignore", UserWarning)
-        common = dist_checkpointing.load_common_state_dict(directory)
-        metadata = FileSystemReader(directory).read_metadata()
+    metadata = FileSystemReader(directory).read_metadata()
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -85,6 +82,9 @@ def check_checkpoint(directory: str) -> dict:
         size = os.path.getsize(path)
         if size < end:
             raise ValueError(f"its data file {name} is cut short ({size} of at least {end} bytes)")
+    with warnings.catch_warnings():  # torch's note that it reads without a process group, the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        common = dist_checkpointing.load_common_state_dict(directory)
     if not isinstance(common, dict):
         raise ValueError("its common state is not a dict")
     return common

@@ -531,9 +531,11 @@ def check_steps(preset: Preset, args) -> None:
     if args.resume_check:
         check_resume_steps(preset, args.save_step)
         return
-    first = saved_step(args.load) if args.load else 0
+    first = 0
     if args.load:
-        check_load_layout(args)
+        saved = read_checkpoint(args.load)
+        check_load_layout(args, saved.get("layout"))
+        first = int(saved["step"])
     if steps < fewest_steps(preset, first):
         after = f" after the checkpoint's step {first}" if first else ""
         raise ValueError(
@@ -574,17 +576,21 @@ def check_resume_steps(preset: Preset, save_step: int | None) -> None:
         )
 
 
-def saved_step(directory: str) -> int:
-    """The optimizer step the checkpoint in ``directory`` was written after (``--save``), read
-    from its common state once its data files are checked whole (``checkpoint.check_checkpoint``;
-    no process group needed)."""
+def read_checkpoint(directory: str) -> dict:
+    """The common state of the checkpoint in ``directory`` (``--save`` wrote its step, layout and
+    format there), once its data files are checked whole (``checkpoint.check_checkpoint``; no
+    process group needed); raises ValueError naming the fix."""
     if not os.path.isdir(directory):
         raise ValueError(f"--load {directory}: no such directory; give the DIR an earlier --save DIR wrote")
     from .checkpoint import check_checkpoint
 
     try:
         common = check_checkpoint(directory)
-    except Exception as e:  # noqa: BLE001 - whatever the reader says, the directory holds no checkpoint it can read
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # whatever the reader says (torch's CheckpointException is a BaseException), the directory
+    # holds no checkpoint this job can read
+    except BaseException as e:  # noqa: BLE001
         cause = (str(e).strip().splitlines() or [""])[0][:200]
         what = cause if isinstance(e, ValueError) else f"{type(e).__name__}: {cause}"
         raise ValueError(
@@ -592,15 +598,12 @@ def saved_step(directory: str) -> int:
         ) from None
     if common.get("step") is None:
         raise ValueError(f"the checkpoint in {directory} has no step: write it with coat-compare --save")
-    return int(common["step"])
+    return common
 
 
-def check_load_layout(args) -> None:
-    """Raise ValueError where --load's checkpoint cannot load at this run's layout or format (read
-    from the checkpoint's common state, where ``--save`` wrote them)."""
-    from .checkpoint import check_checkpoint
-
-    saved = check_checkpoint(args.load).get("layout")
+def check_load_layout(args, saved: dict | None) -> None:
+    """Raise ValueError where --load's checkpoint (``saved``: the layout and format its common state
+    records) cannot load at this run's layout or format."""
     if saved is None:
         return
     if saved["format"] != args.checkpoint_format:

@@ -135,7 +135,7 @@ def test_the_fewest_steps_train(capsys, no_work):
 def test_a_checkpoint_step_counts_toward_the_fewest_steps(tmp_path, capsys, no_work, monkeypatch):
     """With --load, training starts at the checkpoint's step: that step counts too."""
     (tmp_path / "ckpt").mkdir()
-    monkeypatch.setattr(cli, "saved_step", lambda directory: 4)
+    monkeypatch.setattr(cli, "read_checkpoint", lambda directory: {"step": 4})
     line = refused(["--load", str(tmp_path / "ckpt"), "--steps", "6", "--out", str(tmp_path / "out")], capsys)
     assert "--steps 6 leaves no step to time after the checkpoint's step 4" in line and "use --steps 7 or more" in line
     assert cli.parse_args(["--load", str(tmp_path / "ckpt"), "--steps", "7"]).steps == 7
@@ -491,3 +491,40 @@ def test_a_layout_needs_as_many_gpus_as_processes(tmp_path, capsys, no_work, mon
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     line = refused(["--tp", "2", "--dp", "2", "--out", str(tmp_path / "out")], capsys)
     assert "a run of --tp x --pp x --dp = 4 processes needs 4 GPUs, one each; this machine has 2" in line
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    """A real checkpoint of the tiny preset (coat, DP 1), written by the job as a user writes one."""
+    root = tmp_path_factory.mktemp("ckpt")
+    argv = ["--modes", "coat", "--steps", "3", "--save", str(root / "ckpt"), "--save-step", "1", "--out", str(root)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "coat_compare", *argv, "--no-plots"], capture_output=True, text=True, env=_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "ckpt"
+
+
+def test_a_cut_checkpoint_is_one_line_before_any_work(saved_checkpoint, tmp_path, capsys, no_work):
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(saved_checkpoint, cut)
+    data = sorted(cut.glob("*.distcp"))
+    assert data, list(cut.iterdir())
+    size = data[0].stat().st_size
+    with open(data[0], "r+b") as f:
+        f.truncate(size // 2)
+    line = refused(["--modes", "coat", "--load", str(cut), "--steps", "5", "--out", str(tmp_path / "out")], capsys)
+    assert f"--load {cut}: not a checkpoint this job can read (its data file {data[0].name} is cut short" in line
+    data[0].unlink()
+    line = refused(["--modes", "coat", "--load", str(cut), "--steps", "5", "--out", str(tmp_path / "out")], capsys)
+    assert f"its data file {data[0].name} is missing" in line
+
+
+def test_a_checkpoint_loads_only_where_its_format_allows(saved_checkpoint, tmp_path, capsys, no_work):
+    common = ["--modes", "coat", "--load", str(saved_checkpoint), "--steps", "5", "--out", str(tmp_path / "out")]
+    line = refused([*common, "--tp", "2"], capsys)
+    assert "was written at TP 1 x PP 1 (x 1 virtual) as dp_reshardable" in line and "--tp 1 --pp 1 --vpp 1" in line
+    line = refused([*common, "--checkpoint-format", "fully_reshardable"], capsys)
+    assert "holds a dp_reshardable checkpoint: give --checkpoint-format dp_reshardable" in line
