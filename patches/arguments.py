@@ -319,7 +319,7 @@ def _layer_problems(args, coat: CoatConfig) -> list[str]:
         "mtp_num_layers": "--mtp-num-layers (multi-token prediction)",
         "experimental_attention_variant": "--experimental-attention-variant",
         "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
-        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers)",
+        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers, for TE's linears)",
     }
     for attr, what in unsupported.items():
         if getattr(args, attr, None):
@@ -355,7 +355,9 @@ def _optimizer_problems(args) -> list[str]:
             f"COAT's optimizer runs on Megatron's DDP with the distributed optimizer: drop --use-megatron-fsdp / --use-torch-fsdp2{off}"
         )
     if getattr(args, "fp8_param_gather", False):
-        problems.append("--fp8-param-gather is TransformerEngine's FP8 weights: drop it")
+        problems.append(
+            "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): drop it"
+        )
     return problems
 
 

@@ -312,3 +312,26 @@ def test_graph_switch_without_coat_fp8_or_against_cuda_graph_impl_is_refused(mon
     assert text == (
         "--coat-cuda-graphs off keeps the layers eager and --cuda-graph-impl local asks for graphs: drop one of them"
     )
+
+
+def test_transformer_engines_tensor_parallel_overlap_and_fp8_weights_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    text = problems(
+        monkeypatch,
+        *LLAMA,
+        "--coat-fp8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--tp-comm-overlap",
+    )
+    assert (
+        "--tp-comm-overlap (TransformerEngine's userbuffers, for TE's linears) is not supported by the COAT layer spec"
+        in text
+    )
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--fp8-param-gather")
+    assert (
+        "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): drop it"
+        in text
+    )
