@@ -11,26 +11,27 @@
 #   dp2     DP 2 (where --coat-fp8 alone turns graphs on)  2 GPUs
 # Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, coat
 # (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 --cuda-graph-impl local), coat-auto
-# (--coat-fp8 alone: what a user gets). Logs go to $OUT/LAYOUT-MODE.log; every call then rewrites
-# $OUT/summary.md from all the logs in $OUT: tokens/s (median of the iterations after the first
-# half), peak memory per rank (Megatron's report after the last iteration), ratio to BF16.
+# (--coat-fp8 alone: what a user gets). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
+# $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
+# after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
+# to BF16; and copies the logs and summary to $OUT.
 #
 #   LAYOUTS="pp2" bash scripts/gpu_pretrain_layouts.sh           # one layout's 4 modes: ~6 min
 #   LAYOUTS="dp2" MODES="bf16 coat-auto" bash scripts/gpu_pretrain_layouts.sh
 #   SIZE=tiny LAYOUTS=tp2 MODES="bf16 coat" bash scripts/gpu_pretrain_layouts.sh   # on a CPU too
 #
-# Environment: OUT (default /tmp/pretrain-layouts), LAYOUTS (default "pp2 tp2 tp2pp2"), MODES
+# Environment: RES (default /tmp/pretrain-layouts), OUT (default out), LAYOUTS (default "pp2 tp2 tp2pp2"), MODES
 # (default "bf16 bf16-graphs coat coat-graphs"), ITERS (default 20), CAP (seconds per run, default
 # 150: a run that stalls is stopped and its row says so), SIZE (1b | tiny).
 # (--no-gradient-accumulation-fusion: see scripts/gpu_pretrain.sh.)
 set -uo pipefail
-out=${OUT:-/tmp/pretrain-layouts}
-dest=$out
+out=${RES:-/tmp/pretrain-layouts}
+dest=${OUT:-out}
 iters=${ITERS:-20}
 log_interval=$(( iters % 5 == 0 ? 5 : 1 ))  # Megatron wants the memory report's interval (iters) a multiple of it
 cap=${CAP:-150}
 source "$(dirname "$0")/gpu_lib.sh"
-if command -v nvidia-smi >/dev/null; then gpu_setup; else mkdir -p "$out"; export PYTHONUNBUFFERED=1; fi
+if command -v nvidia-smi >/dev/null; then gpu_setup; else mkdir -p "$out" "$dest"; export PYTHONUNBUFFERED=1; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 case "${SIZE:-1b}" in
@@ -124,3 +125,6 @@ for (layout, mode), row in sorted(rows.items()):
           f"| {ratio(tps, eager.get('tokens_s'))} | {ratio(tps, same.get('tokens_s'))} "
           f"| {ratio(row['peak'], eager.get('peak'))} | {row['memory']} | {row['status']} |")
 PY
+cp "$out"/*.log "$out"/summary.md "$dest"/
+[ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/
+true

@@ -94,7 +94,9 @@ def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
     """scripts/gpu_pretrain_layouts.sh with the tiny model on the CPU (DP 2, BF16 and eager COAT):
     each run's log, and a summary row per run with the numbers read back from the log."""
     bin_dir = str(Path(sys.executable).parent)
-    env = _cpu_env(SIZE="tiny", ITERS="4", LAYOUTS="dp2", MODES="bf16 coat", OUT=str(tmp_path))
+    env = _cpu_env(
+        SIZE="tiny", ITERS="4", LAYOUTS="dp2", MODES="bf16 coat", RES=str(tmp_path / "res"), OUT=str(tmp_path)
+    )
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
     done = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_pretrain_layouts.sh")],
