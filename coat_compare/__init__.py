@@ -1,4 +1,4 @@
-"""Comparison jobs: BF16, TransformerEngine FP8 and COAT on the same model, data and seed (DESIGN 6).
+"""Comparison jobs: BF16, TransformerEngine FP8 and COAT on the same model, data and seed (docs/compare.md).
 
 One module per concept, in the order the ``coat-compare`` command uses them:
 

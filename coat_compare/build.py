@@ -24,7 +24,7 @@ LR_WARMUP_FRACTION = 0.1
 # run. Every mode, BF16 included, starts with a loss spike past ln(vocab) when Adam's first,
 # sign-like updates come at a high rate after a few steps; the harness's initialisation is Megatron's
 # default (N(0, 0.02) embedding and output layer, output projections scaled by 1/sqrt(2 layers)),
-# and a longer warm-up lowers the spike without removing it (benchmarks/results/warmup-spike-*).
+# and a longer warm-up lowers the spike without removing it (benchmarks/results/warmup-spike-1gpu).
 # TE's layer spec fuses each norm into the next linear; its weights are the local spec's norms.
 TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",

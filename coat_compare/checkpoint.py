@@ -3,7 +3,7 @@
 
 ``save_checkpoint`` / ``load_checkpoint`` serve COAT's optimizer and Megatron's own alike; a
 checkpoint written at one data-parallel size loads at another (``dp_reshardable``, Megatron's
-default: COAT's states move without requantization, DESIGN 5.3). The optimizer step the
+default: COAT's states move without requantization, docs/design.md#distributed). The optimizer step the
 checkpoint was written after travels with it (``step``), so that a resumed run continues the
 learning-rate schedule and the data where the saved one was.
 

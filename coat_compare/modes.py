@@ -21,7 +21,7 @@ coat               COAT's default recipe (``CoatConfig()``): the COAT layer spec
                    every backward): COAT's memory mode. ``coat-mem`` and ``coat-min`` are this one
 coat-codes         coat keeping each weight's FP8 codes between micro-batches (``cache_weight=True``;
                    W^T transposed from them per backward): 1 byte per parameter more (the default
-                   before the two-H100 run in benchmarks/results/default-h100x2)
+                   before benchmarks/results/gpt-1b-default-vs-cached-1gpu)
 coat-cached        coat keeping W's and W^T's FP8 codes between micro-batches
                    (``cache_weight_transpose=True``): the fastest, 2 bytes per parameter more
 coat-fp32-grads    coat with FP32 gradient buffers (``grad_buffers="fp32"``): micro-batch

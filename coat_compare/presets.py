@@ -42,10 +42,8 @@ class Preset:
     lr_warmup_steps: the warm-up's length in steps; None: 10% of the steps, at least
         ``lr_warmup_min_steps`` (20; the tiny presets 10; Llama-2-7B 50 and 13B 100), also where
         that is longer than the run. At 7B a 20-step warm-up left the loss above ln(vocab) after
-        step 10 in COAT and BF16 (12.2, 11.2; TE FP8 9.7); 50 and 100 steps kept COAT's under
-        (8.85, 8.59: benchmarks/results/default-h100x2/spike7b). 13B, which spiked higher (14.5 after a
-        20-step warm-up), takes the longer one, which did not keep it under: 15.41 at step 12
-        (benchmarks/results/default-h200x2/llama13b).
+        step 10 in COAT and BF16, and 50 or 100 steps kept COAT's under; 13B spiked higher and takes
+        the longer one, which did not keep it under (benchmarks/results/warmup-spike-1gpu).
     lr_decay: after the warm-up, "constant" (the peak to the end: every run before 2026-11-26),
         "cosine" or "linear" down to ``lr_min_ratio`` x the peak at the last step, as Megatron's
         ``--lr-decay-style`` (Llama 2: cosine to 10%). A decayed run ends in a settled minimum, so its
@@ -53,10 +51,9 @@ class Preset:
     lr_min_ratio: the decayed learning rate's floor, a fraction of the peak.
     adam_eps: Adam's epsilon, every mode's (``--adam-eps``): Megatron's 1e-8, and Llama 2's 1e-5 for
         the llama2-7b and llama2-13b presets, which damps the steps of weights whose gradients are
-        below it. At 1e-8, Llama-2-13B's training loss passed ln(vocab) after step 10 (15.41 at step
-        12) despite the 100-step warm-up; 1e-5 kept its 150 steps at or below 8.46 and ended at a
-        lower validation loss (2.64 against 3.09), the rule declared before the run
-        (benchmarks/results/cosine-h200x4/eps13b).
+        below it. At 1e-8, Llama-2-13B's training loss passed ln(vocab) after step 10 despite the
+        100-step warm-up; 1e-5 kept it under and ended at a lower validation loss, by the rule
+        declared before the run (benchmarks/results/llama2-13b-1gpu).
     needs_gpu: the preset is too large for a CPU; on one, every mode is a skipped row.
     """
 

@@ -1,14 +1,16 @@
 # Sourced by llama_1b.sh and llama2_7b.sh: what the two recipes share. The caller sets MODEL (the
 # shape flags), MICRO_BATCH_DEFAULT, GLOBAL_BATCH_DEFAULT and WARMUP, then runs `launch_llama "$@"`.
 #
-# Environment: GPUS (default: all visible), COAT (1: --coat-fp8, 0: BF16), DATA_PATH (an indexed
-# dataset prefix, from Megatron-LM's tools/preprocess_data.py) with TOKENIZER (a Hugging Face
-# tokenizer name or path), MICRO_BATCH, GLOBAL_BATCH, ITERS (default 10000).
+# Environment: GPUS (default: all visible), TP and PP (tensor- and pipeline-parallel sizes, default 1;
+# TP > 1 adds --sequence-parallel; the rest of GPUS is data parallel), COAT (1: --coat-fp8, 0: BF16),
+# DATA_PATH (an indexed dataset prefix, from Megatron-LM's tools/preprocess_data.py) with TOKENIZER
+# (a Hugging Face tokenizer name or path), MICRO_BATCH, GLOBAL_BATCH, ITERS (default 10000),
+# DRY_RUN=1 (print the command instead of running it).
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 launch_llama() {
     local gpus=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
-    local data impl precision fusion
+    local data impl precision fusion layout
     if [[ -n "${DATA_PATH:-}" ]]; then
         data=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER:?set TOKENIZER with DATA_PATH}")
     else
@@ -18,18 +20,22 @@ launch_llama() {
     # Megatron's default gradient-accumulation fusion needs apex's fused wgrad kernel
     if python -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
     # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
-    # warm-up began (benchmarks/results/cosine-h200x4/eps13b)
+    # warm-up began (benchmarks/results/llama2-13b-1gpu)
     [[ "${COAT:-1}" == 1 ]] && precision=(--coat-fp8) || precision=()
+    layout=(--tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}")
+    (( ${TP:-1} > 1 )) && layout+=(--sequence-parallel)
 
-    exec python -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch "$HERE/pretrain_gpt.py" \
-        "${MODEL[@]}" \
-        --swiglu --normalization RMSNorm --norm-epsilon 1e-5 --disable-bias-linear \
-        --position-embedding-type rope --rotary-base 10000 --untie-embeddings-and-output-weights \
-        --attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02 \
-        --bf16 --transformer-impl "$impl" --use-distributed-optimizer --overlap-grad-reduce "${fusion[@]}" \
-        --micro-batch-size "${MICRO_BATCH:-$MICRO_BATCH_DEFAULT}" --global-batch-size "${GLOBAL_BATCH:-$GLOBAL_BATCH_DEFAULT}" \
-        --train-iters "${ITERS:-10000}" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" \
-        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --clip-grad 1.0 \
-        "${data[@]}" --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10 \
-        "${precision[@]}" "$@"
+    local command=(python -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch "$HERE/pretrain_gpt.py"
+        "${MODEL[@]}"
+        --swiglu --normalization RMSNorm --norm-epsilon 1e-5 --disable-bias-linear
+        --position-embedding-type rope --rotary-base 10000 --untie-embeddings-and-output-weights
+        --attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02
+        --bf16 --transformer-impl "$impl" "${layout[@]}" --use-distributed-optimizer --overlap-grad-reduce "${fusion[@]}"
+        --micro-batch-size "${MICRO_BATCH:-$MICRO_BATCH_DEFAULT}" --global-batch-size "${GLOBAL_BATCH:-$GLOBAL_BATCH_DEFAULT}"
+        --train-iters "${ITERS:-10000}" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP"
+        --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --clip-grad 1.0
+        "${data[@]}" --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10
+        "${precision[@]}" "$@")
+    if [[ "${DRY_RUN:-0}" == 1 ]]; then printf '%q ' "${command[@]}"; echo; return; fi
+    exec "${command[@]}"
 }

@@ -83,8 +83,12 @@ def megatron_datasets(num_samples, args):
     return BlendedMegatronDatasetBuilder(dataset_type, num_samples, lambda: True, config).build()
 
 
-def train_valid_test_datasets_provider(num_samples):
-    """What ``pretrain()`` calls with the number of train / valid / test samples it will draw."""
+def train_valid_test_datasets_provider(num_samples, vp_stage=None):
+    """What ``pretrain()`` calls with the number of train / valid / test samples it will draw.
+
+    Under virtual pipeline parallelism ``pretrain()`` calls it once per model chunk of the rank with
+    that chunk's ``vp_stage`` (and refuses a provider without the keyword); every chunk reads the same
+    datasets, so the stage changes nothing here."""
     args = get_args()
     print_rank_0(f"> building {'the ' + args.byte_corpus + ' byte corpus' if args.byte_corpus else 'GPT'} datasets ...")
     return byte_corpus_datasets(num_samples, args) if args.byte_corpus else megatron_datasets(num_samples, args)

@@ -163,7 +163,7 @@ def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
 
 
 # (BLOCK_M, BLOCK_N, num_warps) of the byte transpose (``benchmarks/quantize.py --sweep`` times others;
-# benchmarks/results/default-h200/quantize.md)
+# benchmarks/results/kernel-bandwidth-1gpu)
 _TRANSPOSE_BLOCKS = (64, 128, 4)  # faster than 64 x 64 (docs/results.md, "quantization kernels")
 
 

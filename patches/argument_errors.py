@@ -9,8 +9,9 @@ megatron-core shows a dozen warnings first. ``install`` therefore:
 - holds back what Python writes to stdout and stderr while ``validate_args`` runs (Megatron's,
   COAT's check, the CPU defaults) and lets it out, in order, once it returned: an argument error
   drops it and is the only thing printed;
-- raises an assertion of Megatron's ``validate_args`` as ``MegatronArgumentError``: Megatron's
-  message and the line of the check, which ``coat-megatron-run`` prints as one line;
+- raises an assertion of Megatron's ``validate_args`` (or a ``ValueError`` raised in Megatron's
+  code while it validates) as ``MegatronArgumentError``: Megatron's message and the line of the
+  check, which ``coat-megatron-run`` prints as one line;
 - gives the parser's errors without the usage, with the nearest flag for a misspelt one.
 
 ``coat-megatron-run`` also holds the warnings shown from its start (``held_output``), so those of
@@ -31,6 +32,7 @@ import warnings
 from collections.abc import Iterator
 
 from .arguments import CoatArgumentError
+from .parallel_layout import ParallelLayoutError
 from .replacements import Replacements
 from .version import require_megatron_core
 
@@ -40,7 +42,7 @@ class MegatronArgumentError(AssertionError):
     Megatron's, with the line of the check."""
 
 
-ARGUMENT_ERRORS = (CoatArgumentError, MegatronArgumentError)
+ARGUMENT_ERRORS = (CoatArgumentError, ParallelLayoutError, MegatronArgumentError)
 
 
 class HeldOutput:
@@ -171,6 +173,10 @@ def install(replacements: Replacements) -> None:
                 raise
             except AssertionError as e:
                 raise MegatronArgumentError(_assertion_message(e)) from e
+            except ValueError as e:
+                if not _raised_in_megatron(e):
+                    raise
+                raise MegatronArgumentError(_assertion_message(e)) from e
             held.release()
         return result
 
@@ -178,7 +184,11 @@ def install(replacements: Replacements) -> None:
     replacements.replace(arguments, "validate_args", validate_args_then_print)
 
 
-def _assertion_message(e: AssertionError) -> str:
+def _raised_in_megatron(e: BaseException) -> bool:
+    return f"{os.sep}megatron{os.sep}" in traceback.extract_tb(e.__traceback__)[-1].filename
+
+
+def _assertion_message(e: AssertionError | ValueError) -> str:
     """Megatron's message (or, for a bare ``assert``, its condition) and where the check is."""
     frame = traceback.extract_tb(e.__traceback__)[-1]
     where = f"{frame.filename.split('site-packages' + os.sep)[-1]}:{frame.lineno}"

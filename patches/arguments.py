@@ -10,6 +10,14 @@ the second runs COAT's checks after Megatron's own (so that derived values such 
 
 The knobs map one to one onto ``CoatConfig`` fields (``--coat-group-size`` -> ``group_size``) and
 are read by ``CoatConfig.from_args``; each defaults to None, meaning "CoatConfig's default".
+
+Two options are the launcher's, not ``CoatConfig``'s: ``--coat-report`` and ``--coat-cuda-graphs``.
+With ``--coat-fp8`` on a GPU, Megatron's per-layer CUDA graphs (``--cuda-graph-impl local``) are on
+by default where they are known to be safe (``cuda_graphs_by_default``): eager COAT issues many
+small kernels per layer, and a graph replays them with one launch. To tell a ``--cuda-graph-impl``
+the user typed from Megatron's default, the patched parser's default for it is None until
+``choose_cuda_graphs`` decides, before Megatron's ``validate_args`` (which derives what graphs need:
+the graph-safe RNG tracker, TE's tracker with TE layers, the inference graph scope).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import fields
+
+import torch
 
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
 from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
@@ -100,6 +110,22 @@ KNOBS: dict[str, tuple[dict, str]] = {
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
+CUDA_GRAPHS_CHOICES = ("auto", "off")
+CUDA_GRAPHS_HELP = (
+    "Megatron's per-layer CUDA graphs with --coat-fp8 (default auto: --cuda-graph-impl local on a GPU with COAT's "
+    "layers, at any data-parallel size, unless the command line sets --cuda-graph-impl or has an option Megatron "
+    "refuses with them (recompute, CPU or fine-grained activation offloading); not with tensor parallelism, where "
+    "a stall of COAT under graphs was seen and is not explained yet, nor with pipeline or context parallelism, "
+    "not measured with COAT yet: --cuda-graph-impl local turns them on there. off: eager)"
+)
+# Options with which megatron-core 0.19 refuses per-layer graphs (TransformerConfig, validate_args)
+# or allows them only in part (selective recompute), and the flag that names each.
+GRAPH_BLOCKERS = {
+    "recompute_granularity": "--recompute-granularity",
+    "cpu_offloading_num_layers": "--cpu-offloading-num-layers",
+    "fine_grained_activation_offloading": "--fine-grained-activation-offloading",
+    "hybrid_context_parallel": "--hybrid-context-parallel",
+}
 
 
 def flag(name: str) -> str:
@@ -123,6 +149,13 @@ def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--coat-expansion", dest="coat_expansion", type=_switch, metavar="on|off", default=None, help=EXPANSION_HELP
     )
     group.add_argument(
+        "--coat-cuda-graphs",
+        dest="coat_cuda_graphs",
+        choices=CUDA_GRAPHS_CHOICES,
+        default="auto",
+        help=CUDA_GRAPHS_HELP,
+    )
+    group.add_argument(
         "--coat-report",
         dest="coat_report",
         default=None,
@@ -144,6 +177,7 @@ def check_coat_args(args: argparse.Namespace) -> None:
     """Raise ``CoatArgumentError`` listing every COAT problem of a parsed and Megatron-validated
     argument namespace, each with the flag that fixes it."""
     knobs = [name for name in (*KNOBS, "expansion") if getattr(args, f"coat_{name}", None) is not None]
+    knobs += ["cuda_graphs"] if getattr(args, "coat_cuda_graphs", "auto") != "auto" else []
     if not getattr(args, "coat_fp8", False):
         if knobs:
             set_flags = ", ".join(flag(n) for n in knobs)
@@ -177,6 +211,54 @@ def apply_coat_args(args: argparse.Namespace) -> None:
         return
     args.accumulate_allreduce_grads_in_fp32 = coat.ddp_grad_reduce_in_fp32
     args.grad_reduce_in_bf16 = not coat.ddp_grad_reduce_in_fp32
+
+
+def cuda_graphs_by_default(args: argparse.Namespace, cuda: bool) -> tuple[bool, str | None]:
+    """Whether ``--coat-fp8`` turns on Megatron's per-layer CUDA graphs for a parsed command line
+    that chose no ``--cuda-graph-impl`` (``CUDA_GRAPHS_HELP`` says where and why), on a machine
+    with (``cuda``) or without a GPU; and a line for the log saying what was decided and why, where
+    a user may wonder (None where graphs cannot apply: no --coat-fp8, COAT's layers off, no GPU,
+    --coat-cuda-graphs off)."""
+    if not getattr(args, "coat_fp8", False) or args.coat_activations is False or not cuda:
+        return False, None
+    if args.coat_cuda_graphs == "off" or args.enable_cuda_graph or args.external_cuda_graph:
+        return False, None  # the user's choice (--enable-cuda-graph / --external-cuda-graph: Megatron's older names)
+    eager = "--coat-fp8 leaves Megatron's per-layer CUDA graphs off"
+    layout = {
+        "tensor parallelism (graphs with tensor-parallel COAT are not cleared yet)": args.tensor_model_parallel_size,
+        "pipeline parallelism (a graph per micro-batch in flight: not measured with COAT yet)": args.pipeline_model_parallel_size,
+        "context parallelism (not tried with COAT)": args.context_parallel_size,
+    }
+    for reason, size in layout.items():
+        if size > 1:
+            return False, f"{eager} under {reason}; --cuda-graph-impl local turns them on"
+    blockers = [option for attr, option in GRAPH_BLOCKERS.items() if getattr(args, attr, None)]
+    if getattr(args, "inference_batch_times_seqlen_threshold", -1) > -1:
+        blockers.append("--inference-batch-times-seqlen-threshold")
+    if blockers:
+        return False, f"{eager}: Megatron refuses them with {', '.join(blockers)}, or allows them only in part"
+    return True, (
+        "--coat-fp8 turns on Megatron's per-layer CUDA graphs (--cuda-graph-impl local); "
+        "--coat-cuda-graphs off keeps the layers eager"
+    )
+
+
+def choose_cuda_graphs(args: argparse.Namespace) -> None:
+    """Give ``args.cuda_graph_impl`` its value where the command line left it unset (None: the
+    patched parser's default), before Megatron's ``validate_args``: ``local`` where
+    ``cuda_graphs_by_default`` says so, else Megatron's own default ``none``. Refuses
+    ``--coat-cuda-graphs off`` beside a ``--cuda-graph-impl`` that asks for graphs."""
+    chosen = args.cuda_graph_impl
+    if chosen is not None:
+        if getattr(args, "coat_fp8", False) and args.coat_cuda_graphs == "off" and chosen != "none":
+            raise CoatArgumentError(
+                f"--coat-cuda-graphs off keeps the layers eager and --cuda-graph-impl {chosen} asks for graphs: drop one of them"
+            )
+        return
+    on, line = cuda_graphs_by_default(args, cuda=torch.cuda.is_available())
+    args.cuda_graph_impl = "local" if on else "none"
+    if line is not None and args.rank == 0:
+        print(f"coat-megatron-run: {line}", flush=True)
 
 
 def _memory_problems(args, coat: CoatConfig) -> list[str]:
@@ -283,7 +365,9 @@ def _optimizer_problems(args) -> list[str]:
             f"COAT's optimizer runs on Megatron's DDP with the distributed optimizer: drop --use-megatron-fsdp / --use-torch-fsdp2{off}"
         )
     if getattr(args, "fp8_param_gather", False):
-        problems.append("--fp8-param-gather is TransformerEngine's FP8 weights: drop it")
+        problems.append(
+            "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): drop it"
+        )
     return problems
 
 
@@ -296,9 +380,12 @@ def install(replacements: Replacements) -> None:
     validate_args = arguments.validate_args
 
     def add_megatron_and_coat_arguments(parser):
-        return add_coat_arguments(add_megatron_arguments(parser))
+        parser = add_coat_arguments(add_megatron_arguments(parser))
+        parser.set_defaults(cuda_graph_impl=None)  # unset until choose_cuda_graphs: see the module docstring
+        return parser
 
     def validate_megatron_and_coat_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        choose_cuda_graphs(args)
         result = validate_args(args, defaults)
         check_coat_args(args)
         apply_coat_args(args)

@@ -88,6 +88,9 @@ TRAINING = [
     "0",
     "--seed",
     "1234",
+    # Both runs eager: on a GPU --coat-fp8 alone would turn on per-layer CUDA graphs for COAT only
+    "--cuda-graph-impl",
+    "none",
 ]
 MODES = {"BF16": [], "COAT": ["--coat-fp8"]}
 # Megatron's learning-rate schedule needs fewer warm-up iterations than iterations, and warm-up

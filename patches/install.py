@@ -3,7 +3,10 @@
 ``coat_megatron_patches()`` installs, in this order:
 
 - ``wheel``: Megatron's start-up skips compiling the dataset helpers the wheel ships prebuilt;
-- ``arguments``: ``--coat-fp8``, the ``--coat-*`` knobs and their validation;
+- ``arguments``: ``--coat-fp8``, the ``--coat-*`` knobs and their validation, and the default
+  of Megatron's per-layer CUDA graphs with ``--coat-fp8``;
+- ``parallel_layout``: TP, PP (and virtual stages) and the world size checked against the model
+  before Megatron's checks, naming the sizes that fit;
 - ``model``: the COAT layer spec in every ``GPTModel`` of a ``--coat-fp8`` run;
 - ``optimizer``: COAT's distributed FP8 optimizer and its group-aligned DDP layout;
 - ``report``: ``--coat-report PATH``;
@@ -25,7 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import argument_errors, arguments, model, optimizer, report, telemetry, training_cpu, wheel
+from . import argument_errors, arguments, model, optimizer, parallel_layout, report, telemetry, training_cpu, wheel
 from .replacements import Replacements
 
 
@@ -43,7 +46,7 @@ def coat_megatron_patches(cpu: bool | None = None) -> Iterator[None]:
     replacements = Replacements()
     try:
         with contextlib.ExitStack() as stack:
-            for patch in (wheel, arguments, model, optimizer, report, telemetry):
+            for patch in (wheel, arguments, parallel_layout, model, optimizer, report, telemetry):
                 patch.install(replacements)
             if cpu:
                 stack.enter_context(training_cpu.install(replacements))

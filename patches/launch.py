@@ -15,10 +15,17 @@ world of one (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a free ``MASTER_PORT``)
 ``coat-megatron-run --coat-help`` lists the ``--coat-*`` flags. A bad command line ends in one
 line on stderr and exit code 2 (``coat_patches.argument_errors``): Megatron's table of arguments
 comes out only once Megatron's and COAT's checks passed.
+
+Before anything starts CUDA, the launcher sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron
+requires it (tensor or context parallelism before Blackwell: ``coat_patches.device_connections``).
+A rank whose script raises exits with the exception (torchrun then stops the other ranks); a rank
+whose script returned waits at most ``CLOSE_TIMEOUT_S`` for the others before it closes the process
+groups, and exits with code 1 if they do not come (a rank that died or hangs).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import runpy
 import socket
@@ -29,6 +36,11 @@ USAGE = (
     "       coat-megatron-run --coat-help | --help"
 )
 HELP_FLAGS = ("-h", "--help")
+# How long a rank whose script returned waits for the others at the closing barrier. Megatron's
+# pretrain() ends with collectives of its own, so healthy ranks arrive together; one that does not
+# arrive within this time died or hangs, and the job must end rather than wait for Megatron's
+# collective timeout (10 minutes by default).
+CLOSE_TIMEOUT_S = 30.0
 
 
 def _free_port() -> int:
@@ -50,11 +62,14 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
     """Run ``script`` as ``__main__`` with ``script_args`` inside ``coat_megatron_patches(cpu)``;
     a bad argument prints one line (on rank 0) and exits with code 2."""
     from .argument_errors import ARGUMENT_ERRORS, held_output
+    from .device_connections import set_device_max_connections
 
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no pretrain script at {script}")
     single_process_environment()
+    if (notice := set_device_max_connections(script_args, cpu=bool(cpu))) is not None:  # before anything starts CUDA
+        _say(notice)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(script))
     try:
@@ -63,21 +78,40 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
 
             with coat_megatron_patches(cpu=cpu):
                 runpy.run_path(script, run_name="__main__")
-        _close_process_groups()
     except ARGUMENT_ERRORS as e:
         _fail(str(e))
+    # Only a script that returned gets here: a rank that raised must not wait at a barrier that
+    # the others, stopped by torchrun or failing on it, may never reach.
+    try:
+        _close_process_groups(CLOSE_TIMEOUT_S)
+    except PeersLostError as e:
+        print(f"coat-megatron-run: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)  # not sys.exit: the process groups' destructors would wait on the dead peer
 
 
-def _close_process_groups() -> None:
+class PeersLostError(RuntimeError):
+    """Ranks did not reach the end of the script (they died or hang)."""
+
+
+def _close_process_groups(timeout_s: float) -> None:
     """Tear down torch.distributed after the script returns, as torchrun-launched programs should:
     Megatron's ``pretrain()`` leaves its process groups open, and a process that exits with gloo's
     threads still running can abort in their destructors ("terminate called without an active
-    exception", seen once in CI after training had finished, exit code -6)."""
+    exception", seen once in CI after training had finished, exit code -6). The barrier before it
+    waits at most ``timeout_s`` seconds; ``PeersLostError`` if the other ranks do not come."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # a timeout, or the connection to a rank that exited
+        raise PeersLostError(
+            f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or hangs; "
+            f"see their output): exiting without closing the process groups ({str(e).splitlines()[0]})"
+        ) from e
+    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -118,6 +152,12 @@ def _check_script(script: str) -> None:
         where = "" if os.path.isabs(script) else f" ({os.path.abspath(script)})"
         what = "is a directory" if os.path.isdir(script) else "does not exist"
         _fail(f"{script}{where} {what}: pass the path of a pretrain script, e.g. examples/pretrain_gpt.py")
+
+
+def _say(message: str) -> None:
+    """A line of the launcher's on stdout, from rank 0 only."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"coat-megatron-run: {message}", flush=True)
 
 
 def _fail(message: str) -> None:

@@ -55,7 +55,7 @@ COMMON=(
 )
 
 case "$GRAPHS" in
-    none) ;;
+    none) COMMON+=(--cuda-graph-impl none) ;;  # said, or --coat-fp8 would turn on graphs for COAT only
     local) COMMON+=(--cuda-graph-impl local) ;;
     full_iteration) COMMON+=(--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad) ;;
     *) echo "GRAPHS=$GRAPHS: use none, local or full_iteration" >&2; exit 2 ;;

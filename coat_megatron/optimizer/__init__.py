@@ -1,4 +1,4 @@
-"""The FP8 optimizer: AdamW whose states are range-expanded FP8 (DESIGN section 5).
+"""The FP8 optimizer: AdamW whose states are range-expanded FP8 (docs/design.md#the-fp8-optimizer).
 
 ``CoatAdamW`` is a torch optimizer usable on any model with FP32 parameters (no Megatron needed);
 ``get_coat_optimizer`` puts it inside Megatron-Core's distributed optimizer, on each data-parallel

@@ -1,10 +1,12 @@
 """--coat-fp8 and the --coat-* knobs through Megatron's real parse_args and validate_args."""
 
+import sys
 from dataclasses import fields
 
 import megatron.core.package_info
 import megatron.training.arguments as arguments
 import pytest
+import torch
 from megatron_argv import MOCK_MODEL as LLAMA
 from megatron_argv import parse
 
@@ -234,3 +236,108 @@ def test_patches_are_removed_on_exit_and_refuse_other_versions(monkeypatch):
         with coat_megatron_patches():
             pass
     assert (arguments.add_megatron_arguments, arguments.validate_args) == originals
+
+
+# Megatron's per-layer CUDA graphs: on by default with --coat-fp8 where they are safe
+
+
+def parse_on_gpu(monkeypatch, *argv: str):
+    """Megatron's parse_args + validate_args as on a GPU machine, as far as --coat-fp8's default
+    for graphs can tell: the patches are installed for this machine (the CPU's), then
+    ``torch.cuda.is_available`` answers True while the arguments are parsed and validated."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    with coat_megatron_patches(), monkeypatch.context() as gpu:
+        gpu.setattr(torch.cuda, "is_available", lambda: True)
+        args = arguments.parse_args()
+        arguments.validate_args(args, {})
+    return args
+
+
+GRAPHS_ON = "--coat-fp8 turns on Megatron's per-layer CUDA graphs (--cuda-graph-impl local)"
+
+
+@pytest.mark.parametrize(
+    "argv, world, impl, line",
+    [
+        (["--coat-fp8"], 1, "local", GRAPHS_ON),
+        (["--coat-fp8", "--overlap-grad-reduce", "--overlap-param-gather"], 2, "local", GRAPHS_ON),  # DP 2
+        (["--coat-fp8", "--coat-cuda-graphs", "off"], 1, "none", None),
+        ([], 1, "none", None),  # without --coat-fp8: Megatron's default
+        (["--coat-fp8", "--cuda-graph-impl", "none"], 1, "none", None),  # the user's choice stays
+        (
+            ["--coat-fp8", "--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"],
+            1,
+            "full_iteration",
+            None,
+        ),
+        (["--coat-fp8", "--enable-cuda-graph"], 1, "local", None),  # Megatron's older name for local
+        (["--coat-fp8", "--coat-activations", "off"], 1, "none", None),  # Megatron's layers: not COAT's to decide
+        (["--coat-fp8", "--tensor-model-parallel-size", "2"], 2, "none", "off under tensor parallelism"),
+        (["--coat-fp8", "--pipeline-model-parallel-size", "2"], 2, "none", "off under pipeline parallelism"),
+        (
+            ["--coat-fp8", "--recompute-granularity", "selective"],
+            1,
+            "none",
+            "refuses them with --recompute-granularity",
+        ),
+    ],
+    ids=[
+        "default",
+        "data-parallel",
+        "coat-off",
+        "no-coat",
+        "user-none",
+        "user-full",
+        "user-enable",
+        "activations-off",
+        "tp2",
+        "pp2",
+        "recompute",
+    ],
+)
+def test_coat_fp8_turns_on_per_layer_graphs_on_a_gpu_where_safe(monkeypatch, capsys, argv, world, impl, line):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = parse_on_gpu(monkeypatch, *LLAMA, *argv)
+    assert args.cuda_graph_impl == impl
+    out = capsys.readouterr().out
+    said = [text for text in out.splitlines() if "CUDA graphs" in text and text.startswith("coat-megatron-run:")]
+    assert len(said) == (line is not None) and all(line in text for text in said), said
+    if impl == "local":  # Megatron's validate_args derived what per-layer graphs need
+        assert args.cuda_graph_warmup_steps == 3 and args.inference_cuda_graph_scope.name == "layer"
+
+
+def test_no_graphs_without_a_gpu(monkeypatch, capsys):
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8")
+    assert args.cuda_graph_impl == "none" and "CUDA graphs" not in capsys.readouterr().out
+
+
+def test_graph_switch_without_coat_fp8_or_against_cuda_graph_impl_is_refused(monkeypatch):
+    text = problems(monkeypatch, *LLAMA, "--coat-cuda-graphs", "off")
+    assert text == "--coat-cuda-graphs has no effect without --coat-fp8: add --coat-fp8, or drop --coat-cuda-graphs"
+    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--coat-cuda-graphs", "off", "--cuda-graph-impl", "local")
+    assert text == (
+        "--coat-cuda-graphs off keeps the layers eager and --cuda-graph-impl local asks for graphs: drop one of them"
+    )
+
+
+def test_transformer_engines_tensor_parallel_overlap_and_fp8_weights_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    text = problems(
+        monkeypatch,
+        *LLAMA,
+        "--coat-fp8",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--tp-comm-overlap",
+    )
+    assert (
+        "--tp-comm-overlap (TransformerEngine's userbuffers, for TE's linears) is not supported by the COAT layer spec"
+        in text
+    )
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--fp8-param-gather")
+    assert (
+        "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): drop it"
+        in text
+    )

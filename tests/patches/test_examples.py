@@ -4,10 +4,14 @@ import json
 import math
 import os
 import re
+import shlex
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,3 +56,65 @@ def test_gpu_pretrain_script_smoke_runs_tiny(tmp_path):
     assert re.search(r"micro_batch_size \.+ 2\n", log)
     table = (tmp_path / "comparison.md").read_text()
     assert table.startswith("| | BF16 | COAT | COAT / BF16 |") and "| optimizer states |" in table
+
+
+@pytest.mark.parametrize(
+    "recipe, layout, tp, pp, dp",
+    [
+        ("llama2_7b.sh", {}, 1, 1, 4),
+        ("llama2_7b.sh", {"TP": "2"}, 2, 1, 2),
+        ("llama_1b.sh", {"TP": "2", "PP": "2"}, 2, 2, 1),
+    ],
+    ids=["7b-dp4", "7b-tp2-dp2", "1b-tp2-pp2"],
+)
+def test_llama_recipes_give_megatron_the_layout(monkeypatch, recipe, layout, tp, pp, dp):
+    """The recipe's command on 4 GPUs (DRY_RUN=1 prints it), read by Megatron's parser and
+    validate_args with COAT's patches as a world of 4 processes: the layout it produces."""
+    from megatron_argv import parse
+
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "DRY_RUN": "1", "GPUS": "4", "PATH": f"{bin_dir}:{os.environ['PATH']}", **layout}
+    done = subprocess.run(
+        ["bash", str(ROOT / "examples" / recipe)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout)
+    assert command[:7] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
+    script = command.index(str(ROOT / "examples" / "pretrain_gpt.py"))
+    assert command[script - 1] == "coat_patches.launch"
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse(monkeypatch, *command[script + 1 :])
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (tp, pp, dp)
+    assert args.sequence_parallel is (tp > 1)
+    assert args.coat_fp8 and args.use_distributed_optimizer and args.overlap_grad_reduce
+    assert args.micro_batch_size == (1 if recipe == "llama2_7b.sh" else 4)
+
+
+def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
+    """scripts/gpu_pretrain_layouts.sh with the tiny model on the CPU (DP 2, BF16 and eager COAT):
+    each run's log, and a summary row per run with the numbers read back from the log."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = _cpu_env(
+        SIZE="tiny", ITERS="4", LAYOUTS="dp2", MODES="bf16 coat", RES=str(tmp_path / "res"), OUT=str(tmp_path)
+    )
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_pretrain_layouts.sh")],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {}
+    for line in (tmp_path / "summary.md").read_text().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0], cells[1]] = cells
+    assert set(rows) == {("dp2", "bf16"), ("dp2", "coat")}
+    for (layout, mode), cells in rows.items():
+        log = (tmp_path / f"{layout}-{mode}.log").read_text()
+        times = [float(ms) for ms in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", log)]
+        assert len(times) == 4 and cells[2:4] == ["2", "none"] and cells[-1] == "ok"
+        # global batch 4 x seq 64 tokens per iteration, over the median of iterations 3 and 4
+        assert float(cells[4].replace(",", "")) == pytest.approx(256 * 1000 / statistics.median(times[2:]), rel=0.01)
+    assert rows["dp2", "bf16"][6] == "1.00" and float(rows["dp2", "coat"][6]) > 0

@@ -6,9 +6,13 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from distributed import run_distributed
+
+from coat_patches import launch as launch_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
@@ -109,3 +113,115 @@ def test_demo_prints_the_comparison(tmp_path):
     # FP32 m and v: 8 bytes per parameter; COAT: about 2.19
     assert coat_states < bf16_states and 0.2 < states_ratio < 0.35
     assert (tmp_path / "comparison.md").read_text().startswith("| | BF16 | COAT | COAT / BF16 |")
+
+
+def test_pretrain_example_trains_under_interleaved_pipeline_parallelism(tmp_path):
+    """PP 2 with 2 virtual stages per rank (Megatron's interleaved 1F1B schedule): pretrain() calls
+    the dataset provider once per model chunk with its vp_stage; 4 layers, one per virtual stage."""
+    report_path = tmp_path / "report.json"
+    argv = [*TINY, "--num-layers", "4", "--pipeline-model-parallel-size", "2"]
+    argv += ["--num-virtual-stages-per-pipeline-rank", "2", "--micro-batch-size", "1"]
+    done = launch(EXAMPLE, *argv, "--coat-fp8", "--coat-report", str(report_path), nproc=2, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Number of virtual stages per pipeline stage: 2" in done.stdout
+    assert re.search(r"virtual_pipeline_model_parallel_size \.+ 2\n", done.stdout)
+    report = json.loads(report_path.read_text())
+    assert report["world_size"] == 2 and report["optimizer"] == "CoatDistributedOptimizer"
+    losses = [it["loss"] for it in report["iterations"]]
+    logged = [(int(i), float(loss)) for i, loss in LOGGED.findall(done.stdout)]
+    assert [i for i, _ in logged] == [1, 2, 3, 4, 5, 6] and losses[0] == pytest.approx(logged[0][1], rel=1e-5)
+    assert abs(losses[0] - math.log(256)) < 0.1 and losses[-1] < losses[0] - 0.1
+
+
+def test_overlapped_gradient_reduction_and_parameter_gather_train_the_same(tmp_path):
+    """--overlap-grad-reduce and --overlap-param-gather only schedule DP 2's reduce-scatter and
+    all-gather (bucket by bucket, 8 buckets here, during the backward of the second of 2 micro-batches
+    and the next forward): COAT's optimizer must give the same losses, bit for bit on the CPU, as
+    without them (one bucket, reduced after the backward)."""
+    argv = [*TINY, "--global-batch-size", "8", "--ddp-bucket-size", "8192", "--coat-fp8"]
+    losses = {}
+    for name, overlap in {"plain": [], "overlap": ["--overlap-grad-reduce", "--overlap-param-gather"]}.items():
+        report_path = tmp_path / f"{name}.json"
+        done = launch(EXAMPLE, *argv, *overlap, "--coat-report", str(report_path), nproc=2, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert re.search(rf"overlap_param_gather \.+ {bool(overlap)}\n", done.stdout)
+        buckets = re.search(r"Number of buckets for gradient all-reduce / reduce-scatter: (\d+)", done.stdout)
+        assert int(buckets.group(1)) == (8 if overlap else 1)  # Megatron buckets only what it overlaps
+        losses[name] = [it["loss"] for it in json.loads(report_path.read_text())["iterations"]]
+    assert len(losses["plain"]) == 6 and losses["plain"][-1] < losses["plain"][0] - 0.1
+    assert losses["overlap"] == losses["plain"]
+
+
+FAILING_RANK = """
+import sys
+sys.path.insert(0, {examples!r})
+import pretrain_gpt as example
+import torch
+from megatron.core.enums import ModelType
+from megatron.training import pretrain
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+
+steps = 0
+
+
+def forward_step(data_iterator, model):
+    global steps
+    steps += 1
+    if torch.distributed.get_rank() == 1 and steps == 3:
+        raise RuntimeError("rank 1 fails in its third forward step")
+    return example.forward_step(data_iterator, model)
+
+
+if __name__ == "__main__":
+    args = parse_and_validate_args(
+        extra_args_provider=example.add_data_arguments, args_defaults={{"tokenizer_type": "NullTokenizer"}}
+    )
+    pretrain(
+        pretrain_cfg_container_from_args(args, gpt_config_from_args(args)),
+        example.train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+    )
+"""
+
+
+def test_a_rank_that_fails_mid_run_ends_the_job(tmp_path):
+    """examples/pretrain_gpt.py on DP 2 whose rank 1 raises in its third step (one micro-batch per
+    step: iteration 3), while rank 0 waits for it in a collective: the job exits non-zero within
+    seconds of the failure, not at Megatron's collective timeout (10 minutes)."""
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK.format(examples=str(ROOT / "examples")))
+    start = time.monotonic()
+    done = launch(str(script), *TINY, "--coat-fp8", nproc=2, timeout=240)
+    assert done.returncode != 0
+    assert "RuntimeError: rank 1 fails in its third forward step" in done.stderr
+    assert [int(i) for i, _ in LOGGED.findall(done.stdout)] == [1, 2]  # iteration 3 never finished
+    assert time.monotonic() - start < 200
+
+
+def _close_with_a_missing_rank(timeout_s: float) -> float | None:
+    """Rank 0 closes the process groups while rank 1 stays away for longer than ``timeout_s``;
+    returns how long rank 0 waited (rank 1: None)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(timeout_s + 4)
+        return None
+    start = time.monotonic()
+    with pytest.raises(launch_module.PeersLostError, match=r"did not reach the end of the script within 2 s"):
+        launch_module._close_process_groups(timeout_s)
+    return time.monotonic() - start
+
+
+def _close_with_every_rank(timeout_s: float) -> bool:
+    import torch.distributed as dist
+
+    launch_module._close_process_groups(timeout_s)
+    return dist.is_initialized()
+
+
+def test_closing_the_process_groups_waits_a_bounded_time_for_the_other_ranks():
+    waited, _ = run_distributed(_close_with_a_missing_rank, 2, args=(2.0,), timeout=60)
+    assert 2.0 <= waited < 4.0
+    assert run_distributed(_close_with_every_rank, 2, args=(2.0,), timeout=60) == [False, False]

@@ -5,6 +5,7 @@ Most cases fail before Megatron starts and run in well under a second; the few t
 Megatron's parser and validate_args (on the CPU) take a few seconds each."""
 
 import argparse
+import os
 import subprocess
 import sys
 import warnings
@@ -15,6 +16,7 @@ from megatron_argv import MOCK_MODEL, parse
 
 from coat_patches import demo, launch
 from coat_patches.arguments import KNOBS, CoatArgumentError, add_coat_arguments, flag
+from coat_patches.parallel_layout import ParallelLayoutError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "examples" / "pretrain_gpt.py")
@@ -234,3 +236,121 @@ def test_demo_out_is_created_or_refused(no_training, capsys, tmp_path):
 def test_demo_bad_value_from_the_command_line(tmp_path):
     assert_one_error(run("coat_patches.demo", "--iters", "0", "--out", str(tmp_path)), "argument --iters: 0 is too few")
     assert_one_error(run("coat_patches.demo", "--iters", "-3", "--out", str(tmp_path)), "--iters 2 or more")
+
+
+# coat-megatron-run: parallel layouts that cannot split the model (checked before Megatron's own checks)
+
+
+def layout_problem(monkeypatch, world: int, *argv: str) -> str:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ParallelLayoutError) as e:
+        parse(monkeypatch, *MOCK_MODEL, *argv)
+    return str(e.value)
+
+
+def test_heads_and_query_groups_that_tensor_parallelism_cannot_split(monkeypatch):
+    # MOCK_MODEL: 4 heads, hidden 128
+    text = layout_problem(monkeypatch, 8, "--tensor-model-parallel-size", "8")
+    assert text == (
+        "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8: "
+        "use a --tensor-model-parallel-size among 1, 2, 4"
+    )
+    six_heads = ("--num-attention-heads", "6", "--hidden-size", "192", "--group-query-attention")
+    text = layout_problem(monkeypatch, 4, *six_heads, "--num-query-groups", "3", "--tensor-model-parallel-size", "2")
+    # TP 2 divides the 6 heads but neither splits nor replicates 3 query groups; TP 1, 3 and 6 do both
+    assert text == (
+        "--num-query-groups 3 is neither a multiple nor a divisor of --tensor-model-parallel-size 2: use a "
+        "--tensor-model-parallel-size among 1, 3, 6 (it must divide the 6 heads, and the 3 query groups must split "
+        "or be replicated evenly)"
+    )
+
+
+def test_layers_that_pipeline_stages_cannot_split(monkeypatch):
+    # MOCK_MODEL: 2 layers
+    text = layout_problem(monkeypatch, 4, "--num-layers", "6", "--pipeline-model-parallel-size", "4")
+    assert text.startswith(
+        "--num-layers 6 is not divisible by --pipeline-model-parallel-size 4: use a --pipeline-model-parallel-size among 1, 2, 3, 6"
+    )
+    assert "--decoder-first-pipeline-num-layers" in text
+    text = layout_problem(
+        monkeypatch,
+        2,
+        "--num-layers",
+        "6",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+    )
+    assert text == (
+        "--num-layers 6 is not divisible by --pipeline-model-parallel-size 2 x --num-virtual-stages-per-pipeline-rank 2 = 4: "
+        "each pipeline rank holds 3 layers; use a --num-virtual-stages-per-pipeline-rank among 3"
+    )
+    text = layout_problem(
+        monkeypatch,
+        2,
+        "--num-layers",
+        "8",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "3",
+    )
+    assert text.endswith("use one among 1, 2")
+
+
+def test_uneven_pipeline_options_are_left_to_megatron(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse(
+        monkeypatch, *MOCK_MODEL, "--num-layers", "3", "--pipeline-model-parallel-size", "2",
+        "--decoder-first-pipeline-num-layers", "1",
+    )  # fmt: skip
+    assert args.num_layers == 3 and args.decoder_first_pipeline_num_layers == 1
+
+
+def test_world_size_that_is_not_a_multiple_of_the_model_parallel_size(monkeypatch):
+    text = layout_problem(monkeypatch, 6, "--tensor-model-parallel-size", "4")
+    # the layouts named on 6 processes are those that also split this model (4 heads, 2 layers)
+    assert text == (
+        "the world size 6 (processes) is not a multiple of --tensor-model-parallel-size 4 x --pipeline-model-parallel-size 1 = 4: "
+        "run a multiple of 4 processes (4, 8, 12, 16, ...), or on 6 use TP 1 x PP 1, TP 1 x PP 2, TP 2 x PP 1 "
+        "(the rest of the world is data parallel)"
+    )
+    text = layout_problem(monkeypatch, 4, "--pipeline-model-parallel-size", "2", "--context-parallel-size", "4")
+    assert "x --context-parallel-size 4 = 8" in text and "on 4 use TP 1 x PP 1 x CP 4" in text
+
+
+@pytest.mark.parametrize(
+    "world, argv, words",
+    [
+        ("3", ["--tensor-model-parallel-size", "2"], ["the world size 3 (processes) is not a multiple", "TP 1 x PP 1"]),
+        (
+            "2",
+            "--tensor-model-parallel-size 2 --num-attention-heads 6 --hidden-size 192 --group-query-attention "
+            "--num-query-groups 3".split(),
+            ["--num-query-groups 3 is neither a multiple nor a divisor", "among 1, 3, 6"],
+        ),
+        ("2", ["--pipeline-model-parallel-size", "2", "--num-layers", "3"], ["--num-layers 3 is not divisible"]),
+        # Megatron's own checks come out as one line too: an assertion and a ValueError of validate_args
+        (
+            "1",
+            ["--num-attention-heads", "3"],
+            ["Megatron's validate_args refuses the arguments", "num_attention_heads"],
+        ),
+        (
+            "1",
+            ["--fp4-param-gather"],
+            ["Megatron's validate_args refuses the arguments", "--fp4-param-gather must be used"],
+        ),
+    ],
+    ids=["world-size", "query-groups", "layers", "megatron-assertion", "megatron-value-error"],
+)
+def test_bad_layouts_end_in_one_line_before_any_work(world, argv, words):
+    """Through the launcher as a process: exit code 2, one line, before Megatron's table of arguments
+    or any process group (a world of several processes here has only one: it would wait for the others)."""
+    environment = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": world, "MASTER_ADDR": "127.0.0.1"}
+    environment.setdefault("MASTER_PORT", "29599")
+    command = [sys.executable, "-m", "coat_patches.launch", "--cpu", EXAMPLE, *MOCK_MODEL, *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=environment)
+    assert_one_error(done, *words)
+    assert done.stdout == ""

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# Megatron's own training loop (examples/pretrain_gpt.py through coat-megatron-run under torchrun)
+# in several parallel layouts, BF16 against --coat-fp8, eager and with per-layer CUDA graphs.
+# The model is scripts/gpu_pretrain.sh's 1b shape (16 layers, hidden 2048, SwiGLU FFN 5632,
+# 16 heads, seq 2048, RMSNorm, RoPE), micro-batch 4, global batch 16, 20 iterations, mock data.
+# Each layout runs on TP x PP x DP GPUs:
+#   pp2     PP 2                                           2 GPUs
+#   pp2vp2  PP 2 with 2 virtual stages per rank            2 GPUs
+#   tp2     TP 2 + sequence parallel                       2 GPUs
+#   tp2pp2  TP 2 x PP 2 + sequence parallel                4 GPUs
+#   dp2     DP 2 (where --coat-fp8 alone turns graphs on)  2 GPUs
+# Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, coat
+# (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 --cuda-graph-impl local), coat-auto
+# (--coat-fp8 alone: what a user gets). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
+# $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
+# after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
+# to BF16; and copies the logs and summary to $OUT.
+#
+#   LAYOUTS="pp2" bash scripts/gpu_pretrain_layouts.sh           # one layout's 4 modes: ~6 min
+#   LAYOUTS="dp2" MODES="bf16 coat-auto" bash scripts/gpu_pretrain_layouts.sh
+#   SIZE=tiny LAYOUTS=tp2 MODES="bf16 coat" bash scripts/gpu_pretrain_layouts.sh   # on a CPU too
+#
+# Environment: RES (default /tmp/pretrain-layouts), OUT (default out), LAYOUTS (default "pp2 tp2 tp2pp2"), MODES
+# (default "bf16 bf16-graphs coat coat-graphs"), ITERS (default 20), CAP (seconds per run, default
+# 150: a run that stalls is stopped and its row says so), SIZE (1b | tiny).
+# (--no-gradient-accumulation-fusion: see scripts/gpu_pretrain.sh.)
+set -uo pipefail
+out=${RES:-/tmp/pretrain-layouts}
+dest=${OUT:-out}
+iters=${ITERS:-20}
+log_interval=$(( iters % 5 == 0 ? 5 : 1 ))  # Megatron wants the memory report's interval (iters) a multiple of it
+cap=${CAP:-150}
+source "$(dirname "$0")/gpu_lib.sh"
+if command -v nvidia-smi >/dev/null; then gpu_setup; else mkdir -p "$out" "$dest"; export PYTHONUNBUFFERED=1; fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+case "${SIZE:-1b}" in
+  1b)   model=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+               --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 4
+               --global-batch-size 16 --num-workers 2) ;;
+  tiny) model=(--num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+               --seq-length 64 --max-position-embeddings 64 --vocab-size 256 --micro-batch-size 2
+               --global-batch-size 4 --num-workers 0) ;;
+  *)    echo "SIZE=${SIZE:-}: use 1b or tiny" >&2; exit 2 ;;
+esac
+if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
+common=("${model[@]}" --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
+  --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
+  --transformer-impl "$impl" --use-distributed-optimizer --no-gradient-accumulation-fusion
+  --train-iters "$iters" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1
+  --clip-grad 1.0 --adam-beta2 0.95 --seed 1234 --mock-data --tokenizer-type NullTokenizer
+  --log-interval "$log_interval" --log-throughput --log-memory-interval "$iters" --eval-iters 0 --eval-interval 1000000)
+
+for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
+  case $layout in
+    pp2)    gpus=2; parallel=(--pipeline-model-parallel-size 2) ;;
+    pp2vp2) gpus=2; parallel=(--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2) ;;
+    tp2)    gpus=2; parallel=(--tensor-model-parallel-size 2 --sequence-parallel) ;;
+    tp2pp2) gpus=4; parallel=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel) ;;
+    dp2)    gpus=2; parallel=() ;;
+    *) echo "layout $layout: use pp2, pp2vp2, tp2, tp2pp2 or dp2" >&2; exit 2 ;;
+  esac
+  for mode in ${MODES:-bf16 bf16-graphs coat coat-graphs}; do
+    case $mode in
+      bf16)        flags=(--cuda-graph-impl none) ;;
+      bf16-graphs) flags=(--cuda-graph-impl local) ;;
+      coat)        flags=(--coat-fp8 --coat-cuda-graphs off) ;;
+      coat-graphs) flags=(--coat-fp8 --cuda-graph-impl local) ;;
+      coat-auto)   flags=(--coat-fp8) ;;
+      *) echo "mode $mode: use bf16, bf16-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
+    esac
+    run "$cap" "$layout-$mode" python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
+      -m coat_patches.launch "$root/examples/pretrain_gpt.py" "${common[@]}" "${parallel[@]}" "${flags[@]}"
+    grep -hE "coat-megatron-run: |iteration +$iters/" "$out/$layout-$mode.log" | cut -c1-200
+  done
+done
+
+python3 - "$out" <<'PY' | tee "$out/summary.md"
+"""summary.md: one row per log in the results folder."""
+import pathlib, re, statistics, sys
+
+out = pathlib.Path(sys.argv[1])
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: [\d.]+ \| "
+                    r"max allocated: ([\d.]+) \| reserved: [\d.]+ \| max reserved: ([\d.]+)")
+ARG = lambda name, text: (re.search(rf"^\s+{name} \.+ (\S+)$", text, re.M) or [None, "?"])[1]
+
+rows = {}
+for log in sorted(out.glob("*-*.log")):
+    layout, mode = log.stem.split("-", 1)
+    text = log.read_text(errors="replace")
+    times = [(int(i), int(n), float(ms)) for i, n, ms in ITERATION.findall(text)]
+    total = times[-1][1] if times else 0
+    steady = [ms for i, n, ms in times if i > n // 2]
+    memory = {}
+    for rank, peak, reserved in MEMORY.findall(text):
+        memory[int(rank)] = (float(peak), float(reserved))  # the last report of each rank
+    tokens = int(ARG("global_batch_size", text)) * int(ARG("seq_length", text)) if times else 0
+    world = ARG("world_size", text)
+    done = bool(times) and times[-1][0] == total
+    errors = [line.strip() for line in text.splitlines() if re.search(r"coat-megatron-run: error|\w+Error: ", line)]
+    error = next((e for e in errors if "ChildFailedError" not in e), "")  # the rank's, not torchrun's
+    rows[layout, mode] = dict(
+        gpus=world, graphs=ARG("cuda_graph_impl", text),
+        tokens_s=tokens * 1000 / statistics.median(steady) if done and steady else None,
+        peak=max((p for p, _ in memory.values()), default=None),
+        memory=" / ".join(f"{p:,.0f} ({r:,.0f})" for _, (p, r) in sorted(memory.items())),
+        status="ok" if done else f"stopped: {error[:90] or 'no iteration finished (see the log)'}",
+    )
+
+
+def ratio(a, b):
+    return f"{a / b:.2f}" if a and b else ""
+
+
+print("| layout | mode | GPUs | graphs | tokens/s | tokens/s per GPU | x BF16 eager | x BF16 same graphs "
+      "| peak x BF16 eager | peak allocated (reserved) MiB per rank | status |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---|")
+for (layout, mode), row in sorted(rows.items()):
+    eager = rows.get((layout, "bf16"), {})
+    same = rows.get((layout, "bf16-graphs" if row["graphs"] != "none" else "bf16"), {})
+    tps = row["tokens_s"]
+    per_gpu = f"{tps / int(row['gpus']):,.0f}" if tps and row["gpus"].isdigit() else ""
+    print(f"| {layout} | {mode} | {row['gpus']} | {row['graphs']} | {f'{tps:,.0f}' if tps else ''} | {per_gpu} "
+          f"| {ratio(tps, eager.get('tokens_s'))} | {ratio(tps, same.get('tokens_s'))} "
+          f"| {ratio(row['peak'], eager.get('peak'))} | {row['memory']} | {row['status']} |")
+PY
+cp "$out"/*.log "$out"/summary.md "$dest"/
+[ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/
+true
