@@ -42,6 +42,14 @@
 #   outlier-stress                               a growing outlier channel, 400 steps -> outlier-stress-gpt-125m-1gpu
 #   te-fp8-pa-divergence                         Megatron's FP8-moment Adam through pretrain() -> te-fp8-pa-divergence-1gpu
 #
+# Parts on several GPUs (one process per GPU; coat-compare starts each run's torchrun itself):
+#   interconnect                                 NCCL all-gather, reduce-scatter and ring bandwidth -> interconnect-4gpu
+#   tp-gpu-tests                                 the sequence-parallel path's GPU tests on 2 GPUs -> layer-llama2-7b-tp2-2gpu
+#   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
+#   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
+#   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
+#   pretrain-layouts-gpt-1b LAYOUTS [MODES]      --coat-fp8 through pretrain() at TP / PP layouts -> pretrain-layouts-gpt-1b-4gpu
+#
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
 # (the device machine returns a limited number of files). --each-gpu runs argument i on GPU i with
 # OUT=$OUT/gpu<i>, stops an argument still running after $LIMIT seconds (default 540) and packs what
@@ -310,6 +318,34 @@ case $part in
       done
     } >"$out/losses.md"
     cat "$out/losses.md" ;;
+  interconnect)
+    nvidia-smi topo -m | tee "$out/topology.txt"
+    run 120 interconnect torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" benchmarks/interconnect.py --out "$out"
+    cat "$out/interconnect.md" ;;
+  tp-gpu-tests)
+    run 300 pytest-tp python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_sequence_parallel.py
+    tail -3 "$out/pytest-tp.log" ;;
+  layer-llama2-7b-tp2)
+    mb=${1:-4}
+    run 400 "layer-tp2-mb$mb" coat-compare --preset llama2-7b-layer --tp 2 --micro-batch "$mb" \
+      --modes bf16,te-fp8-current,coat,coat-tp-blocking --out "$out" --name "llama2-7b-layer-tp2-mb$mb" --no-plots
+    rows "bf16|te-fp8-current|coat|coat-tp-blocking" "$out/llama2-7b-layer-tp2-mb$mb.md" ;;
+  speed-llama2-7b-tp2dp2)
+    graphs=${1:?speed-llama2-7b-tp2dp2 none|local}
+    run 560 "tp2dp2-$graphs" "${big[@]}" coat-compare --preset llama2-7b --tp 2 --dp 2 --micro-batch 1 --global-batch 16 \
+      --steps 8 --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --step-timeout 150 --out "$out" \
+      --name "llama2-7b-tp2dp2-$graphs" --no-plots
+    rows "bf16|te-fp8-current|coat" "$out/llama2-7b-tp2dp2-$graphs.md" ;;
+  layouts-gpt-1b)
+    layouts=${1:?layouts-gpt-1b LAYOUTS [MODES]}; modes=${2:-bf16,coat}; tag=${layouts//,/-}
+    run 585 "layouts-$tag" coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 2 \
+      --global-batch 8 --steps 30 --step-timeout 150 --out "$out" --name "gpt-1b-layouts-$tag" --no-plots
+    rows "${modes//,/|}" "$out/gpt-1b-layouts-$tag.md" ;;
+  pretrain-layouts-gpt-1b)
+    layouts=${1:?pretrain-layouts-gpt-1b LAYOUTS [MODES]}
+    run 585 "pretrain-layouts-${layouts// /-}" env RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="${2:-bf16 bf16-graphs coat coat-graphs}" \
+      bash "$(dirname "$0")/gpu_pretrain_layouts.sh"
+    cat "$out/summary.md" ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
