@@ -49,7 +49,15 @@ PRECISION_AWARE_FP8_FIELDS = dict(
 
 
 def transformer_config(
-    preset: Preset, mode: Mode, tp: int = 1, *, pp: int = 1, vpp: int = 1, ddp: bool = True, graphs: str = "none"
+    preset: Preset,
+    mode: Mode,
+    tp: int = 1,
+    *,
+    pp: int = 1,
+    vpp: int = 1,
+    ddp: bool = True,
+    graphs: str = "none",
+    deterministic: bool = False,
 ):
     """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
     the layer benchmark used (bias-SwiGLU, masked softmax), RoPE fused (TE's kernel, where TE is
@@ -102,6 +110,7 @@ def transformer_config(
         apply_rope_fusion=cuda and transformer_engine_available(),
         cross_entropy_loss_fusion=False,
         cuda_graph_impl=CUDA_GRAPHS[graphs],
+        deterministic_mode=deterministic,
     )
     if not cuda:
         fields.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
@@ -286,6 +295,7 @@ def build_gpt(
     vpp: int = 1,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
+    deterministic: bool = False,
 ):
     """(model chunks, optimizer) for ``mode``: this rank's pipeline stage as ``vpp`` DDP-wrapped
     GPTModel chunks (one without virtual stages), and Megatron's distributed optimizer over them
@@ -305,7 +315,7 @@ def build_gpt(
 
     from coat_megatron.optimizer import coat_param_layout, get_coat_optimizer
 
-    config = transformer_config(preset, mode, tp, pp=pp, vpp=vpp, graphs=graphs)
+    config = transformer_config(preset, mode, tp, pp=pp, vpp=vpp, graphs=graphs, deterministic=deterministic)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=mode.grad_fp32,
         overlap_grad_reduce=overlap_grad_reduce,

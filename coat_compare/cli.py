@@ -198,6 +198,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "needed; the default), or off: Megatron adds a BF16 wgrad per micro-batch, in every mode",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="Megatron's deterministic mode in every run: TE's deterministic attention, cuBLAS's fixed workspaces, "
+        "NCCL's ring algorithm and torch's deterministic algorithms (megatron.training.determinism), so that a run "
+        "repeats bit for bit and two layouts differ only where their arithmetic does; slower",
+    )
+    p.add_argument(
         "--wgrad-accumulate",
         choices=("auto", "cublaslt", "add"),
         help="COAT modes: how a wgrad is added into a gradient buffer that holds a sum (CoatConfig.wgrad_accumulate: "

@@ -130,6 +130,8 @@ def run_args(
         line += ["--steps", str(preset.steps if steps is None else steps)]
     if micro_batch is not None:
         line += ["--micro-batch", str(micro_batch)]
+    if args.deterministic:
+        line.append("--deterministic")
     if args.wgrad_accumulate is not None:
         line += ["--wgrad-accumulate", args.wgrad_accumulate]
     for flag in ("overlap_grad_reduce", "overlap_param_gather"):

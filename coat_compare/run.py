@@ -50,6 +50,8 @@ def main(argv=None) -> int:
         return summarize(args.out)
     preset, modes = preset_of(args), parse_modes(args.modes)
     modes = [with_options(m, args) for m in modes]
+    if args.deterministic:
+        deterministic()
     try:
         prepare(preset, modes, args)
     except ValueError as e:
@@ -80,6 +82,15 @@ def main(argv=None) -> int:
         raise
     log.finish()
     return exit_status(log.rows)
+
+
+def deterministic() -> None:
+    """Megatron's deterministic mode for this process and the runs it starts (which inherit the
+    environment): before any cuBLAS or TE kernel runs."""
+    from megatron.training.determinism import apply_determinism_env
+
+    apply_determinism_env(os.environ)
+    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def with_options(mode: Mode, args) -> Mode:
@@ -233,6 +244,7 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
                 overlap_param_gather=args.overlap_param_gather,
                 step_timeout=args.step_timeout,
                 checkpoint_format=args.checkpoint_format,
+                deterministic=args.deterministic,
             )
         row.update(status="ok", **result)
     except torch.OutOfMemoryError as e:
@@ -367,6 +379,7 @@ def new_row(kind: str, preset: Preset, mode: Mode, args, graphs: str = "none") -
         "vpp": args.vpp,
         "dp": args.dp,
         "graphs": graphs,
+        "deterministic": args.deterministic,
     }
     if preset.kind == "train":
         row["data_seed"] = args.seed if args.data_seed is None else args.data_seed

@@ -83,6 +83,7 @@ def train(
     overlap_param_gather: bool = False,
     step_timeout: float | None = None,
     checkpoint_format: str = "dp_reshardable",
+    deterministic: bool = False,
 ) -> dict:
     """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
 
@@ -124,6 +125,7 @@ def train(
         vpp=vpp,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
+        deterministic=deterministic,
     )
     params_of_stage = [p for chunk in chunks for p in chunk.parameters()]
     forward_backward = forward_backward_function(graphs)

@@ -99,7 +99,7 @@ case ${1:-} in
 esac
 part=$1
 shift
-parts() { sed -n '/^# Parts,/,/^#$/p' "$0" | grep -oE '^#   [a-z0-9-]+' | cut -c5-; }
+parts() { sed -n '/^# Parts,/,/^# A part writes/p' "$0" | grep -oE '^#   [a-z0-9-]+' | cut -c5-; }
 parts | grep -qx -- "$part" || { echo "unknown part $part: bash scripts/gpu_evidence.sh --help lists them" >&2; exit 2; }
 out=${OUT:-out}/$part
 dest=${OUT:-out}

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+SCALE_ROW = 4  # FP32 words per gathered scale: 16 bytes
+
 
 def _rank_and_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
@@ -109,9 +111,13 @@ class CollectiveAllGather:
         gathered = torch.empty((self.size * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
         dist.all_gather_into_tensor(gathered.view(torch.uint8), codes.contiguous().view(torch.uint8), group=group)
         if scales is None:
-            gathered_scales = torch.empty(self.size, dtype=torch.float32, device=codes.device)
-            dist.all_gather_into_tensor(gathered_scales, scale.reshape(1), group=group)
-            scales = list(gathered_scales)
+            # each scale in a 16-byte row of its own: cuBLASLt takes a scale pointer only at a 16-byte
+            # aligned address (status 15, not supported, for scales packed 4 bytes apart)
+            gathered_scales = torch.empty((self.size, SCALE_ROW), dtype=torch.float32, device=codes.device)
+            dist.all_gather_into_tensor(
+                gathered_scales, scale.reshape(1, 1).expand(1, SCALE_ROW).contiguous(), group=group
+            )
+            scales = [row[0] for row in gathered_scales]
         self.chunks, self.scales = gathered.chunk(self.size), scales
         self.step = 0
 
