@@ -198,6 +198,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "needed; the default), or off: Megatron adds a BF16 wgrad per micro-batch, in every mode",
     )
     p.add_argument(
+        "--run-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a run (a mode in one CUDA graph configuration, in processes of its own) still going after this many "
+        "seconds is stopped: its processes print their Python stacks into the failed row's log first (default: none; "
+        "--step-timeout catches a stalled step)",
+    )
+    p.add_argument(
         "--deterministic",
         action="store_true",
         help="Megatron's deterministic mode in every run: TE's deterministic attention, cuBLAS's fixed workspaces, "
@@ -387,7 +395,7 @@ def check_args(args) -> None:
         raise ValueError(f"--lr {args.lr}: the peak learning rate must be above 0")
     if args.adam_eps is not None and not args.adam_eps > 0:
         raise ValueError(f"--adam-eps {args.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
-    for name in ("search_time_limit", "fit_memory", "step_timeout"):
+    for name in ("search_time_limit", "fit_memory", "step_timeout", "run_timeout"):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be more than 0")

@@ -29,9 +29,9 @@ coat-fp32-grads    coat with FP32 gradient buffers (``grad_buffers="fp32"``): mi
 coat-fp32          coat with every byte back: an FP32 copy of the master weights
                    (``master_weights="fp32"``), FP32 gradient buffers and cached W^T
 coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory, less accuracy)
-coat-tp-blocking   coat with ``tp_comm_overlap=False``: under sequence parallelism each chunk exchange
-                   is one blocking collective instead of a ring overlapped with the GEMMs (the
-                   same arithmetic): what the overlap is worth
+coat-tp-ring       coat with ``tp_comm_overlap=True``: under sequence parallelism each chunk exchange
+                   is a ring of point-to-point transfers overlapped with the GEMMs instead of one
+                   collective (the same arithmetic): what the overlap is worth
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states and masters,
                    FP32 gradient buffers)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
@@ -135,7 +135,7 @@ MODES: dict[str, Mode] = {
             coat=CoatConfig(master_weights="fp32", grad_buffers="fp32", cache_weight_transpose=True),
         ),
         Mode("coat-recompute", "coat", "coat", coat=CoatConfig(recompute_norm_output=True)),
-        Mode("coat-tp-blocking", "coat", "coat", coat=CoatConfig(tp_comm_overlap=False)),
+        Mode("coat-tp-ring", "coat", "coat", coat=CoatConfig(tp_comm_overlap=True)),
         Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),
         Mode("coat-opt", "best-bf16", "coat", coat=CoatConfig()),
         Mode("coat-opt-states", "best-bf16", "coat", coat=CoatConfig(master_weights="fp32", grad_buffers="fp32")),

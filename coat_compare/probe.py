@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -63,24 +64,57 @@ def probe_command(args: list[str], world_size: int) -> list[str]:
     return [sys.executable, *job]
 
 
-def run_probe(args: list[str], world_size: int, timeout_s: float = 600) -> ProbeResult:
-    """Run one probe and return its row (or why there is none)."""
+STACKS_SIGNAL = signal.SIGUSR1  # a run's processes print every thread's stack on it (``run.probe``)
+
+
+def run_probe(args: list[str], world_size: int, timeout_s: float | None = 600) -> ProbeResult:
+    """Run one probe and return its row (or why there is none). A run past ``timeout_s`` (None: no
+    limit) is sent ``STACKS_SIGNAL`` (its processes print their Python stacks, which land in the
+    failed run's log), then killed with everything it started."""
     start = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        probe_command(args, world_size),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # torchrun and its ranks in one process group, to signal together
+    )
     try:
-        proc = subprocess.run(
-            probe_command(args, world_size), capture_output=True, text=True, timeout=timeout_s, env=env
-        )
+        stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return ProbeResult(None, f"the run went past {timeout_s:.0f} s", time.monotonic() - start)
+        stdout, stderr = _stop_with_stacks(proc)
+        text = (stderr or "") + (stdout or "")
+        return ProbeResult(
+            None,
+            f"the run went past --run-timeout {timeout_s:.0f} s (stacks in the log)",
+            time.monotonic() - start,
+            text,
+        )
     seconds = time.monotonic() - start
-    lines = [line[len(PROBE_MARK) :] for line in proc.stdout.splitlines() if line.startswith(PROBE_MARK)]
+    lines = [line[len(PROBE_MARK) :] for line in stdout.splitlines() if line.startswith(PROBE_MARK)]
     if not lines:
-        text = proc.stderr or proc.stdout or ""
+        text = stderr or stdout or ""
         return ProbeResult(
             None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text
         )
     return ProbeResult(json.loads(lines[-1]), "", seconds)
+
+
+def _stop_with_stacks(proc: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:
+    """Ask every process of the run for its stacks, give them ``grace_s`` to print, then kill them
+    all; what they printed."""
+    for sig in (STACKS_SIGNAL, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.communicate()
 
 
 def run_args(

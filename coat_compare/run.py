@@ -12,6 +12,7 @@ its row.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import glob
 import json
 import os
@@ -30,7 +31,7 @@ from .layouts import layout_name, layout_rows, parse_layouts
 from .modes import Mode, parse_modes, unavailable_reason
 from .plots import draw
 from .presets import Preset
-from .probe import PROBE_MARK, run_args, run_probe
+from .probe import PROBE_MARK, STACKS_SIGNAL, run_args, run_probe
 from .progress import Progress
 from .report import RowLog, read_jsonl, write_report
 from .resume import resume_check, resume_layouts
@@ -118,6 +119,7 @@ def compare(args, preset: Preset, modes: list[Mode], keep) -> None:
 def probe(preset: Preset, mode: Mode, args) -> int:
     """One run (``--probe``: a mode in one CUDA graph configuration) in this process group: its
     row, printed by rank 0 after ``PROBE_MARK``."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the job asks for the stacks of a run it stops
     with contextlib.ExitStack() as stack:
         parallel.initialize(args.tp, args.dp, stack, pp=args.pp, vpp=args.vpp)
         row = run_mode(preset, mode, args, args.cuda_graphs[0])
@@ -194,7 +196,7 @@ def run_in_processes(preset: Preset, mode: Mode, args, graphs: str) -> dict:
     processes = args.tp * args.pp * args.dp
     print(f"{preset.name} {mode.name} (graphs: {graphs}): {processes} fresh process(es)", file=sys.stderr, flush=True)
     line = run_args(args, preset, mode.name, graphs=graphs, micro_batch=preset.micro_batch)
-    result = run_probe(line, processes, timeout_s=None)
+    result = run_probe(line, processes, timeout_s=args.run_timeout)
     if result.row is None:
         reason = result.error
         if result.log and args.out:
@@ -306,7 +308,7 @@ def layouts_all(args, preset: Preset, modes: list[Mode], keep) -> None:
             line = run_args(
                 args, preset, mode.name, graphs=args.cuda_graphs[0], micro_batch=preset.micro_batch, layout=layout
             )
-            result = run_probe(line, tp * pp * dp, timeout_s=None)
+            result = run_probe(line, tp * pp * dp, timeout_s=args.run_timeout)
             run = result.row if result.row is not None else {**row, "status": "failed", "reason": result.error}
             runs[(mode.name, name)] = {**run, "layout": name}
     for row in layout_rows(runs, names, [m.name for m in modes]):

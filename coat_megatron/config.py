@@ -112,10 +112,11 @@ class CoatConfig:
         tp_comm_overlap: under sequence parallelism, exchange the sequence chunks of the
             column-parallel inputs, the row-parallel outputs and their gradients in a ring of
             point-to-point transfers, each overlapped with the GEMM of the chunk already in hand
-            (``coat_megatron.layers.chunk_exchange``). False does the same arithmetic with one
-            blocking all-gather or reduce-scatter per exchange: to measure what the overlap is
-            worth. Either way each chunk keeps its producer's per-tensor scale, so no amax is
-            all-reduced over the tensor-parallel group.
+            (``coat_megatron.layers.chunk_exchange``). False (the default) does the same
+            arithmetic with one all-gather or reduce-scatter per exchange, which NCCL runs faster
+            than its point-to-point ring on an NVLink host (docs/multi-gpu.md). Either way each
+            chunk keeps its producer's per-tensor scale, so no amax is all-reduced over the
+            tensor-parallel group.
         wgrad_accumulate: how a wgrad is added into a ``main_grad`` that already holds a sum (later
             micro-batches, and every micro-batch under per-layer CUDA graphs): "auto" (the GEMM
             adds it itself where cuBLASLt can, beta = 1 with no temporary; else "add"), "cublaslt"
@@ -144,7 +145,7 @@ class CoatConfig:
     master_weights: str | None = None
     grad_buffers: str | None = None
     fuse_wgrad_accumulation: bool = True
-    tp_comm_overlap: bool = True
+    tp_comm_overlap: bool = False
     wgrad_accumulate: str = "auto"
 
     def __post_init__(self) -> None:

@@ -101,7 +101,7 @@ KNOBS: dict[str, tuple[dict, str]] = {
     ),
     "tp_comm_overlap": (
         dict(type=_switch, metavar="on|off"),
-        "with --sequence-parallel, pass the sequence chunks between tensor-parallel ranks in a ring of point-to-point transfers, each hidden behind the GEMM of the chunk in hand (default on); off: the same arithmetic with one blocking all-gather or reduce-scatter per exchange, to measure what the overlap is worth",
+        "with --sequence-parallel, pass the sequence chunks between tensor-parallel ranks in a ring of point-to-point transfers, each behind the GEMM of the chunk in hand; off (the default): the same arithmetic with one all-gather or reduce-scatter per exchange, which ran faster on an NVLink host (docs/multi-gpu.md)",
     ),
     "wgrad_accumulate": (
         dict(choices=ACCUMULATE_BACKENDS),

@@ -328,18 +328,18 @@ case $part in
   layer-llama2-7b-tp2)
     mb=${1:-4}
     run 400 "layer-tp2-mb$mb" coat-compare --preset llama2-7b-layer --tp 2 --micro-batch "$mb" \
-      --modes bf16,te-fp8-current,coat,coat-tp-blocking --out "$out" --name "llama2-7b-layer-tp2-mb$mb" --no-plots
-    rows "bf16|te-fp8-current|coat|coat-tp-blocking" "$out/llama2-7b-layer-tp2-mb$mb.md" ;;
+      --modes bf16,te-fp8-current,coat,coat-tp-ring --out "$out" --name "llama2-7b-layer-tp2-mb$mb" --no-plots
+    rows "bf16|te-fp8-current|coat|coat-tp-ring" "$out/llama2-7b-layer-tp2-mb$mb.md" ;;
   speed-llama2-7b-tp2dp2)
     graphs=${1:?speed-llama2-7b-tp2dp2 none|local}
     run 560 "tp2dp2-$graphs" "${big[@]}" coat-compare --preset llama2-7b --tp 2 --dp 2 --micro-batch 1 --global-batch 16 \
-      --steps 8 --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --step-timeout 150 --out "$out" \
+      --steps 8 --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --step-timeout 150 --run-timeout 180 --out "$out" \
       --name "llama2-7b-tp2dp2-$graphs" --no-plots
     rows "bf16|te-fp8-current|coat" "$out/llama2-7b-tp2dp2-$graphs.md" ;;
   layouts-gpt-1b)
     layouts=${1:?layouts-gpt-1b LAYOUTS [MODES]}; modes=${2:-bf16,coat}; tag=${layouts//,/-}
     run 585 "layouts-$tag" coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 2 \
-      --global-batch 8 --steps 30 --step-timeout 150 --out "$out" --name "gpt-1b-layouts-$tag" --no-plots
+      --global-batch 8 --steps 30 --step-timeout 150 --run-timeout 170 --out "$out" --name "gpt-1b-layouts-$tag" --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-layouts-$tag.md" ;;
   pretrain-layouts-gpt-1b)
     layouts=${1:?pretrain-layouts-gpt-1b LAYOUTS [MODES]}

@@ -22,7 +22,7 @@ def test_defaults_are_coats_recipe():
     assert c.activations and c.optimizer and c.any_enabled and c.master_weights == "split"
     # COAT's memory mode: W^T made per backward, BF16 gradient buffers
     assert not c.cache_weight_transpose and c.grad_buffers == "bf16" and not c.ddp_grad_reduce_in_fp32
-    assert c.tp_comm_overlap  # sequence-parallel exchanges overlapped with the GEMMs
+    assert not c.tp_comm_overlap  # one collective per sequence-parallel exchange (the ring is an option)
 
 
 def test_gradient_buffers_default_to_bf16_only_with_coats_optimizer():

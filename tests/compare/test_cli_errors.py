@@ -528,3 +528,23 @@ def test_a_checkpoint_loads_only_where_its_format_allows(saved_checkpoint, tmp_p
     assert "was written at TP 1 x PP 1 (x 1 virtual) as dp_reshardable" in line and "--tp 1 --pp 1 --vpp 1" in line
     line = refused([*common, "--checkpoint-format", "fully_reshardable"], capsys)
     assert "holds a dp_reshardable checkpoint: give --checkpoint-format dp_reshardable" in line
+
+
+def test_a_run_past_its_time_prints_its_stacks_and_is_killed(monkeypatch):
+    """--run-timeout: the stalled run's processes print where they were, then the job kills them and
+    goes on with a failed row whose log holds the stacks."""
+    from coat_compare import probe
+
+    stalled = (
+        "import faulthandler, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def waiting_for_a_peer():\n"
+        "    time.sleep(600)\n"
+        "print('started', flush=True)\n"
+        "waiting_for_a_peer()\n"
+    )
+    monkeypatch.setattr(probe, "probe_command", lambda args, world_size: [sys.executable, "-c", stalled])
+    result = probe.run_probe([], 1, timeout_s=3)
+    assert result.row is None and result.error == "the run went past --run-timeout 3 s (stacks in the log)"
+    assert "waiting_for_a_peer" in result.log and "started" in result.log
+    assert result.seconds < 30

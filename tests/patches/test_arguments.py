@@ -70,10 +70,10 @@ def test_memory_switches_reach_the_config(monkeypatch):
     assert coat_config_from_args(args) == CoatConfig(cache_weight=True)  # coat-codes: W's codes kept per step
 
 
-def test_the_tensor_parallel_overlap_is_one_flag_away_from_off(monkeypatch):
-    assert coat_config_from_args(parse(monkeypatch, *LLAMA, "--coat-fp8")).tp_comm_overlap
-    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-tp-comm-overlap", "off")
-    assert coat_config_from_args(args) == CoatConfig(tp_comm_overlap=False)
+def test_the_tensor_parallel_ring_is_one_flag_away(monkeypatch):
+    assert not coat_config_from_args(parse(monkeypatch, *LLAMA, "--coat-fp8")).tp_comm_overlap
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-tp-comm-overlap", "on")
+    assert coat_config_from_args(args) == CoatConfig(tp_comm_overlap=True)
 
 
 def test_keeping_w_transpose_without_w_is_refused_with_the_fix(monkeypatch):
