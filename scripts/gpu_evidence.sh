@@ -41,14 +41,14 @@
 #   spike-batches-llama2-13b                     the 13B spike's batches beside its losses -> warmup-spike-1gpu
 #   outlier-stress                               a growing outlier channel, 400 steps -> outlier-stress-gpt-125m-1gpu
 #   te-fp8-pa-divergence                         Megatron's FP8-moment Adam through pretrain() -> te-fp8-pa-divergence-1gpu
-#
-# Parts on several GPUs (one process per GPU; coat-compare starts each run's torchrun itself):
 #   interconnect                                 NCCL all-gather, reduce-scatter and ring bandwidth -> interconnect-4gpu
 #   tp-gpu-tests                                 the sequence-parallel path's GPU tests on 2 GPUs -> layer-llama2-7b-tp2-2gpu
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
-#   pretrain-layouts-gpt-1b LAYOUTS [MODES]      --coat-fp8 through pretrain() at TP / PP layouts -> pretrain-layouts-gpt-1b-4gpu
+#
+# The last five parts use several GPUs, one process each (coat-compare starts each run's torchrun
+# itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
 #
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
 # (the device machine returns a limited number of files). --each-gpu runs argument i on GPU i with
@@ -341,11 +341,6 @@ case $part in
     run 585 "layouts-$tag" coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 2 \
       --global-batch 8 --steps 30 --step-timeout 150 --run-timeout 170 --out "$out" --name "gpt-1b-layouts-$tag" --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-layouts-$tag.md" ;;
-  pretrain-layouts-gpt-1b)
-    layouts=${1:?pretrain-layouts-gpt-1b LAYOUTS [MODES]}
-    run 585 "pretrain-layouts-${layouts// /-}" env RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="${2:-bf16 bf16-graphs coat coat-graphs}" \
-      bash "$(dirname "$0")/gpu_pretrain_layouts.sh"
-    cat "$out/summary.md" ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
