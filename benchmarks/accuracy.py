@@ -214,20 +214,10 @@ def coat_compare(args, seed: int, names: list[str], dp: int, order: int, run: in
     micro_batch = args.micro_batch or preset.micro_batch
     if args.global_batch is not None:
         cmd += ["--global-batch", str(args.global_batch)]
-    if dp > 1:  # the same global batch: micro-batch / DP per rank, one process per rank
+    if dp > 1:  # the same global batch: micro-batch / DP per rank (coat-compare starts the DP processes)
         if micro_batch % dp:
             raise SystemExit(f"{names[0]}@dp{dp}: the micro-batch {micro_batch} does not split over {dp} ranks")
-        cmd = [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={dp}",
-            *cmd,
-            "--dp",
-            str(dp),
-            "--micro-batch",
-            str(micro_batch // dp),
-        ]
+        cmd += ["--dp", str(dp), "--micro-batch", str(micro_batch // dp)]
     elif args.micro_batch is not None:
         cmd += ["--micro-batch", str(micro_batch)]
     directory = os.path.join(args.out, f"seed{seed}")

@@ -39,9 +39,9 @@ def summed_gradients(preset, mode, batches: list[dict], seed: int) -> dict[str, 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     parallel.seed_everything(seed)
-    model, _ = build_gpt(preset, mode, seed)
+    (model,), _ = build_gpt(preset, mode, seed)  # one pipeline stage
     model.zero_grad_buffer()
-    token_loss_totals(get_forward_backward_func(), model, batches, preset, forward_only=False)
+    token_loss_totals(get_forward_backward_func(), [model], batches, preset, forward_only=False)
     return {name: p.main_grad.detach().float().clone() for name, p in model.named_parameters()}
 
 

@@ -224,7 +224,7 @@ def train_mode(preset: Preset, mode: Mode, args) -> list[dict]:
         parallel.initialize(1, 1, stack)
         parallel.seed_everything(args.seed)
         data = training_windows(preset, args.seed)
-        model, optimizer = build_gpt(preset, mode, args.seed)
+        (model,), optimizer = build_gpt(preset, mode, args.seed)  # one pipeline stage
         forward_backward = forward_backward_function()
         width = preset.hidden if args.target == "residual" else preset.ffn
         injection = OutlierInjection(
@@ -240,7 +240,7 @@ def train_mode(preset: Preset, mode: Mode, args) -> list[dict]:
         for step in range(preset.steps):
             batch = {k: v.to(device) for k, v in data.batch(step).items()}
             set_learning_rate(optimizer, preset, step)
-            loss, ok = train_step(model, optimizer, [batch], preset, None, forward_backward)
+            loss, ok = train_step([model], optimizer, [batch], preset, None, forward_backward)
             rows.append(
                 {
                     "kind": "step",

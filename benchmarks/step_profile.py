@@ -83,7 +83,7 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
 
     parallel.free_memory()
     parallel.seed_everything(seed)
-    model, optimizer = build_gpt(preset, mode, seed, graphs=graphs)
+    chunks, optimizer = build_gpt(preset, mode, seed, graphs=graphs)
     forward_backward = forward_backward_function(graphs)
     data = training_windows(preset.with_overrides(steps=preset.warmup_steps + 1 + 2 * steps), seed)
 
@@ -94,7 +94,7 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
         size = preset.micro_batch
         batches = [{k: v[j * size : (j + 1) * size].cuda() for k, v in batch.items()} for j in range(count)]
         set_learning_rate(optimizer, preset, i)
-        return train_step(model, optimizer, batches, preset, None, forward_backward)
+        return train_step(chunks, optimizer, batches, preset, None, forward_backward)
 
     for i in range(preset.warmup_steps + 1):
         step(i)
@@ -149,7 +149,7 @@ def main():
         raise SystemExit("benchmarks/step_profile.py profiles GPU steps: run it on a CUDA machine")
 
     from coat_compare import parallel
-    from coat_compare.job import parse_graphs
+    from coat_compare.cli import parse_graphs
     from coat_compare.modes import parse_modes
     from coat_compare.presets import get_preset
 

@@ -284,6 +284,35 @@ def build_layer(preset: Preset, mode: Mode, seed: int, tp: int = 1):
     return layer, config
 
 
+def stage_models(preset: Preset, mode: Mode, config, seed: int) -> list:
+    """This rank's GPTModels: one per virtual pipeline stage (``config``'s), each holding its stage's
+    layers, the embedding on the first stage, the final norm and output layer on the last; on this
+    device, initialised by name (``init_weights_by_name``). Untied embeddings, RoPE."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    models = []
+    for index in range(vpp):
+        vp_stage = index if vpp > 1 else None
+        gpt = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(mode, config, vp_stage),
+            vocab_size=preset.vocab,
+            max_sequence_length=preset.seq,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            gpt = gpt.cuda()
+        init_weights_by_name(gpt, seed, preset.layers)
+        models.append(gpt)
+    return models
+
+
 def build_gpt(
     preset: Preset,
     mode: Mode,
@@ -307,9 +336,7 @@ def build_gpt(
     ``overlap_grad_reduce`` / ``overlap_param_gather``: Megatron's DDP options (the gradient
     reduce-scatter in buckets during backward; the parameter all-gather during the next forward),
     with the schedule hooks megatron.training installs for them."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
@@ -323,22 +350,7 @@ def build_gpt(
         use_distributed_optimizer=True,
     )
     chunks = []
-    for index in range(vpp):
-        vp_stage = index if vpp > 1 else None
-        gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=block_spec(mode, config, vp_stage),
-            vocab_size=preset.vocab,
-            max_sequence_length=preset.seq,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-            vp_stage=vp_stage,
-        )
-        if torch.cuda.is_available():
-            gpt = gpt.cuda()
-        init_weights_by_name(gpt, seed, preset.layers)
+    for index, gpt in enumerate(stage_models(preset, mode, config, seed)):
         if torch.cuda.is_available() and mode.resolved_spec() == "te" and mode.wgrad_fusion:
             fuse_te_wgrad_accumulation(gpt)
         module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model

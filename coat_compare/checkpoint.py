@@ -23,8 +23,9 @@ def model_keys(chunks: list) -> list[str]:
 
 
 def checkpoint_state(chunks: list, optimizer, sharding_type: str, is_loading: bool) -> dict:
-    """The sharded state dict of the model chunks (this rank's pipeline stage, DDP-wrapped) and
-    the optimizer, as ``megatron.training`` builds it."""
+    """The sharded state dict of the model chunks (this rank's pipeline stage, DDP-wrapped; or one
+    model) and the optimizer, as ``megatron.training`` builds it."""
+    chunks = chunks if isinstance(chunks, list) else [chunks]
     from megatron.core import parallel_state
 
     metadata = dict(
@@ -43,11 +44,12 @@ def checkpoint_state(chunks: list, optimizer, sharding_type: str, is_loading: bo
 def save_checkpoint(
     directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable", step: int | None = None
 ) -> None:
-    """Save the model chunks and the optimizer (and ``step``, the number of optimizer steps taken;
+    """Save the model chunks (or one DDP-wrapped model) and the optimizer (and ``step``, the number of optimizer steps taken;
     the layout and the format, which ``check_checkpoint`` reads before a run loads it) into
     ``directory``, which must exist and be the same path on every rank."""
     from megatron.core import dist_checkpointing, parallel_state
 
+    chunks = chunks if isinstance(chunks, list) else [chunks]
     state = checkpoint_state(chunks, optimizer, sharding_type, is_loading=False)
     if step is not None:
         state["step"] = step
@@ -91,7 +93,7 @@ def check_checkpoint(directory: str) -> dict:
 
 
 def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
-    """Load what ``save_checkpoint`` wrote into the model chunks and their distributed optimizer,
+    """Load what ``save_checkpoint`` wrote into the model chunks (or one model) and their distributed optimizer,
     built with the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was
     saved).
 
@@ -109,6 +111,7 @@ def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = 
 
     from coat_megatron.optimizer import CoatDistributedOptimizer
 
+    chunks = chunks if isinstance(chunks, list) else [chunks]
     distributed = getattr(optimizer, "chained_optimizers", [optimizer])
     megatron_adam = [o for o in distributed if not isinstance(o, CoatDistributedOptimizer)]
     for opt in megatron_adam:

@@ -8,11 +8,11 @@ entry point                                 who calls it
 ==========================================  ===================================================
 ``torch.distributed.all_gather_into_tensor``  TE's ``gather_along_first_dim`` (BF16, and FP8 codes
                                             for its FP8 recipes), COAT's FP8 sequence-parallel
-                                            gather with ``tp_comm_overlap`` off (codes as a uint8
-                                            view, then the chunks' FP32 scales)
+                                            gather (the default; codes as a uint8 view, then the
+                                            chunks' FP32 scales, each in a 16-byte row)
 ``coat_megatron.layers.chunk_exchange.``    COAT's FP8 sequence-parallel gather as a ring of
-``RingAllGather``                           point-to-point transfers (``tp_comm_overlap``, the
-                                            default): counted as the all-gather it makes up
+``RingAllGather``                           point-to-point transfers (``tp_comm_overlap`` on):
+                                            counted as the all-gather it makes up
 ``torch.distributed._all_gather_base``      the old name of the same (Megatron binds it on old
                                             torch)
 ``torch.distributed.all_gather``            the list form: Megatron's uneven sequence gathers
@@ -32,8 +32,9 @@ gather), ``other`` otherwise; and under its element width: ``fp8`` for 1-byte el
 codes, as float8 or a uint8 view), ``wide`` for the rest (BF16, FP32). Gathers over a group of
 one rank move nothing and are not counted.
 
-COAT's sequence-parallel gathers move each rank's chunk of FP8 codes with the 4-byte FP32 scale its
-producer quantized it with (``fp8`` and ``wide`` bytes); a gather made again for the weight
+COAT's sequence-parallel gathers move each rank's chunk of FP8 codes with the FP32 scale its
+producer quantized it with (``fp8`` and ``wide`` bytes: 16 per scale in the collective, which
+cuBLASLt needs 16-byte aligned, 4 in the ring); a gather made again for the weight
 gradient moves codes only (the scales are kept). Its ring passes each chunk on from rank to rank,
 as NCCL's own all-gather does inside: what a rank contributes, and what is counted, is its own
 chunk and scale once, whether the ring or one collective moves them.

@@ -152,6 +152,8 @@ RETIRED = {
 # Not in "all": for one layer coat-act is coat and the others are bf16. coat-opt's parts: its FP8
 # states (coat-opt-states), its BF16 gradient sum (bf16-grads) and its split masters (the rest).
 ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")
+# Not in "all" either: without tensor parallelism it is coat, run twice.
+TENSOR_PARALLEL_VARIANTS = ("coat-tp-ring",)
 DEFAULT_MODES = [
     "bf16",
     "te-fp8-delayed",
@@ -166,9 +168,9 @@ DEFAULT_MODES = [
 
 def parse_modes(text: str) -> list[Mode]:
     """``"bf16,te-fp8,coat"`` -> Modes, aliases resolved, duplicates dropped, order kept; ``"all"``
-    is every mode but the ablations."""
+    is every mode but the ablations and the tensor-parallel variants."""
     if text.strip() == "all":
-        return [m for m in MODES.values() if m.name not in ABLATIONS]
+        return [m for m in MODES.values() if m.name not in (*ABLATIONS, *TENSOR_PARALLEL_VARIANTS)]
     names = []
     for raw in text.split(","):
         name = ALIASES.get(raw.strip(), raw.strip())

@@ -328,8 +328,8 @@ def _layer_problems(args, coat: CoatConfig) -> list[str]:
         "mtp_num_layers": "--mtp-num-layers (multi-token prediction)",
         "experimental_attention_variant": "--experimental-attention-variant",
         "heterogeneous_layers_config_path": "--heterogeneous-layers-config-path",
-        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers; COAT overlaps its own tensor-parallel "
-        "exchanges: --coat-tp-comm-overlap)",
+        "tp_comm_overlap": "--tp-comm-overlap (TransformerEngine's userbuffers, for TE's linears; COAT's own "
+        "sequence-parallel ring is --coat-tp-comm-overlap on)",
     }
     for attr, what in unsupported.items():
         if getattr(args, attr, None):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from distributed import run_distributed
 
-from coat_compare.build import GATED_FC1, block_spec, global_parameter_names, init_weights_by_name
+from coat_compare.build import GATED_FC1, global_parameter_names
 from coat_compare.modes import MODES
 from coat_compare.presets import get_preset
 
@@ -26,32 +26,18 @@ DEEP = replace(get_preset("tiny"), layers=4, steps=4, micro_batch=2, global_batc
 
 
 def _gpt_weights(mode_name: str, layers: int, vpp: int = 1) -> dict:
-    """This rank's GPTModel chunks for ``mode_name``, initialised by name: {one-GPU name: (weight,
-    partition dim or None)}."""
+    """This rank's GPTModel chunks for ``mode_name``, as the comparison builds them: {one-GPU name:
+    (weight, partition dim or None)}."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
 
-    from coat_compare.build import transformer_config
+    from coat_compare.build import stage_models, transformer_config
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     mode, preset = MODES[mode_name], replace(get_preset("tiny"), layers=layers)
     config = transformer_config(preset, mode, tp, pp=pp, vpp=vpp, ddp=False)
     out = {}
-    for index in range(vpp):
-        vp = index if vpp > 1 else None
-        gpt = GPTModel(
-            config=config,
-            transformer_layer_spec=block_spec(mode, config, vp),
-            vocab_size=preset.vocab,
-            max_sequence_length=preset.seq,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-            vp_stage=vp,
-        )
-        init_weights_by_name(gpt, SEED, preset.layers)
+    for gpt in stage_models(preset, mode, config, SEED):
         names = global_parameter_names(gpt)
         for local, p in gpt.named_parameters():
             parallel = getattr(p, "tensor_model_parallel", False) and tp > 1

@@ -16,11 +16,12 @@ embedding output gradient (scatter's backward)      1 x U         1 x U
 ==================================================  ============  ============
 
 so BF16 = (6L + 3) U and COAT = (3L + 3) U, of which 3L U are FP8: every gather inside the
-transformer layers moves exactly half of BF16's bytes, plus one 4-byte FP32 scale per rank with
-each of the forward gathers and output-gradient gathers (S = 4 per layer and micro-batch: 16
-bytes; each rank's chunk keeps its own scale, and the gathers again for the weight gradient reuse
-the forward's). One layer (the per-layer preset) is the first three rows with L = 1 (its input is
-already a slice): BF16 6U, COAT 3U of FP8 and 16 bytes of scales.
+transformer layers moves exactly half of BF16's bytes, plus one FP32 scale per rank with each of
+the forward gathers and output-gradient gathers, in a 16-byte row (cuBLASLt takes a scale only at
+a 16-byte aligned address): S = 4 x 16 bytes per layer and micro-batch (each rank's chunk keeps
+its own scale, and the gathers again for the weight gradient reuse the forward's). One layer (the
+per-layer preset) is the first three rows with L = 1 (its input is already a slice): BF16 6U, COAT
+3U of FP8 and 64 bytes of scales.
 
 DP = 2 with the distributed optimizer at the same global batch as DP = 1: each rank holds half
 of the optimizer bytes, and the losses are DP = 1's up to reduction order (see DP_LOSS_TOL).
@@ -41,7 +42,7 @@ from coat_compare.run import summarize
 
 SEQ, MICRO_BATCH, HIDDEN, LAYERS = 64, 8, 64, 2  # the tiny presets
 U = (SEQ // 2) * MICRO_BATCH * HIDDEN * 2  # one rank's BF16 slice at TP 2: 32768 bytes
-S = 4 * 4  # the FP32 scales one rank sends per layer and micro-batch
+S = 4 * 16  # the FP32 scales one rank sends per layer and micro-batch, each in a 16-byte row
 # A different DP size changes the order of reductions (and for COAT, which micro-batch sets each
 # per-tensor FP8 scale: a rank's own at DP 2, the whole batch's at DP 1), never the math: the first
 # loss agrees to 1e-4 and later ones drift apart by at most ~1.5e-3 over 6 steps here (measured:
@@ -81,7 +82,7 @@ def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tm
     assert (bf16["tp"], bf16["dp"]) == (2, 1)
     L = LAYERS
     assert bf16["all_gather_bytes"] == {"tp_wide": (6 * L + 3) * U}  # 491520 bytes per step
-    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U, "tp_wide": 3 * U + L * S}  # 196608 + 98304 + 32
+    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U, "tp_wide": 3 * U + L * S}  # 196608 + 98304 + 128
     assert coat["sp_all_gather_bytes"] == (3 * L + 3) * U + L * S and coat["sp_all_gather_fp8_bytes"] == 3 * L * U
     # the gathers COAT does in FP8 cost BF16 twice their bytes (less their scales)
     assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] + L * S == coat["sp_all_gather_fp8_bytes"]

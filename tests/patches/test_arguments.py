@@ -332,8 +332,8 @@ def test_transformer_engines_tensor_parallel_overlap_and_fp8_weights_are_refused
         "--tp-comm-overlap",
     )
     assert (
-        "--tp-comm-overlap (TransformerEngine's userbuffers, for TE's linears) is not supported by the COAT layer spec"
-        in text
+        "--tp-comm-overlap (TransformerEngine's userbuffers, for TE's linears; COAT's own sequence-parallel ring is "
+        "--coat-tp-comm-overlap on) is not supported by the COAT layer spec" in text
     )
     monkeypatch.setenv("WORLD_SIZE", "1")
     text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--fp8-param-gather")
