@@ -71,6 +71,18 @@ def refuse(message: str):
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked whole (``check_args``) before the job starts any work."""
     p = _Parser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add in (_run_options, _data_options, _layout_options, _training_options, _search_options, _checkpoint_options):
+        add(p)
+    args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """The preset, the modes and what every run takes: steps, batch, sequence, schedule, seed."""
     p.add_argument("--preset", default="tiny", choices=list(PRESETS))
     p.add_argument(
         "--modes",
@@ -126,6 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a label kept in each row: the N-th run of the same seed, data and modes (benchmarks/accuracy.py's "
         "MODE@runN, a noise floor); it changes nothing in the run",
     )
+
+
+def _data_options(p: argparse.ArgumentParser) -> None:
+    """What an end-to-end run trains and validates on."""
     data = p.add_argument_group("data (end-to-end presets)")
     data.add_argument(
         "--data-seed", type=int, help="order of the training windows (default: --seed): another order, same weights"
@@ -155,6 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="validation windows of seq + 1 bytes (default: the preset's: 64 tiny, 256 others)",
     )
+
+
+def _layout_options(p: argparse.ArgumentParser) -> None:
+    """How a run is split over GPUs, and the layout check."""
     layout = p.add_argument_group("layout (one GPU per process; the job starts tp x pp x dp processes per run)")
     layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size, sequence parallel on above 1")
     layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (end-to-end presets): 1F1B schedule")
@@ -183,6 +203,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "vppN, dpN: e.g. 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2) at one global batch and seed, and compare every "
         "layout's losses step by step with the first's (the rule: coat_compare.layouts)",
     )
+
+
+def _training_options(p: argparse.ArgumentParser) -> None:
+    """How runs train (collection, wgrad, timeouts, determinism) and where the report goes."""
     p.add_argument(
         "--gc",
         choices=("manual", "auto"),
@@ -243,6 +267,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "of a step in one graph, Megatron's full_iteration); default none",
     )
     p.add_argument("--no-plots", action="store_true")
+
+
+def _search_options(p: argparse.ArgumentParser) -> None:
+    """The micro-batch search."""
     search = p.add_argument_group("micro-batch search (end-to-end presets)")
     search.add_argument(
         "--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)"
@@ -271,6 +299,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         help="a try fits only if its peak stays under this many GiB (emulates a smaller GPU)",
     )
+
+
+def _checkpoint_options(p: argparse.ArgumentParser) -> None:
+    """Checkpoints and the resume check."""
     ckpt = p.add_argument_group("checkpoints (end-to-end presets)")
     ckpt.add_argument(
         "--save",
@@ -311,12 +343,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--probe", action="store_true", help=argparse.SUPPRESS
     )  # one run of --search / --resume-check, in its own processes
     p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
-    args = p.parse_args(argv)
-    try:
-        check_args(args)
-    except ValueError as e:
-        p.error(str(e))
-    return args
 
 
 def warmup_steps_help() -> str:

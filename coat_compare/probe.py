@@ -72,7 +72,7 @@ def run_probe(args: list[str], world_size: int, timeout_s: float | None = 600) -
     limit) is sent ``STACKS_SIGNAL`` (its processes print their Python stacks, which land in the
     failed run's log), then killed with everything it started."""
     start = time.monotonic()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **run_environment(args)}
     proc = subprocess.Popen(
         probe_command(args, world_size),
         stdout=subprocess.PIPE,
@@ -100,6 +100,22 @@ def run_probe(args: list[str], world_size: int, timeout_s: float | None = 600) -
             None, f"the run exited with {proc.returncode} and no result: {why_it_died(text)}"[:400], seconds, text
         )
     return ProbeResult(json.loads(lines[-1]), "", seconds)
+
+
+def run_environment(args: list[str]) -> dict[str, str]:
+    """What a run's processes need in their environment beyond the job's: where Megatron requires it
+    (tensor parallelism on GPUs before Blackwell: its sequence-parallel linears overlap their
+    communication with the GEMMs only in launch order), ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
+    ``coat-megatron-run`` sets it (``coat_patches.device_connections``)."""
+    import torch
+
+    from coat_patches.device_connections import gpu_compute_capability_major, megatron_requires_one_connection
+
+    tp = args[args.index("--tp") + 1] if "--tp" in args else "1"
+    flags = ["--tensor-model-parallel-size", tp]
+    if torch.cuda.is_available() and megatron_requires_one_connection(flags, gpu_compute_capability_major()):
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
 
 
 def _stop_with_stacks(proc: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:

@@ -548,3 +548,20 @@ def test_a_run_past_its_time_prints_its_stacks_and_is_killed(monkeypatch):
     assert result.row is None and result.error == "the run went past --run-timeout 3 s (stacks in the log)"
     assert "waiting_for_a_peer" in result.log and "started" in result.log
     assert result.seconds < 30
+
+
+def test_a_tensor_parallel_run_gets_megatrons_one_device_connection(monkeypatch):
+    """As coat-megatron-run sets it for Megatron's own loop: TP on a GPU before Blackwell."""
+    import torch
+
+    from coat_compare import probe
+    from coat_patches import device_connections
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device_connections, "gpu_compute_capability_major", lambda: 9)  # Hopper
+    assert probe.run_environment(["--tp", "2", "--dp", "2"]) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert probe.run_environment(["--tp", "1", "--dp", "4"]) == {}
+    monkeypatch.setattr(device_connections, "gpu_compute_capability_major", lambda: 10)  # Blackwell
+    assert probe.run_environment(["--tp", "2"]) == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert probe.run_environment(["--tp", "2"]) == {}
