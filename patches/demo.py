@@ -17,9 +17,11 @@ GPU the same command uses it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,6 +146,7 @@ def run(mode: str, flags: list[str], iters: int, out: Path, cpu: bool = False) -
     with (
         open(log, "w") as f,
         subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p,
+        forwarding_signals(p),
     ):
         for line in p.stdout:
             f.write(line)
@@ -163,6 +166,31 @@ def run(mode: str, flags: list[str], iters: int, out: Path, cpu: bool = False) -
     doc = json.loads(report.read_text())
     doc["wall_seconds"] = time.perf_counter() - start
     return doc
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def forwarding_signals(child: subprocess.Popen):
+    """While the block runs, SIGTERM and SIGINT sent to the demo go to its training ``child`` too;
+    the demo then ends with the child (status 128 + the signal's number), as the shell would. Without
+    this a demo stopped with SIGTERM left its training running."""
+
+    def forward(signum, frame):
+        child.send_signal(signum)
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

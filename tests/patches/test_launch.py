@@ -3,6 +3,7 @@ training loop (megatron.training.pretrain) on the CPU with gloo."""
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -225,3 +226,32 @@ def test_closing_the_process_groups_waits_a_bounded_time_for_the_other_ranks():
     waited, _ = run_distributed(_close_with_a_missing_rank, 2, args=(2.0,), timeout=60)
     assert 2.0 <= waited < 4.0
     assert run_distributed(_close_with_every_rank, 2, args=(2.0,), timeout=60) == [False, False]
+
+
+def test_the_demo_stopped_with_sigterm_takes_its_training_down(tmp_path):
+    """A demo stopped with SIGTERM (a job scheduler, `kill`) forwards it to the training run it
+    started, and ends with it: no training is left running."""
+    import signal
+
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coat_patches.demo", "--cpu", "--iters", "200", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""},
+    )
+    try:
+        deadline, training = time.monotonic() + 120, []
+        while not training and time.monotonic() < deadline and proc.poll() is None:
+            training = psutil.Process(proc.pid).children(recursive=True)
+            time.sleep(0.2)
+        assert training, "the demo started no training run"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(training, timeout=30)
+        assert not alive, f"training left running: {alive}"
+    finally:
+        proc.kill()
+        proc.wait()
