@@ -117,7 +117,7 @@ def primitives(rows: list) -> None:
 @contextlib.contextmanager
 def host_path_of_before():
     """COAT's kernels launched through Triton's own path (``coat_kernels.launch`` off) and its GEMMs
-    through ``torch._scaled_mm`` (``COAT_FP8_GEMM=torch``): the host path before issue 23's changes."""
+    through ``torch._scaled_mm`` (``COAT_FP8_GEMM=torch``): the host path before the cached cuBLASLt plans and the lean launches."""
     from coat_kernels import gemm, launch
 
     launch.set_enabled(False)
