@@ -1,7 +1,7 @@
 """Where one end-to-end training step spends its time: GPU kernels vs the host, per mode.
 
     python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--cuda-graphs none,local,full]
-        [--micro-batch N] [--global-batch N] [--out DIR]
+        [--micro-batch N] [--global-batch N] [--tp N] [--dp N] [--out DIR]
 
 Builds the model and optimizer exactly as ``coat-compare`` does (``coat_compare``), runs a
 few warm-up steps, then profiles ``--steps`` steps with ``torch.profiler``. Per mode: the wall time
@@ -11,7 +11,10 @@ launch calls (a CUDA graph replay runs many kernels on one cudaGraphLaunch),
 the kernels that take the most GPU time and the host functions that take the most CPU time; then
 the same steps again under cProfile: the Python functions by cumulative and by own time (where an
 eager step's host time goes). ``--global-batch`` accumulates that many sequences per step in
-micro-batches, as coat-compare does.
+micro-batches, as coat-compare does. ``--tp`` / ``--dp``: the step of one rank (rank 0) of a
+TP x DP run (each configuration's processes started by torchrun, as coat-compare starts them);
+its kernel table then includes the NCCL collectives, and GPU busy counts compute and
+communication streams together.
 Writes step_profile.md and step_profile.jsonl to --out.
 """
 
@@ -74,7 +77,7 @@ def python_profile(run_steps) -> tuple[str, str]:
     return tables[0], tables[1]
 
 
-def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -> dict:
+def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int, tp: int = 1, dp: int = 1) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from coat_compare import parallel
@@ -83,14 +86,14 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
 
     parallel.free_memory()
     parallel.seed_everything(seed)
-    chunks, optimizer = build_gpt(preset, mode, seed, graphs=graphs)
+    chunks, optimizer = build_gpt(preset, mode, seed, tp, graphs=graphs)
     forward_backward = forward_backward_function(graphs)
-    data = training_windows(preset.with_overrides(steps=preset.warmup_steps + 1 + 2 * steps), seed)
+    data = training_windows(preset.with_overrides(steps=preset.warmup_steps + 1 + 2 * steps), seed, dp)
 
-    count = preset.micro_batches(1)
+    count = preset.micro_batches(dp)
 
     def step(i):
-        batch = data.batch(i)
+        batch = data.batch(i)  # the same windows on every rank: the timing does not depend on which
         size = preset.micro_batch
         batches = [{k: v[j * size : (j + 1) * size].cuda() for k, v in batch.items()} for j in range(count)]
         set_learning_rate(optimizer, preset, i)
@@ -119,6 +122,8 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
         "mode": mode.name,
         "graphs": graphs,
         "preset": preset.name,
+        "tp": tp,
+        "dp": dp,
         "wall_ms_per_step": wall,
         "gpu_busy_ms_per_step": gpu,
         "gpu_busy_fraction": gpu / wall,
@@ -131,6 +136,13 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int) -
     }
 
 
+def launcher(processes: int) -> list[str]:
+    """How one configuration's processes start: this Python alone, or torchrun with one per GPU."""
+    if processes == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="gpt-1b")
@@ -141,6 +153,8 @@ def main():
     p.add_argument(
         "--cuda-graphs", default="none", help="comma-separated: none, local, full (as coat-compare --cuda-graphs)"
     )
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel), one process per GPU")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row printed as JSON
@@ -152,6 +166,7 @@ def main():
     from coat_compare.cli import parse_graphs
     from coat_compare.modes import parse_modes
     from coat_compare.presets import get_preset
+    from coat_compare.probe import run_environment
 
     preset = get_preset(args.preset).with_overrides(
         micro_batch=args.micro_batch, global_batch=args.global_batch, steps=100
@@ -159,18 +174,22 @@ def main():
     configs = [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]
     if args.one:
         with contextlib.ExitStack() as stack:
-            parallel.initialize(1, 1, stack)
-            print(
-                ROW_MARK + json.dumps(profile_mode(preset, *configs[0], seed=args.seed, steps=args.steps)), flush=True
-            )
+            parallel.initialize(args.tp, args.dp, stack)
+            row = profile_mode(preset, *configs[0], seed=args.seed, steps=args.steps, tp=args.tp, dp=args.dp)
+            if parallel.is_main_rank():
+                print(ROW_MARK + json.dumps(row), flush=True)
         return
     rows = []
     for mode, graphs in configs:
         # each configuration in a fresh process: CUDA graph memory pools outlive their models
         # (see coat_compare.run.isolate_runs)
         cmd = [
-            sys.executable,
+            *launcher(args.tp * args.dp),
             os.path.abspath(__file__),
+            "--tp",
+            str(args.tp),
+            "--dp",
+            str(args.dp),
             "--preset",
             args.preset,
             "--modes",
@@ -187,7 +206,8 @@ def main():
             cmd += ["--micro-batch", str(args.micro_batch)]
         if args.global_batch:
             cmd += ["--global-batch", str(args.global_batch)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = {**os.environ, **run_environment(["--tp", str(args.tp)])}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         found = [line[len(ROW_MARK) :] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
         if not found:
             print(f"{mode.name} (graphs {graphs}) failed ({proc.returncode}): {proc.stderr[-2000:]}", flush=True)
@@ -202,7 +222,7 @@ def main():
         )
     lines = [
         f"# One training step, {args.preset} (micro-batch {preset.micro_batch}, global batch "
-        f"{preset.global_batch_for(1)}), {torch.cuda.get_device_name()}",
+        f"{preset.global_batch_for(args.dp)}, TP {args.tp} x DP {args.dp}: rank 0's step), {torch.cuda.get_device_name()}",
         "",
         "`python " + " ".join(sys.argv) + "`",
         "",

@@ -8,8 +8,8 @@ entry point                                 who calls it
 ==========================================  ===================================================
 ``torch.distributed.all_gather_into_tensor``  TE's ``gather_along_first_dim`` (BF16, and FP8 codes
                                             for its FP8 recipes), COAT's FP8 sequence-parallel
-                                            gather (the default; codes as a uint8 view, then the
-                                            chunks' FP32 scales, each in a 16-byte row)
+                                            gather (the default; one uint8 message per rank:
+                                            its codes, then its FP32 scale in a 16-byte row)
 ``coat_megatron.layers.chunk_exchange.``    COAT's FP8 sequence-parallel gather as a ring of
 ``RingAllGather``                           point-to-point transfers (``tp_comm_overlap`` on):
                                             counted as the all-gather it makes up
@@ -33,8 +33,9 @@ codes, as float8 or a uint8 view), ``wide`` for the rest (BF16, FP32). Gathers o
 one rank move nothing and are not counted.
 
 COAT's sequence-parallel gathers move each rank's chunk of FP8 codes with the FP32 scale its
-producer quantized it with (``fp8`` and ``wide`` bytes: 16 per scale in the collective, which
-cuBLASLt needs 16-byte aligned, 4 in the ring); a gather made again for the weight
+producer quantized it with (in the collective all counted as ``fp8``, the scale's 16 bytes packed
+behind the codes so that cuBLASLt finds it 16-byte aligned; in the ring ``fp8`` codes and a 4-byte
+``wide`` scale); a gather made again for the weight
 gradient moves codes only (the scales are kept). Its ring passes each chunk on from rank to rank,
 as NCCL's own all-gather does inside: what a rank contributes, and what is counted, is its own
 chunk and scale once, whether the ring or one collective moves them.

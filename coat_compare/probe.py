@@ -118,19 +118,57 @@ def run_environment(args: list[str]) -> dict[str, str]:
     return {}
 
 
-def _stop_with_stacks(proc: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:
-    """Ask every process of the run for its stacks, give them ``grace_s`` to print, then kill them
-    all; what they printed."""
-    for sig in (STACKS_SIGNAL, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            return proc.communicate(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+def _children(pid: int) -> dict[int, list[int]]:
+    """Every process's children, by parent pid (Linux's /proc); empty where /proc is not there."""
+    found: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
             continue
-    return proc.communicate()
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        found.setdefault(parent, []).append(int(entry))
+    return found
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_with_stacks(proc: subprocess.Popen, grace_s: float = 5.0) -> tuple[str, str]:
+    """Ask every rank of the run for its stacks, give them ``grace_s`` to print, then kill the run
+    and everything it started; what they printed. torchrun starts each rank in a session of its
+    own, so the ranks are found as torchrun's children, not through its process group (a signal to
+    that group reaches torchrun alone, which dies of SIGUSR1 and leaves its ranks running)."""
+    children = _children(proc.pid)
+    ranks = children.get(proc.pid) or [proc.pid]
+    _signal_all(ranks, STACKS_SIGNAL)
+    try:
+        return proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    children = _children(proc.pid)  # again: the ranks may have started processes of their own since
+    family, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        family.append(pid)
+        todo += children.get(pid, [])
+    _signal_all(family, signal.SIGKILL)
+    try:
+        return proc.communicate(timeout=grace_s)
+    except subprocess.TimeoutExpired:  # something outside the family holds the pipes: give up on them
+        proc.kill()
+        return "", "(the run's output pipes stayed open after it was killed)"
 
 
 def run_args(

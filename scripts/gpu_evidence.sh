@@ -46,8 +46,10 @@
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
+#   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp-step-profile
+#   tp-graphs-stall [MODES]                      per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp-step-profile
 #
-# The last five parts use several GPUs, one process each (coat-compare starts each run's torchrun
+# The last seven parts use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
 #
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
@@ -341,6 +343,16 @@ case $part in
     run 585 "layouts-$tag" coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 2 \
       --global-batch 8 --steps 30 --step-timeout 150 --run-timeout 170 --out "$out" --name "gpt-1b-layouts-$tag" --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-layouts-$tag.md" ;;
+  step-profile-tp)
+    preset=${1:?step-profile-tp PRESET TP DP MB GB [GRAPHS]}; tp=$2; dp=$3; mb=$4; gb=$5; graphs=${6:-none}
+    run 560 "step-$preset-tp$tp-dp$dp-$graphs" "${big[@]}" python3 benchmarks/step_profile.py --preset "$preset" --tp "$tp" --dp "$dp" \
+      --micro-batch "$mb" --global-batch "$gb" --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --steps 2 --out "$out"
+    grep -E "^\| (bf16|te-fp8-current|coat) " "$out/step_profile.md" ;;
+  tp-graphs-stall)
+    modes=${1:-bf16}
+    NCCL_DEBUG=WARN run 300 "tp2-graphs-${modes//,/-}" coat-compare --preset gpt-1b --tp 2 --micro-batch 2 --global-batch 8 --steps 6 \
+      --modes "$modes" --cuda-graphs local --step-timeout 120 --run-timeout 200 --out "$out" --name "gpt-1b-tp2-graphs" --no-plots
+    grep -E "^\| (${modes//,/|}) \|" "$out/gpt-1b-tp2-graphs.md"; tail -60 "$out/tp2-graphs-${modes//,/-}.log" | cut -c1-220 ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"

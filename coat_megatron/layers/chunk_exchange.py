@@ -13,7 +13,7 @@ Two exchanges serve COAT's sequence-parallel linears (``sequence_parallel``):
   rank r ends with chunk r summed over the ranks. ``partial()`` says which chunk to compute next
   and where to write it, in the order r - 1, r - 2, ..., r (mod n); ``reduce()`` passes it on.
 
-With ``overlap`` (``CoatConfig.tp_comm_overlap``, the default) both are rings of point-to-point
+With ``overlap`` (``CoatConfig.tp_comm_overlap``; off by default) both are rings of point-to-point
 transfers (``torch.distributed.batch_isend_irecv``; rank r sends to r + 1 and receives from
 r - 1), n - 1 steps each. A step is posted as soon as its chunk is ready and waited for only when
 the next chunk is needed, so the caller's GEMM on the chunk in hand runs while it travels. Over
@@ -22,8 +22,10 @@ host never waits for the device, and every rank posts the same transfers in the 
 the exchanges can be captured in a CUDA graph. Codes travel as uint8 views (gloo rejects float8
 dtypes; NCCL takes either).
 
-Without ``overlap``: one all-gather of the codes (and one of the scales) before the first chunk is
-handed out, one reduce-scatter after the last partial is written. The chunks are the same and come
+Without ``overlap`` (the default): one all-gather before the first chunk is handed out, of the
+codes with each rank's scale packed behind them in the same message (a collective's launch costs
+the host more than the copy into the packed buffer), one reduce-scatter after the last partial is
+written. The chunks are the same and come
 in the same order, so the arithmetic is the same; only a reduce-scatter over more than two ranks
 may add its partials in another order (a different rounding of the sum).
 """
@@ -104,21 +106,37 @@ class RingAllGather:
 
 
 class CollectiveAllGather:
-    """The same chunks, in the same order, from one blocking all-gather (``overlap`` off)."""
+    """The same chunks, in the same order, from one blocking all-gather (``overlap`` off). Where the
+    scales travel too, each rank sends one message: its codes, then its scale in a 16-byte row (so
+    that every gathered chunk and every scale starts at a 16-byte aligned address: cuBLASLt takes
+    a scale pointer only there, status 15 otherwise)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None):
         self.rank, self.size = _rank_and_size(group)
+        codes = codes.contiguous()
+        n = codes.numel()
+        if scales is None and n % 16 == 0:
+            packed = torch.empty(n + 4 * SCALE_ROW, dtype=torch.uint8, device=codes.device)
+            packed[:n].copy_(codes.view(-1).view(torch.uint8))
+            packed[n : n + 4].view(torch.float32).copy_(scale.reshape(1))
+            gathered = torch.empty(self.size * packed.numel(), dtype=torch.uint8, device=codes.device)
+            dist.all_gather_into_tensor(gathered, packed, group=group)
+            gathered = gathered.view(self.size, packed.numel())
+            self.chunks = [row[:n].view(codes.dtype).view(codes.shape) for row in gathered]
+            # the scales copied out: a backward that keeps them must not keep the gathered codes alive
+            kept = gathered[:, n:].view(torch.float32).clone()
+            self.scales = [row[0] for row in kept]
+            self.step = 0
+            return
         gathered = torch.empty((self.size * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
-        dist.all_gather_into_tensor(gathered.view(torch.uint8), codes.contiguous().view(torch.uint8), group=group)
-        if scales is None:
-            # each scale in a 16-byte row of its own: cuBLASLt takes a scale pointer only at a 16-byte
-            # aligned address (status 15, not supported, for scales packed 4 bytes apart)
+        dist.all_gather_into_tensor(gathered.view(torch.uint8), codes.view(torch.uint8), group=group)
+        if scales is None:  # codes of a size that would misalign the packed scales (not a layer's shape)
             gathered_scales = torch.empty((self.size, SCALE_ROW), dtype=torch.float32, device=codes.device)
             dist.all_gather_into_tensor(
                 gathered_scales, scale.reshape(1, 1).expand(1, SCALE_ROW).contiguous(), group=group
             )
             scales = [row[0] for row in gathered_scales]
-        self.chunks, self.scales = gathered.chunk(self.size), scales
+        self.chunks, self.scales = list(gathered.chunk(self.size)), scales
         self.step = 0
 
     def __len__(self) -> int:

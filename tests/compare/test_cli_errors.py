@@ -14,9 +14,11 @@ test if called; the subprocess tests run the command as a user does.
 """
 
 import json
+import re
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -548,6 +550,33 @@ def test_a_run_past_its_time_prints_its_stacks_and_is_killed(monkeypatch):
     assert result.row is None and result.error == "the run went past --run-timeout 3 s (stacks in the log)"
     assert "waiting_for_a_peer" in result.log and "started" in result.log
     assert result.seconds < 30
+
+
+def test_a_stalled_run_of_several_processes_prints_every_ranks_stacks_and_is_killed(monkeypatch, tmp_path):
+    """Under torchrun, which starts each rank in a session of its own: the ranks are asked for their
+    stacks and killed, not only torchrun (whose death would leave them running and the job waiting
+    on their pipes)."""
+    from coat_compare import probe
+
+    script = tmp_path / "stalled.py"
+    script.write_text(
+        "import faulthandler, os, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def waiting_for_a_peer():\n"
+        "    time.sleep(600)\n"
+        "print('rank', os.environ['RANK'], 'pid', os.getpid(), flush=True)\n"
+        "waiting_for_a_peer()\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    monkeypatch.setattr(probe, "probe_command", lambda args, world_size: command)
+    result = probe.run_probe([], 2, timeout_s=15)
+    assert result.row is None and result.error == "the run went past --run-timeout 15 s (stacks in the log)"
+    assert result.log.count("waiting_for_a_peer") >= 2, result.log[-3000:]
+    pids = [int(pid) for pid in re.findall(r"rank \d pid (\d+)", result.log)]
+    assert len(pids) == 2 and result.seconds < 60
+    time.sleep(1)
+    for pid in pids:  # killed, not left running
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
 def test_a_tensor_parallel_run_gets_megatrons_one_device_connection(monkeypatch):
