@@ -106,11 +106,14 @@ def run_environment(args: list[str]) -> dict[str, str]:
     """What a run's processes need in their environment beyond the job's: where Megatron requires it
     (tensor parallelism on GPUs before Blackwell: its sequence-parallel linears overlap their
     communication with the GEMMs only in launch order), ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
-    ``coat-megatron-run`` sets it (``coat_patches.device_connections``)."""
+    ``coat-megatron-run`` sets it (``coat_patches.device_connections``). A value the job was started
+with is left as it is."""
     import torch
 
     from coat_patches.device_connections import gpu_compute_capability_major, megatron_requires_one_connection
 
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:  # the job's own setting, kept as given
+        return {}
     tp = args[args.index("--tp") + 1] if "--tp" in args else "1"
     flags = ["--tensor-model-parallel-size", tp]
     if torch.cuda.is_available() and megatron_requires_one_connection(flags, gpu_compute_capability_major()):

@@ -225,7 +225,7 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             result = measure_layer(preset, mode, args.seed, tp=args.tp)
         else:
             label = f"{preset.name} {mode.name}" + ("" if graphs == "none" else f" (graphs: {graphs})")
-            progress = Progress(preset.steps, label, enabled=parallel.is_main_rank() and not args.probe)
+            progress = Progress(preset.steps, label, enabled=parallel.is_main_rank())  # a probe's: in its log if it fails
             save_step = preset.steps // 2 if args.save_step is None else args.save_step
             result = train(
                 preset_for(preset, graphs, eval_asked=args.eval_every is not None),

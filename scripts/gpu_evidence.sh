@@ -47,7 +47,7 @@
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp-step-profile
-#   tp-graphs-stall [MODES]                      per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp-step-profile
+#   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp-step-profile
 #
 # The last seven parts use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
@@ -349,10 +349,16 @@ case $part in
       --micro-batch "$mb" --global-batch "$gb" --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --steps 2 --out "$out"
     grep -E "^\| (bf16|te-fp8-current|coat) " "$out/step_profile.md" ;;
   tp-graphs-stall)
-    modes=${1:-bf16}
-    NCCL_DEBUG=WARN run 300 "tp2-graphs-${modes//,/-}" coat-compare --preset gpt-1b --tp 2 --micro-batch 2 --global-batch 8 --steps 6 \
-      --modes "$modes" --cuda-graphs local --step-timeout 120 --run-timeout 200 --out "$out" --name "gpt-1b-tp2-graphs" --no-plots
-    grep -E "^\| (${modes//,/|}) \|" "$out/gpt-1b-tp2-graphs.md"; tail -60 "$out/tp2-graphs-${modes//,/-}.log" | cut -c1-220 ;;
+    modes=${1:-bf16}; connections=${2:-}; tag=${modes//,/-}${connections:+-connections$connections}
+    (while sleep 20; do date +%T; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+      ps -eo pid,stat,wchan:24,etime,args | grep -E "coat_compare .*--probe" | grep -v grep | cut -c1-120; done) >"$out/sampled-$tag.txt" 2>&1 &
+    sampler=$!
+    ${connections:+env CUDA_DEVICE_MAX_CONNECTIONS=$connections} NCCL_DEBUG=WARN run 300 "tp2-graphs-$tag" coat-compare --preset gpt-1b \
+      --tp 2 --micro-batch 2 --global-batch 8 --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 100 --run-timeout 160 \
+      --out "$out" --name "gpt-1b-tp2-graphs-$tag" --no-plots
+    kill $sampler
+    grep -E "^\| (${modes//,/|}) \|" "$out/gpt-1b-tp2-graphs-$tag.md"; grep -E "step|Timeout|File|Thread" "$out"/*"$tag"*failed.log | cut -c1-200 | tail -40
+    tail -12 "$out/sampled-$tag.txt" ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 tar czf "/tmp/$part.tgz" -C "$out" . && mv "/tmp/$part.tgz" "$dest/$part.tgz"
