@@ -41,6 +41,10 @@ def is_main_rank() -> bool:
     return _WORLD["rank"] == 0
 
 
+def rank() -> int:
+    return _WORLD["rank"]
+
+
 def world_size() -> int:
     return _WORLD["size"]
 
@@ -50,7 +54,7 @@ def per_rank(value) -> list:
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         return [value]
     out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, value)
+    torch.distributed.all_gather_object(out, value, group=_WORLD.get("objects"))
     return out
 
 
@@ -82,6 +86,10 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack, pp: int = 1, vpp: 
                 port = s.getsockname()[1]
             torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     _WORLD.update(rank=torch.distributed.get_rank(), size=torch.distributed.get_world_size())
+    if backend == "nccl" and _WORLD["size"] > 1:
+        # small Python objects (each rank's memory figures) over gloo: no device copy, no
+        # synchronisation with the GPU, no NCCL communicator made for them after CUDA graphs
+        _WORLD["objects"] = torch.distributed.new_group(backend="gloo")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tp,
@@ -94,6 +102,7 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack, pp: int = 1, vpp: 
 def _shutdown() -> None:
     from megatron.core import parallel_state
 
+    _WORLD.pop("objects", None)
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -86,6 +86,11 @@ def run_probe(args: list[str], world_size: int, timeout_s: float | None = 600) -
     except subprocess.TimeoutExpired:
         stdout, stderr = _stop_with_stacks(proc)
         text = (stderr or "") + (stdout or "")
+        rows = [line[len(PROBE_MARK) :] for line in (stdout or "").splitlines() if line.startswith(PROBE_MARK)]
+        if rows:  # measured, then stalled in its tear-down: the row stands, the stall is said
+            row = json.loads(rows[-1])
+            row["teardown"] = f"stalled after the row was printed; stopped at --run-timeout {timeout_s:.0f} s"
+            return ProbeResult(row, "", time.monotonic() - start, text)
         return ProbeResult(
             None,
             f"the run went past --run-timeout {timeout_s:.0f} s (stacks in the log)",
@@ -104,10 +109,10 @@ def run_probe(args: list[str], world_size: int, timeout_s: float | None = 600) -
 
 def run_environment(args: list[str]) -> dict[str, str]:
     """What a run's processes need in their environment beyond the job's: where Megatron requires it
-    (tensor parallelism on GPUs before Blackwell: its sequence-parallel linears overlap their
-    communication with the GEMMs only in launch order), ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
-    ``coat-megatron-run`` sets it (``coat_patches.device_connections``). A value the job was started
-with is left as it is."""
+        (tensor parallelism on GPUs before Blackwell: its sequence-parallel linears overlap their
+        communication with the GEMMs only in launch order), ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
+        ``coat-megatron-run`` sets it (``coat_patches.device_connections``). A value the job was started
+    with is left as it is."""
     import torch
 
     from coat_patches.device_connections import gpu_compute_capability_major, megatron_requires_one_connection

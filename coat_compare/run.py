@@ -122,9 +122,14 @@ def probe(preset: Preset, mode: Mode, args) -> int:
     faulthandler.register(STACKS_SIGNAL, all_threads=True)  # the job asks for the stacks of a run it stops
     with contextlib.ExitStack() as stack:
         parallel.initialize(args.tp, args.dp, stack, pp=args.pp, vpp=args.vpp)
-        row = run_mode(preset, mode, args, args.cuda_graphs[0])
-    if parallel.is_main_rank():
-        print(PROBE_MARK + json.dumps(row), flush=True)
+        row = run_mode(preset, mode, args, args.cuda_graphs[0], release=False)
+        # the row first, then the tear-down (CUDA graphs, process groups): a tear-down that stalls
+        # costs the run its exit, not its row (``probe.run_probe`` keeps a row printed before a stall)
+        if parallel.is_main_rank():
+            print(PROBE_MARK + json.dumps(row), flush=True)
+        print(f"{time.strftime('%H:%M:%S')} rank {parallel.rank()}: row made; releasing", file=sys.stderr, flush=True)
+        parallel.free_memory()
+        print(f"{time.strftime('%H:%M:%S')} rank {parallel.rank()}: released; leaving", file=sys.stderr, flush=True)
     return 0
 
 
@@ -208,9 +213,9 @@ def run_in_processes(preset: Preset, mode: Mode, args, graphs: str) -> dict:
     return result.row
 
 
-def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
+def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none", release: bool = True) -> dict:
     """One mode of one preset in this process group: a measurement row, or a row saying why there
-    is none."""
+    is none. ``release``: free what the run held (CUDA graphs, cached memory) before returning."""
     from .layer import measure_layer
     from .train import train
 
@@ -225,7 +230,9 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             result = measure_layer(preset, mode, args.seed, tp=args.tp)
         else:
             label = f"{preset.name} {mode.name}" + ("" if graphs == "none" else f" (graphs: {graphs})")
-            progress = Progress(preset.steps, label, enabled=parallel.is_main_rank())  # a probe's: in its log if it fails
+            progress = Progress(
+                preset.steps, label, enabled=parallel.is_main_rank()
+            )  # a probe's: in its log if it fails
             save_step = preset.steps // 2 if args.save_step is None else args.save_step
             result = train(
                 preset_for(preset, graphs, eval_asked=args.eval_every is not None),
@@ -258,7 +265,8 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none") -> dict:
             traceback.print_exc(file=sys.stderr)
             row.update(status="failed", reason=f"{type(e).__name__}: {e}"[:300])
     row["seconds"] = round(time.perf_counter() - start, 2)
-    parallel.free_memory()
+    if release:
+        parallel.free_memory()
     return row
 
 

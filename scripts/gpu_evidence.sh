@@ -353,8 +353,9 @@ case $part in
     (while sleep 20; do date +%T; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
       ps -eo pid,stat,wchan:24,etime,args | grep -E "coat_compare .*--probe" | grep -v grep | cut -c1-120; done) >"$out/sampled-$tag.txt" 2>&1 &
     sampler=$!
-    ${connections:+env CUDA_DEVICE_MAX_CONNECTIONS=$connections} NCCL_DEBUG=WARN run 300 "tp2-graphs-$tag" coat-compare --preset gpt-1b \
-      --tp 2 --micro-batch 2 --global-batch 8 --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 100 --run-timeout 160 \
+    [ -n "$connections" ] && export CUDA_DEVICE_MAX_CONNECTIONS=$connections
+    NCCL_DEBUG=WARN run 300 "tp2-graphs-$tag" coat-compare --preset gpt-1b \
+      --tp 2 --micro-batch 2 --global-batch 8 --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 90 --run-timeout 130 \
       --out "$out" --name "gpt-1b-tp2-graphs-$tag" --no-plots
     kill $sampler
     grep -E "^\| (${modes//,/|}) \|" "$out/gpt-1b-tp2-graphs-$tag.md"; grep -E "step|Timeout|File|Thread" "$out"/*"$tag"*failed.log | cut -c1-200 | tail -40
