@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from ..fp8 import swiglu_fp8
+from ..fp8 import OutputForm, swiglu_fp8
 from .linear import CoatColumnParallelLinear, CoatRowParallelLinear
 
 
@@ -40,7 +40,7 @@ class CoatMLP(MLP):
                 f"{self.coat.group_size}; choose ffn_hidden_size / tensor_model_parallel_size divisible by "
                 f"{self.coat.group_size} or set --coat-group-size"
             )
-        self.linear_fc1.fp8_output = "swiglu"
+        self.linear_fc1.output_form = OutputForm.SWIGLU_INPUT
         if self.linear_fc1.skip_bias_add and self.linear_fc1.bias is not None:
             self.linear_fc1.skip_bias_add = False  # the bias goes into the GEMM epilogue, before quantizing
 
