@@ -1,7 +1,9 @@
 """CoatMLP: Megatron's MLP with fc1 -> FP8 SwiGLU -> fc2 kept in FP8 end to end.
 
-fc1 writes its output as 1x16 FP8 (finding SwiGLU's output amax in the same pass), SwiGLU reads
-that and writes per-tensor FP8 for fc2, and fc2 writes BF16 for Megatron's bias-dropout-add.
+fc1 writes its output as 1x16 FP8 (``OutputForm.SWIGLU_INPUT``: finding SwiGLU's output amax in the
+same pass), SwiGLU reads that and writes per-tensor FP8 for fc2, and fc2 writes BF16 for Megatron's
+bias-dropout-add. Backward, SwiGLU hands fc1 the amax of dh through the ``AmaxHandoff`` that fc1's
+output carried.
 Construction (and so parameters, TP split of the gated fc1, checkpoints) is Megatron's MLP.
 """
 
