@@ -5,8 +5,7 @@ consumer declares it, as ``CoatMLP`` does for fc1 feeding SwiGLU).
 
 ``AmaxHandoff``: the amaxes the two ops hand each other across that tensor, so that the op that
 quantizes per tensor skips the pass that would find its amax (group scaling: the op that writes
-the values finds their amax in the same pass). One object serves both directions, in the spirit of
-TransformerEngine's quantizer handed to a producer by its consumer:
+the values finds their amax in the same pass). One object serves both directions:
 
     forward   producer -> consumer   ``consumer_amax``: the amax of what the consumer will compute
                                      from the tensor (fc1 finds SwiGLU's output amax in the pass that
@@ -16,8 +15,10 @@ TransformerEngine's quantizer handed to a producer by its consumer:
                                      quantizes dh, E5M2 per tensor, with it)
 
 The producer makes it for one output tensor; it travels forward inside that tensor
-(``Fp8Tensor.handoff``), and each of the two ops keeps it for its backward. An amax handed over is
-a hint: where none arrives, the consumer computes the same value itself in one more pass.
+(``Fp8Tensor.handoff``), and each of the two ops keeps it for its backward. For the backward that is
+the gradient's consumer (fc1) handing its producer (SwiGLU) where to leave what it needs, in the
+spirit of TransformerEngine's consumer handing its quantizer to its producer. An amax handed over
+is a hint: where none arrives, the op that quantizes finds the same value itself in one more pass.
 """
 
 from __future__ import annotations
