@@ -131,7 +131,7 @@ def host_path_of_before():
 
 def coat_ops(rows: list) -> None:
     from coat_megatron.config import CoatConfig
-    from coat_megatron.fp8 import Fp8WeightCache, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
+    from coat_megatron.fp8 import Fp8WeightCache, OutputForm, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
 
     dev = torch.device("cuda")
     cfg = CoatConfig()
@@ -147,7 +147,7 @@ def coat_ops(rows: list) -> None:
         return rmsnorm_to_fp8(x, nw, 1e-5)
 
     def fc1():
-        return fp8_linear(norm(), w1, config=cfg, weight_cache=c1, fp8_output="swiglu")
+        return fp8_linear(norm(), w1, config=cfg, weight_cache=c1, output_form=OutputForm.SWIGLU_INPUT)
 
     def mlp():
         return fp8_linear(swiglu_fp8(fc1()), w2, config=cfg, weight_cache=c2)

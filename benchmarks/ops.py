@@ -28,7 +28,7 @@ from coat_kernels import swiglu as swiglu_module
 from coat_kernels.norm import norm_backward, norm_to_fp8
 from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
 from coat_megatron.config import CoatConfig
-from coat_megatron.fp8 import Fp8WeightCache, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
+from coat_megatron.fp8 import Fp8WeightCache, OutputForm, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
 from coat_megatron.optional import transformer_engine_available
 
 MIB = 2**20
@@ -59,7 +59,7 @@ class CoatBlock(Bf16Block):
     def forward(self, x):
         transpose = "recompute" if self.config.recompute_norm_output else "store"
         n = rmsnorm_to_fp8(x, self.norm, 1e-5, group_size=self.config.group_size, transpose=transpose)
-        h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, fp8_output="swiglu")
+        h = fp8_linear(n, self.fc1, config=self.config, weight_cache=self.c1, output_form=OutputForm.SWIGLU_INPUT)
         return fp8_linear(
             swiglu_fp8(h, group_size=self.config.group_size), self.fc2, config=self.config, weight_cache=self.c2
         )

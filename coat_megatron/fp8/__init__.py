@@ -5,6 +5,7 @@ Inside a transformer layer: BF16 residual -> ``rmsnorm_to_fp8`` -> per-tensor FP
 residual add in BF16. Nothing FP8 crosses a layer boundary.
 """
 
+from .handoff import AmaxHandoff, OutputForm
 from .linear import fp8_linear
 from .norm import layernorm_to_fp8, rmsnorm_to_fp8
 from .swiglu import swiglu_fp8
@@ -12,9 +13,11 @@ from .tensor import HANDLED_OPS, Fp8Tensor
 from .weights import Fp8WeightCache, invalidate_weight_caches
 
 __all__ = [
+    "AmaxHandoff",
     "HANDLED_OPS",
     "Fp8Tensor",
     "Fp8WeightCache",
+    "OutputForm",
     "fp8_linear",
     "invalidate_weight_caches",
     "layernorm_to_fp8",

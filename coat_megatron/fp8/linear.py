@@ -5,15 +5,16 @@
     wgrad  dW = dY^T @ X     A = dY^T (E5M2, transposed)  B = X^T (E4M3, the transposed copy of X)
 
 X arrives as an ``Fp8Tensor`` from a COAT producer (the norm, SwiGLU) with its transposed copy, or
-as a plain BF16 tensor that is quantized here; dY as plain BF16, quantized here (with the amax its
-producer attached, where it did). Saved for backward: X^T (1 byte per element) and its scale; or
-nothing new when the producer can recompute X^T (SwiGLU) or when the caller says that the BF16
-input is saved anyway (``save_original_input``: X^T is requantized from it in backward with the
-forward's amax, hence bit-identical). The output is BF16, or 1xG FP8 for fc1
-(what SwiGLU reads and saves). Weight copies come from an ``Fp8WeightCache`` (once per step).
-On a CPU the GEMMs dequantize and multiply in FP32. The pieces that the sequence-parallel linears
-(``coat_megatron.layers.sequence_parallel``) share with this one live here too: the weight's codes
-for fprop and dgrad, the FP8 output, and the wgrad summed over chunks (``WeightGradient``).
+as a plain BF16 tensor that is quantized here; dY as plain BF16, quantized here (with the amax that
+its producer, SwiGLU's backward, left in the output's ``AmaxHandoff``, where it did). Saved for
+backward: X^T (1 byte per element) and its scale; or nothing new when the producer can recompute
+X^T (SwiGLU) or when the caller says that the BF16 input is saved anyway (``save_original_input``:
+X^T is requantized from it in backward with the forward's amax, hence bit-identical). The output
+is BF16, or 1xG FP8 for fc1 (what SwiGLU reads and saves), as its ``OutputForm`` says. Weight
+copies come from an ``Fp8WeightCache`` (once per step). On a CPU the GEMMs dequantize and multiply
+in FP32. The pieces that the sequence-parallel linears (``coat_megatron.layers.sequence_parallel``)
+share with this one live here too: the weight's codes for fprop and dgrad, the FP8 output, and the
+wgrad summed over chunks (``WeightGradient``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from coat_kernels.gemm_accumulate import fp8_gemm_accumulate
 from coat_kernels.swiglu import quantize_swiglu_input
 
 from ..config import CoatConfig
-from .tensor import Fp8Tensor, take_amax
+from .handoff import AmaxHandoff, OutputForm, take_grad_amax
+from .tensor import Fp8Tensor
 from .weights import Fp8WeightCache, weight_cache_for
 
 
@@ -64,21 +66,24 @@ def weight_for_dgrad(saved, weight: torch.Tensor, config: CoatConfig) -> tuple[t
     return w_t, w_scale
 
 
-def quantize_output(y: torch.Tensor, fp8_output: str | None, config: CoatConfig) -> torch.Tensor:
-    """A linear's BF16 output y as it leaves the layer: itself (``fp8_output`` None), 1xG FP8
-    ("1xG"), or 1xG FP8 carrying SwiGLU's output amax ("swiglu", for fc1 feeding SwiGLU)."""
-    if fp8_output == "swiglu":
+def quantize_output(y: torch.Tensor, form: OutputForm, config: CoatConfig) -> tuple[torch.Tensor, AmaxHandoff | None]:
+    """A linear's BF16 output y as it leaves the layer, in ``form`` (``OutputForm``), and the
+    ``AmaxHandoff`` it carries to its consumer (None for BF16), which the linear keeps for its
+    backward: where the consumer leaves dY's amax."""
+    if form is OutputForm.SWIGLU_INPUT:
         y_q, y_scales, a_amax = quantize_swiglu_input(y, config.group_size, config.forward_format)
-        return Fp8Tensor(y_q, y_scales, group_size=config.group_size, consumer_amax=a_amax, dtype=y.dtype)
-    if fp8_output == "1xG":
+    elif form is OutputForm.PER_GROUP:
         y_q, y_scales = quantize_per_group(y, config.group_size, config.forward_format, check_finite=False)
-        return Fp8Tensor(y_q, y_scales, group_size=config.group_size, dtype=y.dtype)
-    return y
+        a_amax = None
+    else:
+        return y, None
+    handoff = AmaxHandoff(consumer_amax=a_amax)
+    return Fp8Tensor(y_q, y_scales, group_size=config.group_size, handoff=handoff, dtype=y.dtype), handoff
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache, config, fp8_output, save_original_input, main_grad):
+    def forward(ctx, x, weight, bias, cache, config, output_form, save_original_input, main_grad):
         fmt = config.forward_format
         x_t = x_t_fn = x_orig = x_amax = None
         if isinstance(x, Fp8Tensor) and x.group_size is None:
@@ -105,7 +110,8 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(x_t, x_orig, x_amax, x_scale, weight)
         ctx.x_t_fn = x_t_fn
         ctx.meta = (config, bias is not None, x.shape, x.dtype, main_grad)
-        return quantize_output(y, fp8_output, config)
+        out, ctx.handoff = quantize_output(y, output_form, config)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -113,7 +119,7 @@ class _Fp8Linear(torch.autograd.Function):
         config, has_bias, x_shape, x_dtype, main_grad = ctx.meta
         dy2 = _rows(dy.contiguous())
         dy_q, dy_scale, dy_t = quantize_per_tensor(
-            dy2, config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
+            dy2, config.backward_format, transpose=True, amax=take_grad_amax(ctx.handoff, dy), check_finite=False
         )
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -202,7 +208,7 @@ def fp8_linear(
     *,
     config: CoatConfig | None = None,
     weight_cache: Fp8WeightCache | None = None,
-    fp8_output: str | None = None,
+    output_form: OutputForm = OutputForm.BF16,
     save_original_input: bool = False,
     accumulate_into_main_grad: bool = False,
 ) -> torch.Tensor:
@@ -217,15 +223,15 @@ def fp8_linear(
         weight_cache: reuse the weight's FP8 copies across micro-batches (made here if absent,
             keeping the codes and their transposed copy as ``config.cache_weight`` and
             ``config.cache_weight_transpose`` say).
-        fp8_output: None for a BF16 y; "1xG" for a 1xG FP8 ``Fp8Tensor``; "swiglu" for fc1 feeding
-            SwiGLU: 1xG FP8 that also carries SwiGLU's output amax, found in the same pass.
+        output_form: ``OutputForm.BF16`` for a BF16 y; ``PER_GROUP`` for a 1xG FP8 ``Fp8Tensor``;
+            ``SWIGLU_INPUT`` for fc1 feeding SwiGLU: 1xG FP8 whose ``AmaxHandoff`` also carries
+            SwiGLU's output amax, found in the same pass.
         save_original_input: x (plain) is kept alive anyway (e.g. attention saves its output):
             save it instead of an FP8 transposed copy.
         accumulate_into_main_grad: add wgrad (FP32) into ``weight.main_grad`` instead of returning
             it (Megatron's gradient_accumulation_fusion).
     """
-    if fp8_output not in (None, "1xG", "swiglu"):
-        raise ValueError(f"fp8_output={fp8_output!r}: use None (BF16), '1xG' or 'swiglu'")
+    output_form = OutputForm.check(output_form)
     config = config or CoatConfig()
     cache = weight_cache or weight_cache_for(config)
-    return _Fp8Linear.apply(x, weight, bias, cache, config, fp8_output, save_original_input, accumulate_into_main_grad)
+    return _Fp8Linear.apply(x, weight, bias, cache, config, output_form, save_original_input, accumulate_into_main_grad)

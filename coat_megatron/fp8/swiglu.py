@@ -1,10 +1,11 @@
 """swiglu_fp8: fc1's 1xG FP8 output in, fc2's per-tensor FP8 input out.
 
 Saves only its FP8 1xG input (and the output amax, a scalar); the backward recomputes SiLU from
-it. The output's transposed copy, which fc2's wgrad needs, is not kept either: it is recomputed
-in backward from the same saved input, bit-identical to what the forward would have written.
-So the SwiGLU input (1 byte + scales per element) is all the FFN's intermediate activations
-cost, instead of BF16's 2 bytes for the input plus 2 for the output.
+it, and leaves dh's amax, found as it writes dh, in the input's ``AmaxHandoff`` for fc1's backward.
+The output's transposed copy, which fc2's wgrad needs, is not kept either: it is recomputed in
+backward from the same saved input, bit-identical to what the forward would have written. So the
+SwiGLU input (1 byte + scales per element) is all the FFN's intermediate activations cost, instead
+of BF16's 2 bytes for the input plus 2 for the output.
 """
 
 from __future__ import annotations
@@ -13,22 +14,24 @@ import torch
 
 from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
 
-from .tensor import Fp8Tensor, attach_amax
+from .tensor import Fp8Tensor
 
 
 class _SwigluFp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, group_size, out_fmt, saved_fmt):
+        handoff = h.handoff if isinstance(h, Fp8Tensor) else None
         if isinstance(h, Fp8Tensor) and h.group_size is not None:
             if h.group_size != group_size:
                 raise ValueError(f"SwiGLU input has 1x{h.group_size} groups, expected 1x{group_size}")
-            h_q, h_scales, amax = h.data_fp8, h.scale, h.consumer_amax
+            h_q, h_scales, amax = h.data_fp8, h.scale, handoff.consumer_amax if handoff else None
         else:
             plain = h.dequantize() if isinstance(h, Fp8Tensor) else h
             h_q, h_scales, amax = quantize_swiglu_input(plain, group_size, saved_fmt)
         r = swiglu_to_fp8(h_q, h_scales, group_size, out_fmt, amax=amax)
         ctx.save_for_backward(h_q, h_scales)
         ctx.meta = (group_size, h.dtype)
+        ctx.handoff = handoff  # where dh's amax goes, for the backward of h's producer
         out_amax = r.amax  # the closure must not hold r: r.q is the output, which fc2 does not keep
 
         def transposed(rows=slice(None)):  # the rows of h (as (R, 2F)) whose output to transpose
@@ -42,7 +45,9 @@ class _SwigluFp8(torch.autograd.Function):
         h_q, h_scales = ctx.saved_tensors
         group_size, dtype = ctx.meta
         dh, dh_amax = swiglu_backward(da.contiguous(), h_q, h_scales, group_size, dh_dtype=dtype)
-        return attach_amax(dh, dh_amax), None, None, None
+        if ctx.handoff is not None:
+            ctx.handoff.deposit_grad_amax(dh, dh_amax)
+        return dh, None, None, None
 
 
 def swiglu_fp8(h: torch.Tensor, *, group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3") -> Fp8Tensor:

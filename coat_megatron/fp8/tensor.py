@@ -11,9 +11,9 @@ device), and holds instead
   what the producer saved anyway (``transposed_fn(rows)``, e.g. the SwiGLU output from its saved
   input: the ``(N, len(rows))`` transpose of the rows ``rows`` (a slice) of the ``(R, N)`` matrix,
   all of them by default; a sequence-parallel linear asks for one sequence chunk at a time);
-* optionally ``consumer_amax``: the amax of what the consuming op will compute from this tensor,
-  found by the producer in its own pass (group scaling: fc1 finds SwiGLU's output amax), so the
-  consumer quantizes its per-tensor output in one pass.
+* optionally ``handoff``: the ``AmaxHandoff`` between this tensor's producer and its consumer, the
+  amaxes that each finds in its own pass for the other (fc1 finds SwiGLU's output amax; SwiGLU's
+  backward finds dh's amax for fc1's), so that the one quantizing per tensor skips an amax pass.
 
 Gradients that flow back to an Fp8Tensor are plain BF16 tensors. An op not in the table below
 dequantizes its Fp8Tensor arguments, runs in high precision, and warns once per op: the result is
@@ -35,6 +35,8 @@ from torch.utils._pytree import tree_map
 
 from coat_kernels import dequantize_per_group, dequantize_per_tensor
 
+from .handoff import AmaxHandoff
+
 aten = torch.ops.aten
 
 
@@ -44,7 +46,7 @@ class Fp8Tensor(torch.Tensor):
     group_size: int | None
     transposed: torch.Tensor | None
     transposed_fn: Callable[[], torch.Tensor] | None
-    consumer_amax: torch.Tensor | None
+    handoff: AmaxHandoff | None
 
     @staticmethod
     def __new__(
@@ -55,7 +57,7 @@ class Fp8Tensor(torch.Tensor):
         group_size=None,
         transposed=None,
         transposed_fn=None,
-        consumer_amax=None,
+        handoff=None,
         dtype=torch.bfloat16,
     ):
         if data.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
@@ -68,7 +70,7 @@ class Fp8Tensor(torch.Tensor):
         self.group_size = group_size
         self.transposed = transposed
         self.transposed_fn = transposed_fn
-        self.consumer_amax = consumer_amax
+        self.handoff = handoff
         return self
 
     @property
@@ -97,7 +99,7 @@ class Fp8Tensor(torch.Tensor):
             group_size=self.group_size,
             transposed=self.transposed,
             transposed_fn=self.transposed_fn,
-            consumer_amax=self.consumer_amax,
+            handoff=self.handoff,
             dtype=self.dtype,
         )
 
@@ -202,17 +204,3 @@ HANDLED_OPS = {
     aten.full_like.default: _like(aten.full_like.default),
     aten._to_copy.default: _to_copy,
 }
-
-
-AMAX_HINT = "_coat_amax"
-
-
-def attach_amax(t: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """Attach to a plain (gradient) tensor the FP32 amax(es) its producer computed in its own pass,
-    so the consumer that quantizes it per tensor skips the amax pass. A hint: absent, it is computed."""
-    setattr(t, AMAX_HINT, amax)
-    return t
-
-
-def take_amax(t: torch.Tensor) -> torch.Tensor | None:
-    return getattr(t, AMAX_HINT, None)

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from ..config import CoatConfig
-from ..fp8 import Fp8Tensor, fp8_linear, invalidate_weight_caches
+from ..fp8 import Fp8Tensor, OutputForm, fp8_linear, invalidate_weight_caches
 from ..fp8.weights import weight_cache_for
 from .sequence_parallel import column_parallel_fp8_linear, row_parallel_fp8_linear
 
@@ -38,21 +38,21 @@ def _weights_loaded(module, incompatible_keys) -> None:
 
 class CoatColumnParallelLinear(ColumnParallelLinear):
     """``ColumnParallelLinear`` with FP8 GEMMs. Input: a per-tensor ``Fp8Tensor`` (from ``CoatNorm``)
-    or BF16. Output: BF16, or 1xG FP8 when ``fp8_output`` is set (fc1 feeding SwiGLU)."""
+    or BF16. Output: BF16, or 1xG FP8 as ``output_form`` says (fc1 feeding SwiGLU: set by ``CoatMLP``)."""
 
     def __init__(self, input_size, output_size, *args, **kwargs):
         self.coat = _coat_kwargs(kwargs)
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)
-        self.fp8_output = None
+        self.output_form = OutputForm.BF16
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
         kwargs = dict(
             config=self.coat,
             weight_cache=self.weight_cache,
-            fp8_output=self.fp8_output,
+            output_form=self.output_form,
             accumulate_into_main_grad=self.gradient_accumulation_fusion or self.coat.fuse_wgrad_accumulation,
         )
         bias = None if self.skip_bias_add else self.bias

@@ -1,7 +1,9 @@
 """CoatMLP: Megatron's MLP with fc1 -> FP8 SwiGLU -> fc2 kept in FP8 end to end.
 
-fc1 writes its output as 1x16 FP8 (finding SwiGLU's output amax in the same pass), SwiGLU reads
-that and writes per-tensor FP8 for fc2, and fc2 writes BF16 for Megatron's bias-dropout-add.
+fc1 writes its output as 1x16 FP8 (``OutputForm.SWIGLU_INPUT``: finding SwiGLU's output amax in the
+same pass), SwiGLU reads that and writes per-tensor FP8 for fc2, and fc2 writes BF16 for Megatron's
+bias-dropout-add. Backward, SwiGLU hands fc1 the amax of dh through the ``AmaxHandoff`` that fc1's
+output carried.
 Construction (and so parameters, TP split of the gated fc1, checkpoints) is Megatron's MLP.
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from ..fp8 import swiglu_fp8
+from ..fp8 import OutputForm, swiglu_fp8
 from .linear import CoatColumnParallelLinear, CoatRowParallelLinear
 
 
@@ -40,7 +42,7 @@ class CoatMLP(MLP):
                 f"{self.coat.group_size}; choose ffn_hidden_size / tensor_model_parallel_size divisible by "
                 f"{self.coat.group_size} or set --coat-group-size"
             )
-        self.linear_fc1.fp8_output = "swiglu"
+        self.linear_fc1.output_form = OutputForm.SWIGLU_INPUT
         if self.linear_fc1.skip_bias_add and self.linear_fc1.bias is not None:
             self.linear_fc1.skip_bias_add = False  # the bias goes into the GEMM epilogue, before quantizing
 

@@ -52,8 +52,9 @@ from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
 from coat_kernels.gemm import fp8_gemm
 
 from ..config import CoatConfig
+from ..fp8.handoff import AmaxHandoff, OutputForm, take_grad_amax
 from ..fp8.linear import WeightGradient, quantize_output, weight_for_dgrad, weight_for_fprop
-from ..fp8.tensor import Fp8Tensor, take_amax
+from ..fp8.tensor import Fp8Tensor
 from ..fp8.weights import Fp8WeightCache
 from .chunk_exchange import all_gather_chunks, reduce_scatter_chunks
 
@@ -74,10 +75,10 @@ def _gemm_into(out, a, a_scale, b_rows, b_scale, config: CoatConfig, *, bias=Non
     fp8_gemm(a, a_scale, b_rows.t(), b_scale, out_dtype=out.dtype, bias=bias, use_fast_accum=fast, out=out)
 
 
-def _reduced_amax(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The 0-d amax of a gradient ``t`` (``rows``: it as contiguous rows): the one its producer
-    attached (reduced if it is per tile), or computed."""
-    amax = take_amax(t)
+def _reduced_amax(handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The 0-d amax of a gradient ``t`` (``rows``: it as contiguous rows): the one its producer left
+    in ``handoff`` (reduced if it is per tile), or computed."""
+    amax = take_grad_amax(handoff, t)
     if amax is None:
         return tensor_amax(rows)
     return amax.reshape(()) if amax.numel() == 1 else amax.amax()
@@ -85,7 +86,7 @@ def _reduced_amax(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 class _ColumnParallelSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, cache, config, fp8_output, main_grad, group):
+    def forward(ctx, x, weight, bias, cache, config, output_form, main_grad, group):
         if isinstance(x, Fp8Tensor) and x.group_size is None:
             codes, scale = x.data_fp8, x.scale
         else:  # BF16 (or a 1xG tensor, which is no GEMM input): quantized with this rank's amax
@@ -102,7 +103,8 @@ class _ColumnParallelSP(torch.autograd.Function):
             _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scales[j], w_q, w_scale, config, bias=bias, fprop=True)
         ctx.save_for_backward(local, weight, *scales)
         ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad)
-        return quantize_output(y.view(n * x.shape[0], *x.shape[1:-1], weight.shape[0]), fp8_output, config)
+        out, ctx.handoff = quantize_output(y.view(n * x.shape[0], *x.shape[1:-1], weight.shape[0]), output_form, config)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -115,7 +117,7 @@ class _ColumnParallelSP(torch.autograd.Function):
         gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
-        amax = _reduced_amax(dy, dy_rows)
+        amax = _reduced_amax(ctx.handoff, dy, dy_rows)
         # dY is this rank's whole (R, out/n): one scale, quantized chunk by chunk so that each chunk's
         # transposed codes (the wgrad operand, K = the chunk's tokens) come out of the same pass
         dy_chunks = [
@@ -196,7 +198,7 @@ class _RowParallelSP(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)
         dy_q, dy_scale, dy_t = quantize_per_tensor(
-            _rows(dy.contiguous()), config.backward_format, transpose=True, amax=take_amax(dy), check_finite=False
+            _rows(dy.contiguous()), config.backward_format, transpose=True, check_finite=False
         )
         gather = all_gather_chunks(dy_q, dy_scale, group, overlap=config.tp_comm_overlap)
         dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None
@@ -235,7 +237,7 @@ def column_parallel_fp8_linear(
     group,
     config: CoatConfig,
     weight_cache: Fp8WeightCache,
-    fp8_output: str | None = None,
+    output_form: OutputForm = OutputForm.BF16,
     accumulate_into_main_grad: bool = False,
 ) -> torch.Tensor:
     """The sequence-parallel column-parallel linear: every rank's chunk of x, gathered, times W^T.
@@ -245,12 +247,13 @@ def column_parallel_fp8_linear(
             norm's output, with this rank's own scale) or BF16 (quantized here with its own amax).
         weight: (out/n, h), this rank's rows; bias: (out/n,) or None.
         group: the tensor-parallel group (n ranks).
-        config, weight_cache, fp8_output, accumulate_into_main_grad: as ``fp8_linear``.
+        config, weight_cache, output_form, accumulate_into_main_grad: as ``fp8_linear``.
     Returns:
-        [s, b, out/n]: BF16, or 1xG FP8 with ``fp8_output``. Its gradient reaches x reduce-scattered
+        [s, b, out/n]: BF16, or 1xG FP8, as ``output_form`` says. Its gradient reaches x reduce-scattered
         (BF16, [s/n, b, h]).
     """
-    return _ColumnParallelSP.apply(x, weight, bias, weight_cache, config, fp8_output, accumulate_into_main_grad, group)
+    output_form = OutputForm.check(output_form)
+    return _ColumnParallelSP.apply(x, weight, bias, weight_cache, config, output_form, accumulate_into_main_grad, group)
 
 
 def row_parallel_fp8_linear(

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
-from coat_megatron.fp8 import fp8_linear, rmsnorm_to_fp8, swiglu_fp8
+from coat_megatron.fp8 import OutputForm, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
 
 T, H, FFN, G = 32, 256, 688, 16
 
@@ -61,14 +61,14 @@ def test_each_op_saves_its_contract():
         map(str, [torch.float8_e4m3fn, torch.float32, torch.float32])
     )
     assert nbytes(s) == T * H + T * H // G * 4 + T * 4
-    h, s = saved_by(lambda: fp8_linear(n, w1, fp8_output="swiglu"), params)
+    h, s = saved_by(lambda: fp8_linear(n, w1, output_form=OutputForm.SWIGLU_INPUT), params)
     fp8 = [t for t in s if t.dtype == torch.float8_e4m3fn]
     assert len(fp8) == 1 and fp8[0].shape == (H, T)  # the wgrad layout: X^T row-major
     assert nbytes(s) == T * H + 4
     n_recompute = rmsnorm_to_fp8(x, wn, transpose="recompute")
-    _, s = saved_by(lambda: fp8_linear(n_recompute, w1, fp8_output="swiglu"), params)
+    _, s = saved_by(lambda: fp8_linear(n_recompute, w1, output_form=OutputForm.SWIGLU_INPUT), params)
     assert nbytes(s) == 4
-    assert h.consumer_amax is not None  # fc1 found SwiGLU's output amax in its quantizing pass
+    assert h.handoff.consumer_amax is not None  # fc1 found SwiGLU's output amax in its quantizing pass
     a, s = saved_by(lambda: swiglu_fp8(h), params)
     assert nbytes(s) == 2 * T * FFN + 2 * T * FFN // G * 4
     _, s = saved_by(lambda: fp8_linear(a, w2), params)
@@ -84,7 +84,10 @@ def test_mlp_block_saves_about_a_third_of_bf16():
 
     def coat():
         return fp8_linear(
-            swiglu_fp8(fp8_linear(rmsnorm_to_fp8(x, wn, transpose="recompute"), w1, fp8_output="swiglu")), w2
+            swiglu_fp8(
+                fp8_linear(rmsnorm_to_fp8(x, wn, transpose="recompute"), w1, output_form=OutputForm.SWIGLU_INPUT)
+            ),
+            w2,
         )
 
     def bf16():
@@ -110,7 +113,7 @@ def test_nothing_outside_the_contract_stays_alive():
 
     x, wn, w1, w2 = make()
     n = rmsnorm_to_fp8(x, wn, transpose="recompute")
-    a = swiglu_fp8(fp8_linear(n, w1, fp8_output="swiglu"))
+    a = swiglu_fp8(fp8_linear(n, w1, output_form=OutputForm.SWIGLU_INPUT))
     refs = [weakref.ref(n.data_fp8), weakref.ref(a.data_fp8)]
     y = fp8_linear(a, w2)
     del n, a

@@ -13,7 +13,15 @@ import torch.nn.functional as F
 from fp8_bounds import BF16, activations, product_error, quant_error, quant_error_groups
 
 from coat_megatron.config import CoatConfig
-from coat_megatron.fp8 import Fp8Tensor, Fp8WeightCache, fp8_linear, layernorm_to_fp8, rmsnorm_to_fp8, swiglu_fp8
+from coat_megatron.fp8 import (
+    Fp8Tensor,
+    Fp8WeightCache,
+    OutputForm,
+    fp8_linear,
+    layernorm_to_fp8,
+    rmsnorm_to_fp8,
+    swiglu_fp8,
+)
 
 SLACK = 1e-5  # FP32 arithmetic in another order than the reference
 
@@ -261,11 +269,11 @@ def test_an_unknown_wgrad_accumulation_is_refused():
         CoatConfig(wgrad_accumulate="sometimes")
 
 
-def test_linear_fp8_output_is_1x16(seed):
+def test_linear_per_group_output_is_1x16(seed):
     x, w = activations((24, 320), seed), activations((256, 320), seed + 1) / 18
     xr, wr = x.float(), w.float()
     yr = xr @ wr.t()
-    y = fp8_linear(leaf(x), leaf(w), fp8_output="1xG")
+    y = fp8_linear(leaf(x), leaf(w), output_form=OutputForm.PER_GROUP)
     assert isinstance(y, Fp8Tensor) and y.granularity == "1x16" and y.scale.shape == (24, 16)
     gemm = product_error(xr, quant_error(xr, "e4m3"), wr.t(), quant_error(wr, "e4m3").t()) + BF16 * yr.abs()
     bound = gemm + quant_error_groups(yr.abs() + gemm, "e4m3", 16) + SLACK
@@ -325,7 +333,8 @@ def test_whole_mlp_chain_at_llama_13b_width(device, seed):
 
     ours = [leaf(t, device=device) for t in (x, wn, w1, w2)]
     y = fp8_linear(
-        swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], fp8_output="swiglu")), ours[3]
+        swiglu_fp8(fp8_linear(rmsnorm_to_fp8(ours[0], ours[1], 1e-5), ours[2], output_form=OutputForm.SWIGLU_INPUT)),
+        ours[3],
     )
     y.backward(dy.to(device))
 

@@ -109,7 +109,7 @@ class LayerOps:
         self.params = [self.norm1, self.norm2, self.qkv, self.proj, self.fc1, self.fc2]
 
     def step(self) -> None:
-        from coat_megatron.fp8 import fp8_linear, rmsnorm_to_fp8, swiglu_fp8
+        from coat_megatron.fp8 import OutputForm, fp8_linear, rmsnorm_to_fp8, swiglu_fp8
 
         cfg, c = self.cfg, self.caches
         h = rmsnorm_to_fp8(self.x, self.norm1, 1e-5)
@@ -126,7 +126,12 @@ class LayerOps:
         res = out + self.x
         h = rmsnorm_to_fp8(res, self.norm2, 1e-5)
         a = fp8_linear(
-            h, self.fc1, config=cfg, weight_cache=c["fc1"], fp8_output="swiglu", accumulate_into_main_grad=True
+            h,
+            self.fc1,
+            config=cfg,
+            weight_cache=c["fc1"],
+            output_form=OutputForm.SWIGLU_INPUT,
+            accumulate_into_main_grad=True,
         )
         a = swiglu_fp8(a, group_size=cfg.group_size, out_fmt=cfg.forward_format, saved_fmt=cfg.forward_format)
         y = fp8_linear(a, self.fc2, config=cfg, weight_cache=c["fc2"], accumulate_into_main_grad=True) + res

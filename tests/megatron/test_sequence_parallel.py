@@ -22,8 +22,9 @@ from megatron.core import parallel_state
 
 from coat_kernels.per_tensor import dequantize_per_tensor_reference, quantize_per_tensor_reference
 from coat_megatron.config import CoatConfig
-from coat_megatron.fp8 import rmsnorm_to_fp8, swiglu_fp8
+from coat_megatron.fp8 import OutputForm, rmsnorm_to_fp8, swiglu_fp8
 from coat_megatron.fp8.weights import weight_cache_for
+from coat_megatron.layers import sequence_parallel as sequence_parallel_module
 from coat_megatron.layers.chunk_exchange import all_gather_chunks, reduce_scatter_chunks
 from coat_megatron.layers.sequence_parallel import column_parallel_fp8_linear, row_parallel_fp8_linear
 
@@ -251,6 +252,48 @@ def test_row_parallel_linear_equals_the_per_chunk_reference(n, source):
             _close(r["y"], r["ref_y"], dtype, "Y")
             _close(r["dx"], r["ref_dx"], dtype, "dX")
             _close(r["dw"], r["ref_dw"], torch.float32, "dW")
+
+
+def _column_into_swiglu(hand_over: bool) -> dict:
+    """fc1 under SP feeding SwiGLU: its gradients, and how many times its backward computed dY's amax
+    (``hand_over``: SwiGLU's dh reaches fc1 as is; otherwise as a copy, which no amax was left for)."""
+    group, rank, n = _group()
+    config = CoatConfig(fprop_fast_accumulation=False)
+    x_full, w_full, _, _ = _full_tensors(torch.bfloat16)
+    out_c = WIDTH // n  # [gate | up] of this rank: F = out_c / 2 (16 at TP 2, one group)
+    x = x_full.chunk(n, dim=0)[rank].clone().requires_grad_()
+    w = w_full[rank * out_c : (rank + 1) * out_c].clone().requires_grad_()
+    da = torch.randn(SEQ, BATCH, out_c // 2, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    h = column_parallel_fp8_linear(
+        x,
+        w,
+        None,
+        group=group,
+        config=config,
+        weight_cache=weight_cache_for(config),
+        output_form=OutputForm.SWIGLU_INPUT,
+    )
+    a = swiglu_fp8(h, group_size=config.group_size)
+    amax_passes = []
+    real_amax = sequence_parallel_module.tensor_amax
+    sequence_parallel_module.tensor_amax = lambda t: amax_passes.append(t) or real_amax(t)
+    try:
+        if hand_over:
+            dx, dw = torch.autograd.grad(a, [x, w], da)
+        else:
+            (dh,) = torch.autograd.grad(a, h, da, retain_graph=True)
+            dx, dw = torch.autograd.grad(h, [x, w], dh.clone())
+    finally:
+        sequence_parallel_module.tensor_amax = real_amax
+    return dict(dx=dx, dw=dw, amax_passes=len(amax_passes))
+
+
+def test_a_sequence_parallel_fc1_quantizes_dy_with_the_amax_swiglu_handed_it():
+    handed = run_distributed(_column_into_swiglu, 2, args=(True,), tensor_parallel=2)
+    computed = run_distributed(_column_into_swiglu, 2, args=(False,), tensor_parallel=2)
+    for a, b in zip(handed, computed):
+        assert (a["amax_passes"], b["amax_passes"]) == (0, 1)
+        assert torch.equal(a["dx"], b["dx"]) and torch.equal(a["dw"], b["dw"])
 
 
 @pytest.mark.parametrize("n", [2, 4])
