@@ -134,7 +134,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
     if o.save is not None:
         os.makedirs(o.save, exist_ok=True)
     first = first_step(preset, chunks, optimizer, o)
-    log = train_steps(chunks, optimizer, data, validation, preset, first, o, progress)
+    log = train_steps(chunks, optimizer, data, validation, preset, first, micro_batches, o, progress)
     params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     return {
         "micro_batch": preset.micro_batch,
@@ -231,16 +231,16 @@ def train_steps(
     validation: list[dict] | None,
     preset: Preset,
     first: int,
+    micro_batches: int,
     o: TrainOptions,
     progress=None,
 ) -> StepLog:
     """The training loop from step ``first`` to ``preset.steps``: per step this DP rank's
-    micro-batches of the next global batch, the checkpoint due (``o.save_step``), Megatron's
+    ``micro_batches`` micro-batches of the next global batch, the checkpoint due (``o.save_step``), Megatron's
     forward-backward schedule and the optimizer step, timed after the warm-up; validation every
     ``preset.eval_every`` steps and after the last."""
     from megatron.core import parallel_state
 
-    micro_batches = preset.micro_batches(o.dp)
     params_of_stage = [p for chunk in chunks for p in chunk.parameters()]
     forward_backward = forward_backward_function(o.graphs)
     device = parallel.device()
