@@ -157,138 +157,13 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
         preset = group_name(*group)
         layer = _ok(rows, group, "layer")
         if layer:
-            coat = _by_mode(layer).get(COAT)
-            goals += [
-                _ratio_goal(
-                    "per-layer activation memory vs the best BF16",
-                    preset,
-                    coat,
-                    best(layer, "bf16", "activation_MiB"),
-                    "activation_MiB",
-                    0.61,
-                    True,
-                    "BF16",
-                ),
-                _ratio_goal(
-                    "per-layer activation memory vs the best TE FP8 mode",
-                    preset,
-                    coat,
-                    best(layer, "te-fp8", "activation_MiB"),
-                    "activation_MiB",
-                    0.92,
-                    True,
-                    "TE FP8",
-                ),
-                _ratio_goal(
-                    "per-layer fwd+bwd time vs TE FP8 current scaling",
-                    preset,
-                    coat,
-                    _by_mode(layer).get("te-fp8-current"),
-                    "ms",
-                    0.90,
-                    True,
-                    "te-fp8-current",
-                ),
-            ]
+            goals += _layer_goals(layer, preset)
         train = _ok(rows, group, "train")
         if train:
-            held = _memory_rows(train)
-            coat = min((r for r in held if r["mode"] in DEFAULT_NAMES), key=lambda r: r["peak_MiB"], default=None)
-            mb = coat["micro_batch"] if coat else None
-            same = [r for r in train if r["micro_batch"] == mb]
-            same_held = [r for r in held if r["micro_batch"] == mb]
-            fastest = max(
-                (r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None
-            )
-            coat_rows = [r for r in same if r["mode"] in CONFIGURATIONS]
-            default_fastest = max(
-                (r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None
-            )
-            others = [r for r in coat_rows if r["mode"] not in DEFAULT_NAMES]
-            goals += [
-                _ratio_goal(
-                    "end-to-end peak memory vs BF16, equal micro-batch",
-                    preset,
-                    coat,
-                    best(same_held, "bf16", "peak_MiB"),
-                    "peak_MiB",
-                    0.55,
-                    True,
-                    "BF16",
-                ),
-                _ratio_goal(
-                    "end-to-end peak memory vs te-fp8-pa, equal micro-batch",
-                    preset,
-                    coat,
-                    _best_of_mode(same_held, "te-fp8-pa", "peak_MiB"),
-                    "peak_MiB",
-                    0.70,
-                    True,
-                    "te-fp8-pa",
-                ),
-                _ratio_goal(
-                    "tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration",
-                    preset,
-                    fastest,
-                    best(same, "bf16", "tokens_per_s", lowest=False),
-                    "tokens_per_s",
-                    1.10,
-                    False,
-                    "BF16",
-                ),
-                _ratio_goal(
-                    "tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration",
-                    preset,
-                    fastest,
-                    best(same, "te-fp8", "tokens_per_s", lowest=False),
-                    "tokens_per_s",
-                    1.10,
-                    False,
-                    "TE FP8",
-                ),
-            ]
-            if others:
-                goals.append(
-                    _ratio_goal(
-                        "default coat tokens/s vs the fastest COAT configuration, equal micro-batch",
-                        preset,
-                        default_fastest,
-                        max(coat_rows, key=lambda r: r["tokens_per_s"]),
-                        "tokens_per_s",
-                        0.97,
-                        False,
-                        "fastest COAT",
-                    )
-                )
-            start_up = _start_up_goal(train, preset)
-            if start_up is not None:
-                goals.append(start_up)
+            goals += _train_goals(train, preset)
         search = _ok(rows, group, "search")
         if search:
-            fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
-            coat = _best_of_mode(fitted, COAT, "tokens_per_s", lowest=False)
-            goals += [
-                _ratio_goal(
-                    "tokens/s at each mode's largest micro-batch vs BF16",
-                    preset,
-                    coat,
-                    best(fitted, "bf16", "tokens_per_s", lowest=False),
-                    "tokens_per_s",
-                    1.5,
-                    False,
-                    "BF16",
-                ),
-                _ratio_goal(
-                    "tokens/s at each mode's largest micro-batch vs the best TE mode",
-                    preset,
-                    coat,
-                    best(fitted, "te-fp8", "tokens_per_s", lowest=False),
-                    "tokens_per_s",
-                    1.15,
-                    False,
-                    "TE FP8",
-                ),
-            ]
+            goals += _search_goals(search, preset)
     if every_goal:
         measured = {g.goal for g in goals}
         goals += [
@@ -302,6 +177,143 @@ def evaluate(rows: list[dict], every_goal: bool = False) -> list[Goal]:
     if every_goal or any(r.get("preset") == "llama2-13b" and layout(r) == ONE_GPU for r in rows):
         goals.append(_fits_one_gpu(rows, "llama2-13b", 2, None, None, "141 GB", "H200"))
     return goals
+
+
+def _layer_goals(layer: list[dict], preset: str) -> list[Goal]:
+    """The per-layer goals of one preset's layer rows: activation memory and time."""
+    coat = _by_mode(layer).get(COAT)
+    return [
+        _ratio_goal(
+            "per-layer activation memory vs the best BF16",
+            preset,
+            coat,
+            best(layer, "bf16", "activation_MiB"),
+            "activation_MiB",
+            0.61,
+            True,
+            "BF16",
+        ),
+        _ratio_goal(
+            "per-layer activation memory vs the best TE FP8 mode",
+            preset,
+            coat,
+            best(layer, "te-fp8", "activation_MiB"),
+            "activation_MiB",
+            0.92,
+            True,
+            "TE FP8",
+        ),
+        _ratio_goal(
+            "per-layer fwd+bwd time vs TE FP8 current scaling",
+            preset,
+            coat,
+            _by_mode(layer).get("te-fp8-current"),
+            "ms",
+            0.90,
+            True,
+            "te-fp8-current",
+        ),
+    ]
+
+
+def _train_goals(train: list[dict], preset: str) -> list[Goal]:
+    """The end-to-end goals of one preset's training rows: peak memory and tokens/s at equal
+    micro-batch, the default against the other COAT configurations, the start-up."""
+    held = _memory_rows(train)
+    coat = min((r for r in held if r["mode"] in DEFAULT_NAMES), key=lambda r: r["peak_MiB"], default=None)
+    mb = coat["micro_batch"] if coat else None
+    same = [r for r in train if r["micro_batch"] == mb]
+    same_held = [r for r in held if r["micro_batch"] == mb]
+    fastest = max((r for r in same if r["mode"] in DEFAULT_NAMES), key=lambda r: r["tokens_per_s"], default=None)
+    coat_rows = [r for r in same if r["mode"] in CONFIGURATIONS]
+    others = [r for r in coat_rows if r["mode"] not in DEFAULT_NAMES]
+    goals = [
+        _ratio_goal(
+            "end-to-end peak memory vs BF16, equal micro-batch",
+            preset,
+            coat,
+            best(same_held, "bf16", "peak_MiB"),
+            "peak_MiB",
+            0.55,
+            True,
+            "BF16",
+        ),
+        _ratio_goal(
+            "end-to-end peak memory vs te-fp8-pa, equal micro-batch",
+            preset,
+            coat,
+            _best_of_mode(same_held, "te-fp8-pa", "peak_MiB"),
+            "peak_MiB",
+            0.70,
+            True,
+            "te-fp8-pa",
+        ),
+        _ratio_goal(
+            "tokens/s at equal micro-batch vs the best BF16, each in its fastest configuration",
+            preset,
+            fastest,
+            best(same, "bf16", "tokens_per_s", lowest=False),
+            "tokens_per_s",
+            1.10,
+            False,
+            "BF16",
+        ),
+        _ratio_goal(
+            "tokens/s at equal micro-batch vs the best TE FP8 mode, each in its fastest configuration",
+            preset,
+            fastest,
+            best(same, "te-fp8", "tokens_per_s", lowest=False),
+            "tokens_per_s",
+            1.10,
+            False,
+            "TE FP8",
+        ),
+    ]
+    if others:
+        goals.append(
+            _ratio_goal(
+                "default coat tokens/s vs the fastest COAT configuration, equal micro-batch",
+                preset,
+                fastest,
+                max(coat_rows, key=lambda r: r["tokens_per_s"]),
+                "tokens_per_s",
+                0.97,
+                False,
+                "fastest COAT",
+            )
+        )
+    start_up = _start_up_goal(train, preset)
+    if start_up is not None:
+        goals.append(start_up)
+    return goals
+
+
+def _search_goals(search: list[dict], preset: str) -> list[Goal]:
+    """The goals of one preset's micro-batch search rows: tokens/s at each mode's largest micro-batch."""
+    fitted = [r for r in search if r.get("largest_micro_batch", 0) > 0]
+    coat = _best_of_mode(fitted, COAT, "tokens_per_s", lowest=False)
+    return [
+        _ratio_goal(
+            "tokens/s at each mode's largest micro-batch vs BF16",
+            preset,
+            coat,
+            best(fitted, "bf16", "tokens_per_s", lowest=False),
+            "tokens_per_s",
+            1.5,
+            False,
+            "BF16",
+        ),
+        _ratio_goal(
+            "tokens/s at each mode's largest micro-batch vs the best TE mode",
+            preset,
+            coat,
+            best(fitted, "te-fp8", "tokens_per_s", lowest=False),
+            "tokens_per_s",
+            1.15,
+            False,
+            "TE FP8",
+        ),
+    ]
 
 
 UNMEASURED = [

@@ -26,6 +26,7 @@ import os
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,31 +64,11 @@ def validation_set(preset: Preset, corpus: Corpus, dp: int = 1) -> tuple[list[di
     return validation_batches(windows, global_batch, preset.vocab), digest
 
 
-def train(
-    preset: Preset,
-    mode: Mode,
-    seed: int,
-    *,
-    data_seed: int | None = None,
-    tp: int = 1,
-    dp: int = 1,
-    progress=None,
-    save: str | None = None,
-    save_step: int | None = None,
-    load: str | None = None,
-    graphs: str = "none",
-    pp: int = 1,
-    vpp: int = 1,
-    gc_mode: str = "manual",
-    overlap_grad_reduce: bool = False,
-    overlap_param_gather: bool = False,
-    step_timeout: float | None = None,
-    checkpoint_format: str = "dp_reshardable",
-    deterministic: bool = False,
-) -> dict:
-    """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
+@dataclass(frozen=True)
+class TrainOptions:
+    """How ``train`` runs (its keyword arguments).
 
-    ``seed``: the initial weights; ``data_seed``: the order of the training windows (default: ``seed``).
+    ``data_seed``: the order of the training windows (default: ``train``'s ``seed``).
 
     ``graphs``: "none" (eager), "local" (Megatron's per-layer CUDA graphs, captured at the end of
     the first step) or "full" (the forward+backward of a whole step in one graph, captured at the
@@ -108,39 +89,160 @@ def train(
     learning rate and the batches continue from there, so a resumed run sees what the
     uninterrupted one saw.
     """
-    from megatron.core import parallel_state
 
-    data_seed = seed if data_seed is None else data_seed
-    micro_batches = preset.micro_batches(dp)
+    data_seed: int | None = None
+    tp: int = 1
+    dp: int = 1
+    save: str | None = None
+    save_step: int | None = None
+    load: str | None = None
+    graphs: str = "none"
+    pp: int = 1
+    vpp: int = 1
+    gc_mode: str = "manual"
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    step_timeout: float | None = None
+    checkpoint_format: str = "dp_reshardable"
+    deterministic: bool = False
+
+
+def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) -> dict:
+    """Train ``mode`` up to step ``preset.steps``; returns the measurements (see ``coat_compare``).
+
+    ``seed``: the initial weights; ``progress``: a ``Progress`` the loop updates after each step;
+    ``options``: ``TrainOptions``' fields (the layout, CUDA graphs, checkpoints, ...).
+    """
+    o = TrainOptions(**options)
+    data_seed = seed if o.data_seed is None else o.data_seed
+    micro_batches = preset.micro_batches(o.dp)
     corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
-    data = training_windows(preset, data_seed, dp, corpus)
-    validation, validation_sha256 = validation_set(preset, corpus, dp) if preset.eval_every else (None, None)
+    data = training_windows(preset, data_seed, o.dp, corpus)
+    validation, validation_sha256 = validation_set(preset, corpus, o.dp) if preset.eval_every else (None, None)
     chunks, optimizer = build_gpt(
         preset,
         mode,
         seed,
-        tp,
-        graphs=graphs,
-        pp=pp,
-        vpp=vpp,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        deterministic=deterministic,
+        o.tp,
+        graphs=o.graphs,
+        pp=o.pp,
+        vpp=o.vpp,
+        overlap_grad_reduce=o.overlap_grad_reduce,
+        overlap_param_gather=o.overlap_param_gather,
+        deterministic=o.deterministic,
     )
-    params_of_stage = [p for chunk in chunks for p in chunk.parameters()]
-    forward_backward = forward_backward_function(graphs)
-    if save is not None:
-        os.makedirs(save, exist_ok=True)
+    if o.save is not None:
+        os.makedirs(o.save, exist_ok=True)
+    first = first_step(preset, chunks, optimizer, o)
+    log = train_steps(chunks, optimizer, data, validation, preset, first, micro_batches, o, progress)
+    params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    return {
+        "micro_batch": preset.micro_batch,
+        "global_batch": preset.global_batch_for(o.dp),
+        "micro_batches": micro_batches,
+        "seq": preset.seq,
+        "graphs": o.graphs,
+        "gc": o.gc_mode,
+        "steps": preset.steps,
+        "first_step": first,
+        "tp": o.tp,
+        "pp": o.pp,
+        "vpp": o.vpp,
+        "dp": o.dp,
+        "overlap_grad_reduce": o.overlap_grad_reduce,
+        "overlap_param_gather": o.overlap_param_gather,
+        "params": params,  # of this rank's tensor-parallel shard of its pipeline stage
+        "linear_params": sum(
+            m.weight.numel() for chunk in chunks for m in chunk.modules() if hasattr(m, "weight_cache")
+        ),  # those with FP8 copies
+        **speed_fields(preset, log, o),
+        **memory_fields(chunks, optimizer, log, params, o),
+        **all_gather_fields({k: v / len(log.step_ms) for k, v in log.gathered.items()}),
+        "vocab": preset.vocab,
+        "lr": preset.lr,
+        "lr_warmup_steps": lr_warmup_steps(preset),
+        "lr_decay": preset.lr_decay,
+        "adam_eps": preset.adam_eps,
+        "wgrad_fused_linears": [sum(c) for c in zip(*map(fused_wgrad_linears, chunks))],  # [in-GEMM, linears]
+        "losses": log.losses,
+        "data_seed": data_seed,
+        **corpus.identity(),
+        "eval_every": preset.eval_every,
+        "eval_windows": len(validation) * preset.micro_batch * o.dp if validation else 0,
+        "valid_windows_sha256": validation_sha256,
+        "valid_losses": log.valid_losses,  # [step, loss] after that many steps
+        "valid_loss": log.valid_losses[-1][1] if log.valid_losses else None,
+        "skipped_steps": log.skipped,
+        "memory_source": "cuda-allocator" if parallel.device().type == "cuda" else "saved-tensors",
+    }
+
+
+def first_step(preset: Preset, chunks: list, optimizer, o: TrainOptions) -> int:
+    """The step training starts at: 0, or the one the checkpoint ``o.load`` was written after
+    (loaded into ``chunks`` and ``optimizer``); raises where no step would be left to time."""
     first = 0
-    if load is not None:
-        first = load_checkpoint(load, chunks, optimizer, sharding_type=checkpoint_format)
+    if o.load is not None:
+        first = load_checkpoint(o.load, chunks, optimizer, sharding_type=o.checkpoint_format)
         if first is None:
-            raise ValueError(f"the checkpoint in {load} has no step: write it with coat-compare --save")
+            raise ValueError(f"the checkpoint in {o.load} has no step: write it with coat-compare --save")
     if preset.steps - first <= preset.warmup_steps:
         raise ValueError(
             f"--steps {preset.steps} leaves nothing to measure after step {first} and {preset.warmup_steps} warm-up steps; "
             f"use --steps {first + preset.warmup_steps + 1} or more"
         )
+    return first
+
+
+def speed_fields(preset: Preset, log: StepLog, o: TrainOptions) -> dict:
+    """The report's time fields: the median step time of the timed steps, tokens/s (per GPU too),
+    model FLOP/s and MFU (``flops.utilisation``)."""
+    median_ms = statistics.median(log.step_ms)
+    tokens_per_s = preset.global_batch_for(o.dp) * preset.seq / (median_ms / 1e3)
+    gpus = o.tp * o.pp * o.dp
+    return {
+        "step_ms": median_ms,
+        "step_ms_per_step": log.step_ms,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": tokens_per_s / gpus,
+        **utilisation(preset, tokens_per_s / gpus, parallel.device_name()),
+    }
+
+
+@dataclass
+class StepLog:
+    """What ``train_steps`` measured: per step the loss (every step) and time (the timed steps), the
+    validation losses, all-gather bytes; and the memory readings the report derives its parts from."""
+
+    losses: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)  # the steps after the warm-up
+    skipped: int = 0  # steps the optimizer skipped (non-finite gradients)
+    valid_losses: list[list] = field(default_factory=list)  # [step, loss]
+    gathered: Counter = field(default_factory=Counter)  # all-gather bytes over the timed steps
+    activations: int | None = None  # CPU: the bytes the first timed step saved for backward
+    static: int | None = None  # CUDA: allocated at the start of the first timed step
+    warmup_peak: int | None = None  # CUDA: peak allocated over the warm-up steps
+    warmup_reserved: int | None = None  # CUDA: peak reserved over the warm-up steps
+
+
+def train_steps(
+    chunks: list,
+    optimizer,
+    data: TrainingWindows,
+    validation: list[dict] | None,
+    preset: Preset,
+    first: int,
+    micro_batches: int,
+    o: TrainOptions,
+    progress=None,
+) -> StepLog:
+    """The training loop from step ``first`` to ``preset.steps``: per step this DP rank's
+    ``micro_batches`` micro-batches of the next global batch, the checkpoint due (``o.save_step``), Megatron's
+    forward-backward schedule and the optimizer step, timed after the warm-up; validation every
+    ``preset.eval_every`` steps and after the last."""
+    from megatron.core import parallel_state
+
+    params_of_stage = [p for chunk in chunks for p in chunk.parameters()]
+    forward_backward = forward_backward_function(o.graphs)
     device = parallel.device()
     rank = parallel_state.get_data_parallel_rank()
 
@@ -154,22 +256,20 @@ def train(
         ]
 
     cuda = device.type == "cuda"
-    losses, step_ms, skipped, valid_losses = [], [], 0, []
-    gathered = Counter()
-    activations = static = warmup_peak = warmup_reserved = None
-    collect = gc_mode == "manual"
+    log = StepLog()
+    collect = o.gc_mode == "manual"
     with AllGatherBytes() as counter, parallel.manual_gc(collect):
         for step in range(first, preset.steps):
             batches = micro(data.batch(step), micro_batches)
-            if save is not None and step == save_step:
-                save_checkpoint(save, chunks, optimizer, step=step, sharding_type=checkpoint_format)
+            if o.save is not None and step == o.save_step:
+                save_checkpoint(o.save, chunks, optimizer, step=step, sharding_type=o.checkpoint_format)
             set_learning_rate(optimizer, preset, step)
             measure = step == first + preset.warmup_steps
             if measure and cuda:
                 torch.cuda.synchronize()
-                static = torch.cuda.memory_allocated()
-                warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
-                warmup_reserved = torch.cuda.max_memory_reserved()
+                log.static = torch.cuda.memory_allocated()
+                log.warmup_peak = torch.cuda.max_memory_allocated()  # the first steps allocate the optimizer states
+                log.warmup_reserved = torch.cuda.max_memory_reserved()
                 torch.cuda.reset_peak_memory_stats()
             saved = SavedTensors(exclude=[*params_of_stage, *batches[0].values()]) if measure and not cuda else None
             before = counter.snapshot()
@@ -177,37 +277,46 @@ def train(
             start = time.perf_counter()
             if collect and step > first and (step - first) % parallel.GC_INTERVAL == 0:
                 gc.collect()  # inside the step's time, as Megatron's manual collection is in its iteration's
-            with parallel.step_watchdog(step_timeout):
+            with parallel.step_watchdog(o.step_timeout):
                 loss, ok = train_step(chunks, optimizer, batches, preset, saved, forward_backward)
             parallel.synchronize()
             if step >= first + preset.warmup_steps:
-                step_ms.append((time.perf_counter() - start) * 1e3)
-                gathered.update(per_step(before, counter.snapshot(), 1))
+                log.step_ms.append((time.perf_counter() - start) * 1e3)
+                log.gathered.update(per_step(before, counter.snapshot(), 1))
             if saved is not None:
-                activations = saved.bytes
-            skipped += not ok
-            losses.append(loss)
+                log.activations = saved.bytes
+            log.skipped += not ok
+            log.losses.append(loss)
             done = step + 1
             if validation is not None and (done % preset.eval_every == 0 or done == preset.steps):
-                with parallel.step_watchdog(step_timeout):
-                    valid = validation_loss(chunks, [micro(b, 1)[0] for b in validation], preset, graphs)
-                valid_losses.append([done, valid])
+                with parallel.step_watchdog(o.step_timeout):
+                    valid = validation_loss(chunks, [micro(b, 1)[0] for b in validation], preset, o.graphs)
+                log.valid_losses.append([done, valid])
             if progress is not None:
-                progress.update(done, loss=loss, **({"valid": valid_losses[-1][1]} if valid_losses else {}))
+                progress.update(done, loss=loss, **({"valid": log.valid_losses[-1][1]} if log.valid_losses else {}))
     if progress is not None:
         progress.close()
+    return log
+
+
+def memory_fields(chunks: list, optimizer, log: StepLog, params: int, o: TrainOptions) -> dict:
+    """The report's memory fields: peaks (this rank's, every rank's, each stage's fullest GPU), the
+    parts rank 0 holds between steps (in MiB and in bytes per parameter of its shard, ``params``),
+    and every rank's optimizer bytes. Measured by the CUDA allocator, or on a CPU as the parts plus
+    the tensors the first timed step saved for backward. A collective (``parallel.per_rank``)."""
+    from megatron.core import parallel_state
 
     parts = held_between_steps(chunks, unwrap_optimizers(optimizer))
-    params = sum(p.numel() for p in params_of_stage)
-    if cuda:
-        activations = torch.cuda.max_memory_allocated() - static
-        parts["other"] = max(0, static - sum(parts.values()))  # TE's FP8 weights, workspaces, ...
-        peak, source = max(torch.cuda.max_memory_allocated(), warmup_peak), "cuda-allocator"
+    activations = log.activations
+    if parallel.device().type == "cuda":
+        activations = torch.cuda.max_memory_allocated() - log.static
+        parts["other"] = max(0, log.static - sum(parts.values()))  # TE's FP8 weights, workspaces, ...
+        peak = max(torch.cuda.max_memory_allocated(), log.warmup_peak)
         # what the allocator held from the GPU: also the private pools of CUDA graphs, whose tensors
         # count as freed once captured (a replay allocates nothing) though their memory stays taken
-        reserved = max(torch.cuda.max_memory_reserved(), warmup_reserved)
+        reserved = max(torch.cuda.max_memory_reserved(), log.warmup_reserved)
     else:
-        peak, source = sum(parts.values()) + activations, "saved-tensors"
+        peak = sum(parts.values()) + activations
         reserved = None
     budget = {k: v / params for k, v in parts.items()}  # bytes per parameter this GPU holds between steps
     parts["optimizer"] = parts["master_weights"] + parts["states"]
@@ -220,63 +329,18 @@ def train(
             "stage": parallel_state.get_pipeline_model_parallel_rank(),
         }
     )
-    median_ms = statistics.median(step_ms)
-    tokens_per_s = preset.global_batch_for(dp) * preset.seq / (median_ms / 1e3)
-    gpus = tp * pp * dp
-    result = {
-        "micro_batch": preset.micro_batch,
-        "global_batch": preset.global_batch_for(dp),
-        "micro_batches": micro_batches,
-        "seq": preset.seq,
-        "graphs": graphs,
-        "gc": gc_mode,
-        "steps": preset.steps,
-        "first_step": first,
-        "tp": tp,
-        "pp": pp,
-        "vpp": vpp,
-        "dp": dp,
-        "overlap_grad_reduce": overlap_grad_reduce,
-        "overlap_param_gather": overlap_param_gather,
-        "params": params,  # of this rank's tensor-parallel shard of its pipeline stage
-        "linear_params": sum(
-            m.weight.numel() for chunk in chunks for m in chunk.modules() if hasattr(m, "weight_cache")
-        ),  # those with FP8 copies
-        "step_ms": median_ms,
-        "step_ms_per_step": step_ms,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_per_gpu": tokens_per_s / gpus,
-        **utilisation(preset, tokens_per_s / gpus, parallel.device_name()),
+    return {
         "peak_MiB": max(r["peak"] for r in ranks) / MIB,  # the fullest GPU's
         "peak_MiB_per_rank": [r["peak"] / MIB for r in ranks],
         "peak_MiB_per_stage": [
-            max(r["peak"] for r in ranks if r["stage"] == stage) / MIB for stage in range(pp)
+            max(r["peak"] for r in ranks if r["stage"] == stage) / MIB for stage in range(o.pp)
         ],  # the fullest GPU of each pipeline stage
         "peak_reserved_MiB": max(r["reserved"] for r in ranks) / MIB if reserved is not None else None,
         **{f"{k}_MiB": v / MIB for k, v in parts.items()},  # rank 0's
         "optimizer_MiB_per_rank": [r["optimizer"] / MIB for r in ranks],
-        "optimizer_bytes_per_param": parts["optimizer"] * dp / params,
+        "optimizer_bytes_per_param": parts["optimizer"] * o.dp / params,
         "bytes_per_param": budget,  # rank 0's parts between steps, per parameter of its model shard
-        **all_gather_fields({k: v / len(step_ms) for k, v in gathered.items()}),
-        "vocab": preset.vocab,
-        "lr": preset.lr,
-        "lr_warmup_steps": lr_warmup_steps(preset),
-        "lr_decay": preset.lr_decay,
-        "adam_eps": preset.adam_eps,
-        "wgrad_fused_linears": [sum(c) for c in zip(*map(fused_wgrad_linears, chunks))],  # [in-GEMM, linears]
-        "losses": losses,
-        "data_seed": data_seed,
-        **corpus.identity(),
-        "eval_every": preset.eval_every,
-        "eval_windows": len(validation) * preset.micro_batch * dp if validation else 0,
-        "valid_windows_sha256": validation_sha256,
-        "valid_losses": valid_losses,  # [step, loss] after that many steps
-        "valid_loss": valid_losses[-1][1] if valid_losses else None,
-        "skipped_steps": skipped,
-        "memory_source": source,
     }
-    del chunks, optimizer, params_of_stage
-    return result
 
 
 def held_between_steps(chunks: list, optimizers: list) -> dict[str, int]:

@@ -17,7 +17,9 @@ theirs under ``CoatConfig.master_weights="split"`` (the default), and each also 
     master_low                             int16, p's shape: the low half of its FP32 master
                                            weight (``coat_kernels.master``), 2 bytes per parameter
 
-``load_state_dict`` moves a checkpoint between the two: see there.
+``load_state_dict`` moves a checkpoint between the two: see there. The checkpoint formats (what
+``state_dict`` writes, the loaders' checks, the conversions to and from torch.optim.AdamW's FP32
+states) live in ``coat_megatron.optimizer.checkpoint``.
 
 Codes are kept as uint8 so that gloo (which rejects float8) leaves them alone; ``load_state_dict`` keeps
 every state tensor's dtype (torch's would cast them all to a floating-point parameter's dtype).
@@ -47,13 +49,12 @@ from typing import Iterable, Mapping
 
 import torch
 
-from coat_kernels import ExpandedFp8, dequantize_expanded, fp8_adamw_step, join_master, quantize_expanded, split_master
+from coat_kernels import ExpandedFp8, fp8_adamw_step, join_master, quantize_expanded, split_master
 
 from ..config import CoatConfig
+from . import checkpoint
+from .checkpoint import LOW, META, MOMENTS, describe_param
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-META = ("scale", "k", "center")
-LOW = "master_low"
 NONFINITE_GRADS = ("skip", "raise")
 # Gradients at or above this magnitude count as non-finite: g^2 overflows FP32 near 2^64, and an inf
 # in v gives its whole quantization group an infinite scale (torch's AdamW only freezes the element)
@@ -140,7 +141,8 @@ class CoatAdamW(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- state layout
 
-    def _fmt(self, moment: str) -> tuple[str, bool]:
+    def moment_format(self, moment: str) -> tuple[str, bool]:
+        """The FP8 format ("e4m3" or "e5m2") of ``moment`` ("exp_avg" or "exp_avg_sq") and whether it is range-expanded."""
         c = self.config
         return (c.m_format, c.m_expansion) if moment == "exp_avg" else (c.v_format, c.v_expansion)
 
@@ -148,7 +150,7 @@ class CoatAdamW(torch.optim.Optimizer):
     def split_masters(self) -> bool:
         return self.config.master_weights == "split"
 
-    def _has_low_word(self, p: torch.Tensor) -> bool:
+    def has_low_word(self, p: torch.Tensor) -> bool:
         """Whether p's FP32 master is split (p BF16, its low word in the state) rather than p itself;
         raises for a parameter this optimizer cannot step."""
         if p.dtype == torch.float32:
@@ -166,12 +168,12 @@ class CoatAdamW(torch.optim.Optimizer):
         )
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
-        split = self._has_low_word(p)
+        split = self.has_low_word(p)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         if split:  # the master starts as the BF16 value itself
             state[LOW] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
         for moment in MOMENTS:
-            fmt, expansion = self._fmt(moment)
+            fmt, expansion = self.moment_format(moment)
             zeros = ExpandedFp8.zeros(
                 p.shape,
                 group_size=self.config.optimizer_group_size,
@@ -196,7 +198,7 @@ class CoatAdamW(torch.optim.Optimizer):
     def moment(self, p: torch.Tensor, moment: str) -> ExpandedFp8:
         """A view of p's state ``moment`` ("exp_avg" or "exp_avg_sq") as ``ExpandedFp8`` (no copy)."""
         state = self.state[p]
-        fmt, expansion = self._fmt(moment)
+        fmt, expansion = self.moment_format(moment)
         dtype = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
         return ExpandedFp8(
             codes=state[f"{moment}.codes"].view(dtype),
@@ -213,7 +215,7 @@ class CoatAdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             self._init_state(p, state)
-        fmt, expansion = self._fmt(moment)
+        fmt, expansion = self.moment_format(moment)
         c = self.config
         q = quantize_expanded(
             value.detach().to(p.device, torch.float32).reshape(p.shape).contiguous(),
@@ -359,7 +361,7 @@ class CoatAdamW(torch.optim.Optimizer):
         if bool(usable.all()):
             return False
         first = int((~usable).nonzero()[0])
-        found = _describe(positions[first], params[positions[first]])
+        found = describe_param(positions[first], params[positions[first]])
         if amax[first].isfinite():
             found += f" holds {amax[first].item():.3g} (2^63 or more: its square would overflow Adam's FP32 v)"
         else:
@@ -425,20 +427,11 @@ class CoatAdamW(torch.optim.Optimizer):
 
     def format_record(self) -> dict:
         """What a checkpoint must agree on to be read: the states' formats, expansion and group size."""
-        c = self.config
-        return {
-            "m_format": c.m_format,
-            "v_format": c.v_format,
-            "m_expansion": c.m_expansion,
-            "v_expansion": c.v_expansion,
-            "group_size": c.optimizer_group_size,
-        }
+        return checkpoint.format_record(self.config)
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
-        # how the masters were kept (a reader's note: loading goes by each parameter's own state)
-        sd["coat"] = {**self.format_record(), "master_weights": self.config.master_weights}
-        return sd
+        """torch's state dict, each state tensor as held, with a ``"coat"`` record of the formats."""
+        return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict, masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Load a ``state_dict()`` of a CoatAdamW with the same state formats (``format_record``),
@@ -462,209 +455,16 @@ class CoatAdamW(torch.optim.Optimizer):
         elements, finite and positive, k within the config's [k_min, k_max], master_low int16 of the
         parameter's shape; an error names the parameter (its index and shape) and the field.
         """
-        state_dict = dict(state_dict)
-        record = state_dict.pop("coat", None)
-        if record is None:
-            raise ValueError(
-                "this state dict has no 'coat' record: it is not a CoatAdamW state dict. To start from a "
-                "torch.optim.AdamW state dict (FP32 exp_avg/exp_avg_sq), use load_fp32_state_dict()"
-            )
-        record = {key: value for key, value in record.items() if key != "master_weights"}
-        if record != self.format_record():
-            raise ValueError(
-                f"the checkpoint's optimizer states are {record}, this CoatAdamW uses {self.format_record()}: "
-                f"use a CoatConfig that matches the checkpoint, or convert through fp32_state_dict()/load_fp32_state_dict()"
-            )
-        groups = state_dict["param_groups"]
-        if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(
-                "the checkpoint has other param groups than this optimizer: build CoatAdamW with the same parameters in the same groups"
-            )
-        params = [p for group in self.param_groups for p in group["params"]]
-        indices = [i for group in groups for i in group["params"]]
-        saved = {p: state_dict["state"].get(i, {}) for p, i in zip(params, indices)}
-        masters = {} if masters is None else masters
-        for position, (p, s) in enumerate(saved.items()):
-            self._check_saved_state(position, p, s)
-        for position, (p, s) in enumerate(saved.items()):
-            self._check_master_source(position, p, s, masters)
-        super().load_state_dict(state_dict)
-        with torch.no_grad():
-            for p, s in saved.items():
-                state = self.state[p]
-                for key, value in s.items():  # the saved tensors as they are, copied
-                    state[key] = value.clone() if key == "step" else value.to(p.device, copy=True)
-                if self._has_low_word(p) and LOW not in s and (s or p in masters):  # saved with an FP32 master
-                    if state:
-                        state[LOW] = torch.empty(p.shape, dtype=torch.int16, device=p.device)
-                    self.set_master_weight(p, masters[p])  # p = its high half, the low word the rest
-                elif LOW in s and not self._has_low_word(p):  # saved split, loaded into an FP32 parameter
-                    p.copy_(join_master(p.detach().to(torch.bfloat16), state.pop(LOW).view(p.shape)))
-
-    def _check_saved_state(self, position: int, p: torch.Tensor, saved: dict) -> None:
-        """Raise unless ``saved`` (p's state in a checkpoint; empty if never stepped) has the fields,
-        shapes, dtypes and values the step needs: a wrong one would crash the step or, worse, make
-        NaN of p's weights (a NaN k, centre or scale decodes every element of its group to NaN)."""
-        if not saved:
-            return
-        what = _describe(position, p)
-        mismatch = (
-            "the checkpoint's states do not belong to these parameters: build CoatAdamW with the parameters it was "
-            "saved from, in the same order and groups"
-        )
-        damaged = "the checkpoint is damaged or was not written by CoatAdamW: load an earlier one"
-        c = self.config
-        groups = -(-p.numel() // c.optimizer_group_size)
-        expected = {"step": None}
-        for moment in MOMENTS:
-            expected[f"{moment}.codes"] = (torch.uint8, tuple(p.shape))
-            expected[f"{moment}.scale"] = (torch.float32, (groups,))
-            if self._fmt(moment)[1]:
-                expected[f"{moment}.k"] = expected[f"{moment}.center"] = (torch.float32, (groups,))
-        missing = [key for key in expected if key not in saved]
-        unknown = [key for key in saved if key not in expected and key != LOW]
-        if missing or unknown:
-            problems = [f"lacks {', '.join(missing)}"] if missing else []
-            problems += [f"has unknown {', '.join(unknown)}"] if unknown else []
-            raise ValueError(f"{what}: its saved state {' and '.join(problems)}: {mismatch}")
-        if LOW in saved:
-            expected[LOW] = (torch.int16, tuple(p.shape))
-        for key, layout in expected.items():
-            value = saved[key]
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{what}: its saved {key} is a {type(value).__name__}, not a tensor: {mismatch}")
-            if layout is None:
-                continue
-            dtype, shape = layout
-            if value.dtype != dtype or tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{what}: its saved {key} is {_dtype_name(value.dtype)} of shape {tuple(value.shape)}, "
-                    f"expected {_dtype_name(dtype)} of shape {shape}: {mismatch}"
-                )
-        step = saved["step"]
-        whole = step.numel() == 1 and math.isfinite(float(step)) and float(step) >= 0 and float(step).is_integer()
-        if not whole:
-            raise ValueError(f"{what}: its saved step is {step.tolist()}, not a whole number of steps: {damaged}")
-        for moment in MOMENTS:
-            fmt = self._fmt(moment)[0]
-            for name in META:
-                value = saved.get(f"{moment}.{name}")
-                if value is None:
-                    continue
-                if name == "k":
-                    bad = ~((value >= c.k_min) & (value <= c.k_max))  # NaN included
-                    if bad.any():
-                        raise ValueError(
-                            f"{what}: its saved {moment}.k holds {int(bad.sum())} values outside this config's "
-                            f"[k_min, k_max] = [{c.k_min}, {c.k_max}] (e.g. {value[bad][0].item()}): if the checkpoint "
-                            f"was written with other limits, load it with a CoatConfig whose k_min/k_max include them; "
-                            f"otherwise {damaged}"
-                        )
-                else:
-                    bad = ~(value.isfinite() & (value > 0))
-                    if bad.any():
-                        raise ValueError(
-                            f"{what}: its saved {moment}.{name} holds {int(bad.sum())} values that are not finite and "
-                            f"positive (e.g. {value[bad][0].item()}), which would make NaN of its weights: {damaged}"
-                        )
-            # E4M3 (fn) has NaN codes only (S.1111.111), E5M2 inf and NaN (S.11111.xx); Adam's v is not negative
-            codes = saved[f"{moment}.codes"]
-            exponent = 0x7F if fmt == "e4m3" else 0x7C
-            bad = (codes & exponent) == exponent
-            if moment == "exp_avg_sq":
-                bad |= codes > 0x80
-            if bad.any():
-                raise ValueError(
-                    f"{what}: its saved {moment}.codes hold {int(bad.sum())} FP8 codes that are inf, NaN"
-                    + (" or negative" if moment == "exp_avg_sq" else "")
-                    + f" in {fmt}: {damaged}"
-                )
-
-    def _check_master_source(self, position: int, p: torch.Tensor, saved: dict, masters: Mapping) -> None:
-        """Raise unless ``load_state_dict`` can set p's master weight exactly from its ``saved``
-        state (empty if the checkpoint never stepped p) and ``masters``."""
-        what = _describe(position, p)
-        if self._has_low_word(p) and LOW not in saved and (saved or p in masters):
-            master = masters.get(p)
-            if master is None:
-                raise ValueError(
-                    f"{what} has a split master weight here, and the checkpoint was saved with FP32 masters, which live in its "
-                    f"model's FP32 parameters: pass them, load_state_dict(state_dict, masters={{param: saved FP32 parameter}}), "
-                    f"or load into FP32 parameters"
-                )
-            if master.dtype != torch.float32 or master.shape != p.shape:
-                raise ValueError(
-                    f"masters gives {what} a {master.dtype} tensor of shape {tuple(master.shape)}: pass the saved FP32 parameter of its shape"
-                )
-        elif LOW in saved and not self._has_low_word(p):
-            value = p.detach()
-            if not torch.equal(value.to(torch.bfloat16).to(value.dtype), value):
-                raise ValueError(
-                    f"{what} is its own FP32 master here, and the checkpoint split its master into the model's BF16 weight and a "
-                    f"low word: the parameter must hold that BF16 weight to be joined with it, and holds other values. Load the "
-                    f"model's state dict first, then the optimizer's"
-                )
+        checkpoint.load_state_dict(self, state_dict, masters)
 
     def fp32_state_dict(self) -> dict:
         """This optimizer's state as torch.optim.AdamW would hold it (FP32 exp_avg, exp_avg_sq):
         ``torch.optim.AdamW(...).load_state_dict(opt.fp32_state_dict())`` continues the run."""
-        self._no_split_masters("fp32_state_dict")
-        sd = super().state_dict()
-        params = [p for group in self.param_groups for p in group["params"]]
-        state = {}
-        for index, s in sd["state"].items():
-            p = params[index]
-            state[index] = {"step": s["step"].clone()}
-            for moment in MOMENTS:
-                state[index][moment] = dequantize_expanded(
-                    self.moment(p, moment), exact_math=self.exact_math, backend=self.backend
-                ).view(p.shape)
-        sd["state"] = state
-        for group in sd["param_groups"]:
-            group.update(foreach=None, capturable=False, differentiable=False, fused=None)
-        return sd
+        return checkpoint.fp32_state_dict(self)
 
     def load_fp32_state_dict(self, state_dict: dict) -> None:
         """Load a torch.optim.AdamW state dict (FP32 exp_avg / exp_avg_sq), quantizing the moments."""
-        self._no_split_masters("load_fp32_state_dict")
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups)
-        ):
-            raise ValueError(
-                "the AdamW state dict has other param groups than this optimizer; build CoatAdamW with the same params"
-            )
-        params = [p for group in self.param_groups for p in group["params"]]
-        index_of = {i: params[j] for j, i in enumerate(i for g in groups for i in g["params"])}
-        for mine, theirs in zip(self.param_groups, groups):
-            for key, value in theirs.items():
-                if key in ("lr", "betas", "eps", "weight_decay", "initial_lr"):
-                    mine[key] = value
-        for index, s in state_dict["state"].items():
-            p = index_of[index]
-            for moment in MOMENTS:
-                self.set_moment(p, moment, s[moment])
-            self.state[p]["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
-
-    def _no_split_masters(self, what: str) -> None:
-        """Refuse where a master weight is split (a BF16 param with a low word): FP32 params are
-        their own masters under either setting."""
-        if self.split_masters and any(
-            p.dtype == torch.bfloat16 for group in self.param_groups for p in group["params"]
-        ):
-            raise ValueError(
-                f"{what}: torch.optim.AdamW on these BF16 parameters has no FP32 master weights to carry split ones; "
-                f"read them with master_weight(p), or train FP32 parameters (their own masters; Megatron: save a fully_reshardable checkpoint)"
-            )
-
-
-def _describe(position: int, p: torch.Tensor) -> str:
-    """How errors name a parameter: its index in the state dict (param groups in order), shape and dtype."""
-    return f"parameter {position} ({tuple(p.shape)}, {_dtype_name(p.dtype)})"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+        checkpoint.load_fp32_state_dict(self, state_dict)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor | None:

@@ -40,10 +40,9 @@ from megatron.core.optimizer.optimizer import ChainedOptimizer, param_group_iden
 from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout, bucket_end_divisor
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from coat_kernels import dequantize_expanded
-
 from ..config import CoatConfig
-from .adamw import META, MOMENTS, CoatAdamW, summarize_telemetry
+from .adamw import CoatAdamW, summarize_telemetry
+from .checkpoint import MOMENTS, format_record, fp32_moments, state_keys
 
 # ---------------------------------------------------------------------------------- the layout
 
@@ -311,12 +310,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
         group_index, group_order = self.model_param_group_index_map[model_param]
         main = self.optimizer.param_groups[group_index]["params"][group_order]
         self.optimizer.init_states()
-        out = {"param": self._main_fp32(main)}
-        for moment in MOMENTS:
-            out[moment] = dequantize_expanded(
-                self.optimizer.moment(main, moment), exact_math=self.optimizer.exact_math
-            ).view(-1)
-        return out
+        return {"param": self._main_fp32(main), **fp32_moments(self.optimizer, main)}
 
     @torch.no_grad()
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
@@ -341,7 +335,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             )
         step = steps.pop()
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": int(step)} for g in inner.param_groups]
-        state = {"optimizer": {"param_groups": groups}, "coat": inner.format_record()}
+        state = {"optimizer": {"param_groups": groups}, "coat": format_record(inner.config)}
         if self.grad_scaler:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
@@ -351,9 +345,9 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             return super().load_state_dict(state_dict)
         record = state_dict.get("coat")
         sharding_type = state_dict.get("param_state_sharding_type")
-        if record is not None and record != self.optimizer.format_record():
+        if record is not None and record != format_record(self.optimizer.config):
             raise ValueError(
-                f"the checkpoint's optimizer states are {record}, this run uses {self.optimizer.format_record()}: use the "
+                f"the checkpoint's optimizer states are {record}, this run uses {format_record(self.optimizer.config)}: use the "
                 f"checkpoint's CoatConfig, or save it with distrib_optim_sharding_type='fully_reshardable' (FP32 states) and load that"
             )
         if (
@@ -421,7 +415,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             numel = model_param.numel()
             s = self.optimizer.state[main]
             pieces = {"param": (self._main_fp32(main).view(-1), numel, start)}
-            for key in self._state_keys(s):
+            for key in state_keys(s):
                 if key.endswith(".codes"):
                     pieces[key] = (s[key].view(-1), numel, start)
                 else:
@@ -441,10 +435,6 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             }
         return state
 
-    @staticmethod
-    def _state_keys(state: dict) -> list[str]:
-        return [f"{m}.{k}" for m in MOMENTS for k in ("codes",) + META if f"{m}.{k}" in state]
-
     @torch.no_grad()
     def load_parameter_state_from_dp_reshardable(self, state_dict):
         names = self._coat_names()
@@ -452,7 +442,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
             loaded = state_dict[names[model_param]]
             s = self.optimizer.state[main]
             self.optimizer.set_master_weight(main, loaded["param"])
-            for key in self._state_keys(s):
+            for key in state_keys(s):
                 s[key].copy_(loaded[key].view(s[key].shape))
 
     # ------------------------------------------------------------------ telemetry

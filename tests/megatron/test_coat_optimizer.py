@@ -19,6 +19,7 @@ from tiny_gpt import checkpoint_state, forward_backward, synthetic_batches, tiny
 from coat_kernels import quantize_expanded, split_master
 from coat_megatron import CoatConfig
 from coat_megatron.optimizer import CoatDistributedOptimizer, coat_param_layout, coat_telemetry, get_coat_optimizer
+from coat_megatron.optimizer.checkpoint import state_keys
 
 G = 128
 
@@ -140,7 +141,7 @@ def _shards(optimizer) -> dict[str, dict]:
     for model_param, main, start, end in optimizer._coat_shards():
         state = optimizer.optimizer.state[main]
         tensors = {"param": optimizer._main_fp32(main).detach().clone()}  # joined when the masters are split
-        tensors.update({k: state[k].clone() for k in CoatDistributedOptimizer._state_keys(state)})
+        tensors.update({k: state[k].clone() for k in state_keys(state)})
         out[optimizer._coat_names()[model_param]] = dict(
             start=start, end=end, numel=model_param.numel(), tensors=tensors, step=float(state["step"])
         )
