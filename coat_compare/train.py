@@ -262,6 +262,7 @@ def train(
         "lr": preset.lr,
         "lr_warmup_steps": lr_warmup_steps(preset),
         "lr_decay": preset.lr_decay,
+        "lr_min_ratio": preset.lr_min_ratio,
         "adam_eps": preset.adam_eps,
         "wgrad_fused_linears": [sum(c) for c in zip(*map(fused_wgrad_linears, chunks))],  # [in-GEMM, linears]
         "losses": losses,
