@@ -6,6 +6,7 @@ arguments. A broken part would otherwise only show on the GPU, after the machine
 
 import re
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -129,6 +130,44 @@ def test_each_gpu_runs_the_parts_at_once_one_per_gpu_with_their_arguments(stand_
     with tarfile.open(out / "gpu1" / "weight-passes.tgz") as archive:
         assert {"./gpu.txt", "./weight-passes-llama2-7b.log", "./weight-passes-gpt-1b.log"} <= set(archive.getnames())
     assert "=== GPU 1: weight-passes + optimizer-step" in proc.stdout
+
+
+def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_flags(stand_ins):
+    tmp_path, env = stand_ins
+    (tmp_path / "bin" / "python3").write_text(  # the protocol's own flags; anything else recorded
+        '#!/bin/sh\n[ "$2" = coat_compare.protocol ] && exec "$REAL_PYTHON" "$@"\n'
+        'echo "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
+    )
+    env = {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "--each-gpu", "accuracy-protocol 1 bf16", "accuracy-protocol 1 bf16@run2",
+         "accuracy-protocol 2 coat@eps1e-05"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    out = tmp_path / "out"
+    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
+    common = (
+        "--steps 96 --micro-batch 4 --global-batch 128 --lr 0.0003 --lr-warmup-steps 24 --lr-decay linear "
+        "--eval-every 24 --eval-windows 768 --cuda-graphs local"
+    )
+    part = "accuracy-protocol"
+    assert by_gpu["0"] == [
+        f"coat-compare --preset gpt-1b-accuracy --modes bf16 --seed 1 --data-seed 1 {common} "
+        f"--out {out}/gpu0/{part}/seed1 --name gpt-1b-accuracy-bf16-seed1 --no-plots"
+    ]
+    assert by_gpu["1"] == [
+        f"coat-compare --preset gpt-1b-accuracy --modes bf16 --seed 1 --data-seed 1 {common} --repeat 2 "
+        f"--out {out}/gpu1/{part}/seed1 --name gpt-1b-accuracy-bf16-run2-seed1 --no-plots"
+    ]
+    assert by_gpu["2"] == [
+        f"coat-compare --preset gpt-1b-accuracy --modes coat --seed 2 --data-seed 2 {common} --adam-eps 1e-05 "
+        f"--out {out}/gpu2/{part}/seed2 --name gpt-1b-accuracy-coat-eps1e-05-seed2 --no-plots"
+    ]
+    for gpu in "012":  # three processes packed a part of one name at once, each its own archive
+        with tarfile.open(out / f"gpu{gpu}" / f"{part}.tgz") as archive:
+            assert "./gpu.txt" in archive.getnames()
 
 
 def test_a_part_past_the_limit_is_stopped_and_what_it_wrote_comes_back(stand_ins):
