@@ -128,9 +128,14 @@ def probe(preset: Preset, mode: Mode, args) -> int:
         if parallel.is_main_rank():
             print(PROBE_MARK + json.dumps(row), flush=True)
         print(f"{time.strftime('%H:%M:%S')} rank {parallel.rank()}: row made; releasing", file=sys.stderr, flush=True)
-        parallel.free_memory()
+        with parallel.step_watchdog(TEARDOWN_S):  # past it: the stacks, then exit 1 (the row stands)
+            parallel.free_memory()
+            stack.close()  # Megatron's groups and the process group
         print(f"{time.strftime('%H:%M:%S')} rank {parallel.rank()}: released; leaving", file=sys.stderr, flush=True)
     return 0
+
+
+TEARDOWN_S = 60  # a probe's tear-down (CUDA graphs, NCCL groups) takes seconds; past this it is stuck
 
 
 def prepare(preset: Preset, modes: list[Mode], args) -> None:

@@ -594,3 +594,20 @@ def test_a_tensor_parallel_run_gets_megatrons_one_device_connection(monkeypatch)
     assert probe.run_environment(["--tp", "2"]) == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert probe.run_environment(["--tp", "2"]) == {}
+
+
+def test_a_run_that_stalls_after_printing_its_row_keeps_the_row(monkeypatch):
+    """A run measured, then stuck in its tear-down (as per-layer CUDA graphs at TP 2 were on H200s):
+    the row stands, marked, and the job goes on at --run-timeout."""
+    from coat_compare import probe
+
+    stalled = (
+        "import json, time\n"
+        f"print({probe.PROBE_MARK!r} + json.dumps({{'status': 'ok', 'tokens_per_s': 1.0}}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    monkeypatch.setattr(probe, "probe_command", lambda args, world_size: [sys.executable, "-c", stalled])
+    result = probe.run_probe([], 1, timeout_s=3)
+    assert result.error == "" and result.row["status"] == "ok" and result.row["tokens_per_s"] == 1.0
+    assert result.row["teardown"] == "stalled after the row was printed; stopped at --run-timeout 3 s"
+    assert result.seconds < 30
