@@ -47,8 +47,8 @@
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
-#   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp-step-profile
-#   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp-step-profile
+#   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
+#   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp2-host-bound-and-graphs-2gpu
 #
 # The last seven parts use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
