@@ -213,7 +213,7 @@ PRESETS: dict[str, Preset] = {
             heads=16,
             seq=2048,
             micro_batch=4,
-            description="Llama-style 1.1B GPT, seq 2048, vocab 32000",
+            description="Llama-style 0.95B GPT (953M parameters), seq 2048, vocab 32000",
         ),
         Preset(
             "gpt-1b-accuracy",

@@ -14,8 +14,8 @@ test if called; the subprocess tests run the command as a user does.
 """
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
@@ -576,7 +576,9 @@ def test_a_stalled_run_of_several_processes_prints_every_ranks_stacks_and_is_kil
     assert len(pids) == 2 and result.seconds < 60
     time.sleep(1)
     for pid in pids:  # killed, not left running
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        assert (
+            not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        )
 
 
 def test_a_tensor_parallel_run_gets_megatrons_one_device_connection(monkeypatch):

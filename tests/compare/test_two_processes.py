@@ -17,11 +17,11 @@ embedding output gradient (scatter's backward)      1 x U         1 x U
 
 so BF16 = (6L + 3) U and COAT = (3L + 3) U, of which 3L U are FP8: every gather inside the
 transformer layers moves exactly half of BF16's bytes, plus one FP32 scale per rank with each of
-the forward gathers and output-gradient gathers, in a 16-byte row (cuBLASLt takes a scale only at
-a 16-byte aligned address): S = 4 x 16 bytes per layer and micro-batch (each rank's chunk keeps
-its own scale, and the gathers again for the weight gradient reuse the forward's). One layer (the
-per-layer preset) is the first three rows with L = 1 (its input is already a slice): BF16 6U, COAT
-3U of FP8 and 64 bytes of scales.
+the forward gathers and output-gradient gathers, in a 16-byte row behind the codes of the same
+uint8 message, so counted with the FP8 bytes (cuBLASLt takes a scale only at a 16-byte aligned
+address): S = 4 x 16 bytes per layer and micro-batch (each rank's chunk keeps its own scale, and
+the gathers again for the weight gradient reuse the forward's). One layer (the per-layer preset)
+is the first three rows with L = 1 (its input is already a slice): BF16 6U, COAT 3U + 64 bytes.
 
 DP = 2 with the distributed optimizer at the same global batch as DP = 1: each rank holds half
 of the optimizer bytes, and the losses are DP = 1's up to reduction order (see DP_LOSS_TOL).
@@ -82,7 +82,8 @@ def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tm
     assert (bf16["tp"], bf16["dp"]) == (2, 1)
     L = LAYERS
     assert bf16["all_gather_bytes"] == {"tp_wide": (6 * L + 3) * U}  # 491520 bytes per step
-    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U, "tp_wide": 3 * U + L * S}  # 196608 + 98304 + 128
+    # the scales packed behind their codes: 16 bytes each, in the FP8 message
+    assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U + L * S, "tp_wide": 3 * U}  # 196608 + 128, 98304
     assert coat["sp_all_gather_bytes"] == (3 * L + 3) * U + L * S and coat["sp_all_gather_fp8_bytes"] == 3 * L * U
     # the gathers COAT does in FP8 cost BF16 twice their bytes (less their scales)
     assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] + L * S == coat["sp_all_gather_fp8_bytes"]
@@ -101,7 +102,7 @@ def test_tp2_one_layer_gathers(tmp_path):
     run("--preset", "tiny-layer", "--modes", "bf16,coat", "--tp", "2", "--out", str(tmp_path))
     by = rows(tmp_path / "tiny-layer.jsonl", "layer")
     assert by["bf16"]["all_gather_bytes"] == {"tp_wide": 6 * U}
-    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 3 * U, "tp_wide": S}
+    assert by["coat"]["all_gather_bytes"] == {"tp_fp8": 3 * U + S}
     assert by["coat"]["activation_MiB"] < by["bf16"]["activation_MiB"]
     assert "SP all-gather MiB (FP8)" in (tmp_path / "tiny-layer.md").read_text()
     for r in by.values():  # a CPU's TFLOP/s say nothing of a GPU's: none, printed "-"
@@ -187,7 +188,7 @@ def test_tp2_by_dp2_accumulates_micro_batches_on_four_processes(tmp_path):
     # the sequence-parallel gathers of both micro-batches, COAT's inside the layers in FP8
     assert four["bf16"]["sp_all_gather_bytes"] == 2 * (6 * LAYERS + 3) * u
     assert four["coat"]["sp_all_gather_bytes"] == 2 * (3 * LAYERS + 3) * u + 2 * LAYERS * S
-    assert four["coat"]["sp_all_gather_fp8_bytes"] == 2 * 3 * LAYERS * u
+    assert four["coat"]["sp_all_gather_fp8_bytes"] == 2 * 3 * LAYERS * u + 2 * LAYERS * S
     # the default recipe tracks BF16 from the same TP 2 weights (measured: within 1e-3 per step)
     assert four["coat"]["losses"] == pytest.approx(four["bf16"]["losses"], abs=DP_LOSS_TOL)
     assert four["coat"]["optimizer_bytes_per_param"] < 0.4 * four["bf16"]["optimizer_bytes_per_param"]
