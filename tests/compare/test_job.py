@@ -33,10 +33,13 @@ def run_job(*args, timeout=300) -> subprocess.CompletedProcess:
     return proc
 
 
+TINY_STEPS = 20  # the preset's 40 halved: the loss has fallen below 0.65 of ln(256) by step 15
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
-    proc = run_job("--preset", "tiny", "--modes", "all", "--out", str(out))
+    proc = run_job("--preset", "tiny", "--modes", "all", "--steps", str(TINY_STEPS), "--out", str(out))
     rows = read_jsonl(out / "tiny.jsonl")
     return dict(
         out=out,
@@ -46,6 +49,7 @@ def tiny(tmp_path_factory):
     )
 
 
+@pytest.mark.xdist_group("tiny")
 def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
     rows = tiny["rows"]
     assert list(rows) == [
@@ -95,10 +99,11 @@ def test_every_mode_is_a_row_and_cpu_modes_train(tiny):
             )
 
 
+@pytest.mark.xdist_group("tiny")
 def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     rows = tiny["rows"]
     bf16, coat = rows["bf16"]["losses"], rows["coat"]["losses"]
-    assert len(bf16) == len(coat) == 40
+    assert len(bf16) == len(coat) == TINY_STEPS
     for losses in (bf16, coat):
         assert all(math.isfinite(x) for x in losses)
         assert losses[0] > 5.0  # near ln(256) = 5.55 from the same start
@@ -123,6 +128,7 @@ def test_loss_is_finite_decreases_and_coat_tracks_bf16(tiny):
     assert all(r["skipped_steps"] == 0 for r in rows.values() if r["status"] == "ok")
 
 
+@pytest.mark.xdist_group("tiny")
 def test_coat_keeps_less_optimizer_state_and_fewer_activations(tiny):
     bf16, coat, fp32 = tiny["rows"]["bf16"], tiny["rows"]["coat"], tiny["rows"]["coat-fp32"]
     assert bf16["optimizer_bytes_per_param"] == pytest.approx(12.0, abs=0.01)  # FP32 main param + FP32 m, v
@@ -146,9 +152,10 @@ def test_coat_keeps_less_optimizer_state_and_fewer_activations(tiny):
         b = r["bytes_per_param"]
         assert b["weights"] == pytest.approx(2.0, abs=0.01) and b["grads"] == pytest.approx(grads, abs=0.02)
         assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(8 * 64 / (r["step_ms"] / 1e3))
-        assert len(r["step_ms_per_step"]) == 40 - 2  # the warm-up steps are not timed
+        assert len(r["step_ms_per_step"]) == TINY_STEPS - 2  # the warm-up steps are not timed
 
 
+@pytest.mark.xdist_group("tiny")
 def test_default_coat_holds_under_8_5_bytes_per_parameter_between_steps(tiny):
     """The default recipe's (COAT's memory mode's) byte budget, every part counted from the tensors
     (tiny model: its 256-entry embeddings have no FP8 copy, so FP8 copies weigh less than 1 byte
@@ -176,6 +183,7 @@ def test_default_coat_holds_under_8_5_bytes_per_parameter_between_steps(tiny):
     assert any(line.startswith("| coat | none | 2.00 |") for line in budget), budget
 
 
+@pytest.mark.xdist_group("tiny")
 def test_markdown_has_every_row_ratios_and_goals(tiny):
     md = (tiny["out"] / "tiny.md").read_text()
     assert md == tiny["stdout"].split("report:")[0].rstrip() + "\n" or md in tiny["stdout"]
@@ -208,6 +216,7 @@ def test_markdown_has_every_row_ratios_and_goals(tiny):
 
 
 @pytest.mark.skipif(not plots.matplotlib_available(), reason="matplotlib not installed (pip install -e '.[report]')")
+@pytest.mark.xdist_group("tiny")
 def test_plots_are_png_files(tiny):
     for suffix in ("loss", "memory", "step-time"):
         data = (tiny["out"] / f"tiny-{suffix}.png").read_bytes()
@@ -222,6 +231,7 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(tmp_path, monkeypat
     assert note == "Plots skipped: matplotlib is not installed; pip install -e '.[report]' (matplotlib) and run again."
 
 
+@pytest.mark.xdist_group("tiny")
 def test_summary_states_every_goal(tiny, capsys):
     assert summarize(str(tiny["out"])) == 0
     rows = read_jsonl(tiny["out"] / "summary.jsonl")
@@ -531,14 +541,26 @@ def test_lr_decay_reaches_the_row_and_changes_only_the_steps_after_the_warm_up(t
         assert cosine[mode]["losses"][-1] != constant[mode]["losses"][-1]
 
 
-def test_adam_eps_and_lr_reach_every_optimizer_and_its_row(tmp_path):
+SHORT = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
+
+
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    """bf16 and coat, 4 steps, every option at its default: the reference of the --adam-eps, --lr
+    and --wgrad-fusion tests, run once for them."""
+    out = tmp_path_factory.mktemp("short")
+    run_job(*SHORT, "--out", str(out))
+    return {r["mode"]: r for r in read_jsonl(out / "tiny.jsonl") if r["kind"] == "train"}
+
+
+@pytest.mark.xdist_group("short")
+def test_adam_eps_and_lr_reach_every_optimizer_and_its_row(short, tmp_path):
     """--adam-eps (and --lr) set Adam's epsilon for Megatron's Adam and COAT's optimizer alike (Llama 2 was
     trained with 1e-5, Megatron's default is 1e-8); a huge one all but stops the steps."""
-    common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
-    run_job(*common, "--out", str(tmp_path / "default"))
+    common = SHORT
     run_job(*common, "--adam-eps", "10", "--out", str(tmp_path / "big"))
     run_job(*common, "--lr", "1e-9", "--out", str(tmp_path / "low"))
-    default = {r["mode"]: r for r in read_jsonl(tmp_path / "default" / "tiny.jsonl") if r["kind"] == "train"}
+    default = short
     big = {r["mode"]: r for r in read_jsonl(tmp_path / "big" / "tiny.jsonl") if r["kind"] == "train"}
     low = {r["mode"]: r for r in read_jsonl(tmp_path / "low" / "tiny.jsonl") if r["kind"] == "train"}
     for mode in ("bf16", "coat"):
@@ -568,14 +590,13 @@ def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
     assert eps("--preset", "llama2-13b", "--adam-eps", "1e-8") == 1e-8
 
 
-def test_rows_count_the_linears_that_add_their_wgrad_in_the_gemm(tmp_path):
+@pytest.mark.xdist_group("short")
+def test_rows_count_the_linears_that_add_their_wgrad_in_the_gemm(short, tmp_path):
     """Each row says how many of its linears add their wgrad into DDP's buffer inside the GEMM: all of
     COAT's by default (no apex needed), none with --wgrad-fusion off; on a CPU the BF16 local
     spec's never (Megatron's own fusion wants apex and CUDA)."""
-    common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
-    run_job(*common, "--out", str(tmp_path / "on"))
-    run_job(*common, "--wgrad-fusion", "off", "--out", str(tmp_path / "off"))
-    on = {r["mode"]: r for r in read_jsonl(tmp_path / "on" / "tiny.jsonl") if r["kind"] == "train"}
+    run_job(*SHORT, "--wgrad-fusion", "off", "--out", str(tmp_path / "off"))
+    on = short
     off = {r["mode"]: r for r in read_jsonl(tmp_path / "off" / "tiny.jsonl") if r["kind"] == "train"}
     fused, linears = on["coat"]["wgrad_fused_linears"]
     assert linears >= 4 * 2 and fused == linears - 1  # every layer's four; GPTModel's output layer is Megatron's
