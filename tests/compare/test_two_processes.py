@@ -110,37 +110,26 @@ def test_tp2_one_layer_gathers(tmp_path):
     assert "| model TFLOP/s per GPU | MFU BF16 / FP8 | activation MiB |" in (tmp_path / "tiny-layer.md").read_text()
 
 
-def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_batch(tmp_path, capsys):
-    run(
-        "--preset",
-        "tiny",
-        "--modes",
-        "bf16,coat",
-        "--steps",
-        "6",
-        "--dp",
-        "2",
-        "--micro-batch",
-        "4",
-        "--out",
-        str(tmp_path),
-        "--name",
-        "dp2",
-    )
-    run(
-        "--preset",
-        "tiny",
-        "--modes",
-        "bf16,coat",
-        "--steps",
-        "6",
-        "--micro-batch",
-        "8",
-        "--out",
-        str(tmp_path),
-        "--name",
-        "dp1",
-    )
+DP_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """The tiny preset at DP 2 (micro-batch 4) and at DP 1 (micro-batch 8), the same global batch,
+    BF16 and COAT: one pair of jobs shared by the DP 2 test, the overlap test (the DP 2 COAT run
+    is its reference without overlap) and the TP 2 x DP 2 test (one process's optimizer bytes)."""
+    out = tmp_path_factory.mktemp("dp")
+    common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", str(DP_STEPS), "--out", str(out)]
+    run(*common, "--dp", "2", "--micro-batch", "4", "--name", "dp2")
+    run(*common, "--micro-batch", "8", "--name", "dp1")
+    return out
+
+
+@pytest.mark.xdist_group("dp_runs")
+def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_batch(dp_runs, tmp_path, capsys):
+    for name in ("dp2", "dp1"):  # summarize reads every report in its folder: these two alone
+        for suffix in (".jsonl", ".md"):
+            (tmp_path / f"{name}{suffix}").write_text((dp_runs / f"{name}{suffix}").read_text())
     two, one = rows(tmp_path / "dp2.jsonl"), rows(tmp_path / "dp1.jsonl")
     for mode in ("bf16", "coat"):
         a, b = two[mode], one[mode]
@@ -164,22 +153,24 @@ def test_dp2_halves_optimizer_bytes_per_rank_and_matches_dp1_at_the_same_global_
     assert f"| tiny | coat | 1 | 8 x 64 | 2 x 4 | {diff:.1e} (step " in summary
 
 
-def test_tp2_by_dp2_accumulates_micro_batches_on_four_processes(tmp_path):
+@pytest.mark.xdist_group("dp_runs")
+def test_tp2_by_dp2_accumulates_micro_batches_on_four_processes(dp_runs, tmp_path):
     """Four ranks, TP 2 x DP 2, global batch 8 at micro-batch 2: each rank accumulates 2
     micro-batches per step (Megatron's schedule), then the distributed optimizer reduces and steps
-    its quarter. Against one process at the same global batch (4 micro-batches): each rank holds a
-    quarter of the optimizer bytes. TP 2 draws other initial weights than TP 1 (Megatron's
-    per-partition init), so the losses are compared between the modes of the 4-rank run, which
-    share them."""
+    its quarter. Against one process at the same global batch (dp_runs' DP 1 run, one micro-batch
+    of 8: the optimizer bytes do not depend on the micro-batch; one process accumulating 4
+    micro-batches is test_job's test_global_batch_accumulates_micro_batches_like_one_large_one):
+    each rank holds a quarter of the optimizer bytes. TP 2 draws other initial weights than TP 1
+    (Megatron's per-partition init), so the losses are compared between the modes of the 4-rank
+    run, which share them."""
     args = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "6", "--micro-batch", "2", "--global-batch", "8"]
     run(*args, "--tp", "2", "--dp", "2", "--out", str(tmp_path), "--name", "tp2dp2")
-    run(*args, "--out", str(tmp_path), "--name", "one")
-    four, one = rows(tmp_path / "tp2dp2.jsonl"), rows(tmp_path / "one.jsonl")
+    four, one = rows(tmp_path / "tp2dp2.jsonl"), rows(dp_runs / "dp1.jsonl")
     u = (SEQ // 2) * 2 * HIDDEN * 2  # one rank's BF16 slice of a micro-batch of 2
     for mode in ("bf16", "coat"):
         a, b = four[mode], one[mode]
         assert a["status"] == b["status"] == "ok"
-        assert (a["tp"], a["dp"], a["global_batch"], a["micro_batches"], b["micro_batches"]) == (2, 2, 8, 2, 4)
+        assert (a["tp"], a["dp"], a["global_batch"], a["micro_batches"], b["global_batch"]) == (2, 2, 8, 2, 8)
         assert len(a["optimizer_MiB_per_rank"]) == len(a["peak_MiB_per_rank"]) == 4
         for per_rank in a["optimizer_MiB_per_rank"]:  # half the parameters (TP), half of their shard (DP)
             assert per_rank / b["optimizer_MiB"] == pytest.approx(0.25, abs=0.01), (mode, per_rank, b["optimizer_MiB"])
@@ -280,15 +271,17 @@ def test_pp2_trains_the_one_process_losses_and_reports_memory_per_stage(tmp_path
     assert "## End to end: tiny at TP 1 x PP 2 x DP 1" in md and "peak MiB per pipeline stage" in md
 
 
-def test_overlapped_gradient_reduce_and_parameter_gather_train_the_same_losses(tmp_path):
+@pytest.mark.xdist_group("dp_runs")
+def test_overlapped_gradient_reduce_and_parameter_gather_train_the_same_losses(dp_runs, tmp_path):
     """Megatron's --overlap-grad-reduce and --overlap-param-gather move the DP communication into the
-    backward and the next forward: scheduling only, the same sums, so the same losses."""
-    args = ["--preset", "tiny", "--modes", "coat", "--steps", "5", "--dp", "2", "--micro-batch", "4"]
-    run(*args, "--out", str(tmp_path), "--name", "plain")
+    backward and the next forward: scheduling only, the same sums, so the same losses as dp_runs'
+    DP 2 COAT run (the same preset, steps, DP and micro-batch, without them)."""
+    args = ["--preset", "tiny", "--modes", "coat", "--steps", str(DP_STEPS), "--dp", "2", "--micro-batch", "4"]
     run(*args, "--overlap-grad-reduce", "--overlap-param-gather", "--out", str(tmp_path), "--name", "overlap")
-    plain, overlap = rows(tmp_path / "plain.jsonl"), rows(tmp_path / "overlap.jsonl")
+    plain, overlap = rows(dp_runs / "dp2.jsonl"), rows(tmp_path / "overlap.jsonl")
     for mode in ("coat",):
         assert overlap[mode]["status"] == "ok" and overlap[mode]["overlap_param_gather"]
+        assert not plain[mode]["overlap_param_gather"]
         assert overlap[mode]["losses"] == pytest.approx(plain[mode]["losses"], rel=1e-6), mode
 
 
