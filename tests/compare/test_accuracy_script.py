@@ -5,6 +5,7 @@ and its refusal of malformed mode keys."""
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,10 +125,30 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
     )
 
 
-def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for_bit(tmp_path):
+LONGER = ["--steps", "14"]  # tiny warms up for 10 steps: 4 more for a learning-rate schedule to act on
+
+
+@pytest.fixture(scope="module")
+def bf16_and_coat(tmp_path_factory):
+    """bf16 and coat, 14 steps, the constant schedule: the one run both tests below start from
+    (each copies it into its own --out, where accuracy.py finds it done)."""
+    out = tmp_path_factory.mktemp("accuracy")
+    proc = accuracy(out, "--modes", "bf16,coat", *LONGER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.xdist_group("bf16_and_coat")
+def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for_bit(bf16_and_coat, tmp_path):
     """bf16@run2: the same seed, batches and code again (coat-compare --repeat 2, a label in its
-    row): on a GPU a noise floor of nondeterministic reductions; on a CPU nothing differs."""
-    proc = accuracy(tmp_path, "--modes", "bf16,coat,bf16@run2")
+    row): on a GPU a noise floor of nondeterministic reductions; on a CPU nothing differs. bf16 and
+    coat come done from the shared run; bf16@run2 trains here."""
+    shutil.copytree(bf16_and_coat, tmp_path, dirs_exist_ok=True)
+    done = tmp_path / "seed1" / "tiny-bf16+coat.jsonl"
+    mtime = os.path.getmtime(done)
+    proc = accuracy(tmp_path, "--modes", "bf16,coat,bf16@run2", *LONGER)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.path.getmtime(done) == mtime  # not run again
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {}
     for name in ("tiny-bf16+coat", "tiny-bf16-run2"):
@@ -150,7 +171,14 @@ def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for
     os.replace(tmp_path / "seed1" / "tiny-bf16-run2.jsonl", earlier / "tiny-bf16-run2.jsonl")
     report = tmp_path / "report"
     joined = accuracy(
-        report, "--modes", "bf16,coat,bf16@run2", "--rows", str(tmp_path), "--rows", str(tmp_path / "earlier")
+        report,
+        "--modes",
+        "bf16,coat,bf16@run2",
+        *LONGER,
+        "--rows",
+        str(tmp_path),
+        "--rows",
+        str(tmp_path / "earlier"),
     )
     assert joined.returncode == 0, joined.stderr[-3000:]
     assert not (report / "seed1").exists()  # nothing ran
@@ -158,11 +186,14 @@ def test_a_repeated_run_is_its_own_column_and_on_a_cpu_repeats_the_first_bit_for
     assert f"--rows {tmp_path} --rows {tmp_path / 'earlier'}`" in (report / "accuracy.md").read_text()
 
 
-def test_runs_of_another_learning_rate_schedule_are_neither_used_nor_counted_as_done(tmp_path):
+@pytest.mark.xdist_group("bf16_and_coat")
+def test_runs_of_another_learning_rate_schedule_are_neither_used_nor_counted_as_done(bf16_and_coat, tmp_path):
     """--lr-decay reaches every run, and the rows in --out of the other schedule do not stand in for
-    its runs: a cosine report trains its own, beside the constant ones (14 steps: tiny warms up for 10)."""
-    longer = ["--steps", "14"]
-    constant = accuracy(tmp_path, "--modes", "bf16,coat", *longer)
+    its runs: a cosine report trains its own, beside the constant ones (the shared run's, 14 steps:
+    tiny warms up for 10)."""
+    longer = LONGER
+    shutil.copytree(bf16_and_coat, tmp_path, dirs_exist_ok=True)
+    constant = accuracy(tmp_path, "--modes", "bf16,coat", *longer)  # the constant runs: done
     assert constant.returncode == 0, constant.stderr[-3000:]
     first = json.loads((tmp_path / "accuracy.jsonl").read_text().splitlines()[0])
     cosine = accuracy(tmp_path, "--modes", "bf16,coat", *longer, "--lr-decay", "cosine", "--max-runs", "0")
