@@ -84,9 +84,12 @@ def test_tp2_sequence_parallel_gathers_linear_inputs_in_fp8_at_half_the_bytes(tm
     assert bf16["all_gather_bytes"] == {"tp_wide": (6 * L + 3) * U}  # 491520 bytes per step
     # the scales packed behind their codes: 16 bytes each, in the FP8 message
     assert coat["all_gather_bytes"] == {"tp_fp8": 3 * L * U + L * S, "tp_wide": 3 * U}  # 196608 + 128, 98304
-    assert coat["sp_all_gather_bytes"] == (3 * L + 3) * U + L * S and coat["sp_all_gather_fp8_bytes"] == 3 * L * U
-    # the gathers COAT does in FP8 cost BF16 twice their bytes (less their scales)
-    assert bf16["sp_all_gather_bytes"] - coat["sp_all_gather_bytes"] + L * S == coat["sp_all_gather_fp8_bytes"]
+    assert (
+        coat["sp_all_gather_bytes"] == (3 * L + 3) * U + L * S and coat["sp_all_gather_fp8_bytes"] == 3 * L * U + L * S
+    )
+    # the gathers COAT does in FP8 cost BF16 twice their codes' bytes (the scales aside)
+    codes = coat["sp_all_gather_fp8_bytes"] - L * S
+    assert bf16["sp_all_gather_bytes"] - (coat["sp_all_gather_bytes"] - L * S) == codes
     for r in (bf16, coat):
         assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2)
         assert len(r["peak_MiB_per_rank"]) == len(r["optimizer_MiB_per_rank"]) == 2
