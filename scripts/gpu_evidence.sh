@@ -49,8 +49,9 @@
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
 #   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp2-host-bound-and-graphs-2gpu
+#   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #
-# The last seven parts use several GPUs, one process each (coat-compare starts each run's torchrun
+# The last eight parts use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
 #
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
@@ -370,6 +371,13 @@ case $part in
     kill $sampler
     grep -E "^\| (${modes//,/|}) \|" "$out/gpt-1b-tp2-graphs-$tag.md"; grep -E "step|Timeout|File|Thread" "$out"/*"$tag"*failed.log | cut -c1-200 | tail -40
     tail -12 "$out/sampled-$tag.txt" ;;
+  speed-gpt-1b-tp2)
+    graphs=${1:-none,local}
+    NCCL_DEBUG=WARN run 520 "gpt-1b-tp2" coat-compare --preset gpt-1b --tp 2 --micro-batch 2 --global-batch 8 --steps 8 \
+      --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --step-timeout 120 --run-timeout 150 --out "$out" \
+      --name gpt-1b-tp2-speed --no-plots
+    rows "bf16|te-fp8-current|coat" "$out/gpt-1b-tp2-speed.md"
+    grep -rhE "row made|released|leaving|teardown|Timeout" "$out" 2>/dev/null | cut -c1-200 | tail -30 ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 packed=$(mktemp "/tmp/$part.XXXXXX")  # one per process: --each-gpu runs a part on several GPUs at once
