@@ -113,10 +113,9 @@ EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / 
 CUDA_GRAPHS_CHOICES = ("auto", "off")
 CUDA_GRAPHS_HELP = (
     "Megatron's per-layer CUDA graphs with --coat-fp8 (default auto: --cuda-graph-impl local on a GPU with COAT's "
-    "layers, at any data-parallel size, unless the command line sets --cuda-graph-impl or has an option Megatron "
-    "refuses with them (recompute, CPU or fine-grained activation offloading); not with tensor parallelism, where "
-    "a stall of COAT under graphs was seen and is not explained yet, nor with pipeline or context parallelism, "
-    "not measured with COAT yet: --cuda-graph-impl local turns them on there. off: eager)"
+    "layers, at any data- and tensor-parallel size, unless the command line sets --cuda-graph-impl or has an option "
+    "Megatron refuses with them (recompute, CPU or fine-grained activation offloading); not with pipeline or "
+    "context parallelism, not measured with COAT yet: --cuda-graph-impl local turns them on there. off: eager)"
 )
 # Options with which megatron-core 0.19 refuses per-layer graphs (TransformerConfig, validate_args)
 # or allows them only in part (selective recompute), and the flag that names each.
@@ -225,7 +224,6 @@ def cuda_graphs_by_default(args: argparse.Namespace, cuda: bool) -> tuple[bool, 
         return False, None  # the user's choice (--enable-cuda-graph / --external-cuda-graph: Megatron's older names)
     eager = "--coat-fp8 leaves Megatron's per-layer CUDA graphs off"
     layout = {
-        "tensor parallelism (graphs with tensor-parallel COAT are not cleared yet)": args.tensor_model_parallel_size,
         "pipeline parallelism (a graph per micro-batch in flight: not measured with COAT yet)": args.pipeline_model_parallel_size,
         "context parallelism (not tried with COAT)": args.context_parallel_size,
     }

@@ -7,6 +7,9 @@
   of Megatron's per-layer CUDA graphs with ``--coat-fp8``;
 - ``parallel_layout``: TP, PP (and virtual stages) and the world size checked against the model
   before Megatron's checks, naming the sizes that fit;
+- ``pipeline_outputs``: pipeline stages with per-layer CUDA graphs (a graph's output, a view, is
+  not freed: megatron-core 0.19 asserts on it, BF16 or COAT; the one patch that acts without
+  ``--coat-fp8``, where the unpatched run stops at its first micro-batch);
 - ``model``: the COAT layer spec in every ``GPTModel`` of a ``--coat-fp8`` run;
 - ``optimizer``: COAT's distributed FP8 optimizer and its group-aligned DDP layout;
 - ``report``: ``--coat-report PATH``;
@@ -17,7 +20,8 @@
   ends in one message (Megatron's table of arguments comes out only once every check passed).
 
 Without ``--coat-fp8`` on the command line the hooks pass everything through to Megatron, so a
-patched process trains exactly what the unpatched one would. Every patch checks the megatron-core
+patched process trains exactly what the unpatched one would (where the unpatched one runs at all:
+``pipeline_outputs``). Every patch checks the megatron-core
 version first; leaving the context restores everything.
 """
 
@@ -28,7 +32,18 @@ from collections.abc import Iterator
 
 import torch
 
-from . import argument_errors, arguments, model, optimizer, parallel_layout, report, telemetry, training_cpu, wheel
+from . import (
+    argument_errors,
+    arguments,
+    model,
+    optimizer,
+    parallel_layout,
+    pipeline_outputs,
+    report,
+    telemetry,
+    training_cpu,
+    wheel,
+)
 from .replacements import Replacements
 
 
@@ -46,7 +61,7 @@ def coat_megatron_patches(cpu: bool | None = None) -> Iterator[None]:
     replacements = Replacements()
     try:
         with contextlib.ExitStack() as stack:
-            for patch in (wheel, arguments, parallel_layout, model, optimizer, report, telemetry):
+            for patch in (wheel, arguments, parallel_layout, pipeline_outputs, model, optimizer, report, telemetry):
                 patch.install(replacements)
             if cpu:
                 stack.enter_context(training_cpu.install(replacements))

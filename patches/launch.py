@@ -25,11 +25,12 @@ groups, and exits with code 1 if they do not come (a rank that died or hangs).
 
 from __future__ import annotations
 
-import datetime
 import os
 import runpy
 import socket
 import sys
+import threading
+import time
 
 USAGE = (
     "usage: coat-megatron-run [--cpu] SCRIPT.py [Megatron arguments ...] [--coat-fp8 --coat-* ...]\n"
@@ -98,20 +99,92 @@ def _close_process_groups(timeout_s: float) -> None:
     """Tear down torch.distributed after the script returns, as torchrun-launched programs should:
     Megatron's ``pretrain()`` leaves its process groups open, and a process that exits with gloo's
     threads still running can abort in their destructors ("terminate called without an active
-    exception", seen once in CI after training had finished, exit code -6). The barrier before it
-    waits at most ``timeout_s`` seconds; ``PeersLostError`` if the other ranks do not come."""
+    exception", seen once in CI after training had finished, exit code -6).
+
+    In order: Megatron's per-layer CUDA graphs are released (graphs that captured NCCL kernels,
+    alive while their communicators are destroyed, held every TP 2 run with graphs at its end on
+    H200s, BF16 and COAT alike: the ranks waited in a futex at 0% GPU after the last iteration);
+    the ranks meet at a barrier kept by the rendezvous store, on the host (no NCCL kernel that a
+    stuck stream could hold), which waits at most ``timeout_s`` seconds (``PeersLostError`` if the
+    other ranks do not come); the process groups are destroyed, and a destruction that takes more
+    than ``TEARDOWN_S`` leaves the process with a line saying so and exit status 0: every rank
+    finished the script, so the training's work is done and saved."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
+    _release_cuda_graphs()
+    _store_barrier(timeout_s)
+    rank = os.environ.get("RANK", "0")
+    timer = threading.Timer(TEARDOWN_S, _leave_without_closing, args=(rank,))
+    timer.daemon = True
+    timer.start()
     try:
-        dist.barrier(async_op=True).wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as e:  # a timeout, or the connection to a rank that exited
+        dist.destroy_process_group()
+    finally:
+        timer.cancel()
+
+
+TEARDOWN_S = 30.0  # destroying the process groups takes well under a second when nothing is stuck
+_ARRIVED, _LEFT = "coat-megatron-run/arrived", "coat-megatron-run/left"
+
+
+def _release_cuda_graphs() -> None:
+    """Delete Megatron's per-layer CUDA graphs (``--cuda-graph-impl local``) and wait for the GPU."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    from megatron.core.transformer import cuda_graphs
+
+    cuda_graphs.delete_cuda_graphs()
+    torch.cuda.synchronize()
+
+
+def _store_barrier(timeout_s: float) -> None:
+    """Wait until every rank has called this, counting arrivals in the default process group's
+    store; ``PeersLostError`` after ``timeout_s`` seconds. Rank 0 then waits (at most 5 s) until
+    every rank has seen the count, because where it hosts the store (a launch by environment
+    variables, not torchrun's agent) its exit would cut off a rank still reading."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store, world, rank = distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
+    deadline = time.monotonic() + timeout_s
+    arrived = store.add(_ARRIVED, 1)
+    try:
+        while arrived < world:
+            if time.monotonic() > deadline:
+                raise PeersLostError(
+                    f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or "
+                    f"hangs; see their output): exiting without closing the process groups ({arrived} of {world} "
+                    "arrived)"
+                )
+            time.sleep(0.05)
+            arrived = store.add(_ARRIVED, 0)
+    except (RuntimeError, OSError) as e:  # the store's host went away: a rank ended
+        if isinstance(e, PeersLostError):
+            raise
         raise PeersLostError(
-            f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or hangs; "
-            f"see their output): exiting without closing the process groups ({str(e).splitlines()[0]})"
+            f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or hangs; see "
+            f"their output): exiting without closing the process groups ({str(e).splitlines()[0]})"
         ) from e
-    dist.destroy_process_group()
+    left = store.add(_LEFT, 1)
+    give_up = time.monotonic() + 5.0
+    while rank == 0 and left < world and time.monotonic() < give_up:
+        time.sleep(0.05)
+        left = store.add(_LEFT, 0)
+
+
+def _leave_without_closing(rank: str) -> None:
+    print(
+        f"coat-megatron-run: rank {rank}: the script finished on every rank, but closing the process groups took "
+        f"more than {TEARDOWN_S:g} s; leaving without them",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

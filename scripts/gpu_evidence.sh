@@ -50,8 +50,10 @@
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
 #   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
+#   pretrain-graphs-tp2-pp2                      pretrain() with graphs at TP 2 (GPUs 0,1) and PP 2 (GPUs 2,3) at once -> tp2-host-bound-and-graphs-2gpu
+#   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
-# The last eight parts use several GPUs, one process each (coat-compare starts each run's torchrun
+# The last ten parts use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
 #
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
@@ -378,6 +380,19 @@ case $part in
       --name gpt-1b-tp2-speed --no-plots
     rows "bf16|te-fp8-current|coat" "$out/gpt-1b-tp2-speed.md"
     grep -rhE "row made|released|leaving|teardown|Timeout" "$out" 2>/dev/null | cut -c1-200 | tail -30 ;;
+  pretrain-graphs-tp2-pp2)
+    (CUDA_VISIBLE_DEVICES=0,1 RES="$out/tp2" OUT="$out/tp2" LAYOUTS=tp2 MODES="bf16-graphs coat-auto" CAP=120 \
+      bash scripts/gpu_pretrain_layouts.sh >"$out/tp2.txt" 2>&1) &
+    first=$!
+    (CUDA_VISIBLE_DEVICES=2,3 RES="$out/pp2" OUT="$out/pp2" LAYOUTS=pp2 MODES="bf16-graphs coat-graphs" CAP=120 \
+      bash scripts/gpu_pretrain_layouts.sh >"$out/pp2.txt" 2>&1) &
+    wait "$first" $!
+    cat "$out/tp2/summary.md" "$out/pp2/summary.md"; grep -h "coat-megatron-run" "$out"/*/*.log | sort | uniq -c | cut -c1-200 ;;
+  resume-gpt-1b-tp2dp2)
+    steps=${1:-8}
+    run 400 resume coat-compare --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 --steps "$steps" \
+      --resume-check --resume-at dp4,1 --step-timeout 60 --run-timeout 120 --out "$out" --name gpt-1b-resume-tp2dp2 --no-plots
+    grep -E "^\| coat|resumed|exact|max" "$out/gpt-1b-resume-tp2dp2.md" 2>/dev/null | cut -c1-240 | head -20 ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 packed=$(mktemp "/tmp/$part.XXXXXX")  # one per process: --each-gpu runs a part on several GPUs at once

@@ -272,7 +272,7 @@ GRAPHS_ON = "--coat-fp8 turns on Megatron's per-layer CUDA graphs (--cuda-graph-
         ),
         (["--coat-fp8", "--enable-cuda-graph"], 1, "local", None),  # Megatron's older name for local
         (["--coat-fp8", "--coat-activations", "off"], 1, "none", None),  # Megatron's layers: not COAT's to decide
-        (["--coat-fp8", "--tensor-model-parallel-size", "2"], 2, "none", "off under tensor parallelism"),
+        (["--coat-fp8", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "local", GRAPHS_ON),
         (["--coat-fp8", "--pipeline-model-parallel-size", "2"], 2, "none", "off under pipeline parallelism"),
         (
             ["--coat-fp8", "--recompute-granularity", "selective"],

@@ -1,0 +1,38 @@
+"""Pipeline parallelism with Megatron's per-layer CUDA graphs: a stage output that is a view is kept.
+
+Under pipeline parallelism Megatron frees each stage's forward output once it is sent
+(``schedules.deallocate_output_tensor``: ``out.data`` replaced by one element; the backward then
+needs only its autograd node). That function asserts the output is no view ("counter-productive to
+free a view of another tensor"). With ``--cuda-graph-impl local`` the last layer of a stage runs as
+a recorded or replayed graph, whose output reaches the schedule as a view of the graph's static
+buffer, so in megatron-core 0.19 every PP run with per-layer graphs stops at its first micro-batch,
+BF16 (TE layers) and ``--coat-fp8`` alike (measured on 4 x H200 at TP 2 x PP 2; fixed upstream
+after 0.19 by making that output viewless, Megatron-LM pull request 6168).
+
+Freeing a view's ``.data`` would free nothing: its memory belongs to the tensor it views (here
+the graph's pool, which stays allocated for the replays). The patch therefore leaves a view as it
+is and frees every other output as Megatron does, so a run without graphs frees exactly what it
+did, and a graphed run keeps the few stage outputs it could not have freed anyway.
+"""
+
+from __future__ import annotations
+
+from .replacements import Replacements
+from .version import require_megatron_core
+
+
+def install(replacements: Replacements) -> None:
+    """Replace ``megatron.core.pipeline_parallel.schedules.deallocate_output_tensor`` (called by
+    name from the schedules in that module, and recursively from itself)."""
+    require_megatron_core(__name__)
+    import torch
+    from megatron.core.pipeline_parallel import schedules
+
+    deallocate = schedules.deallocate_output_tensor
+
+    def deallocate_output_tensor_keeping_views(out, deallocate_pipeline_outputs=False):
+        if isinstance(out, torch.Tensor) and out._base is not None:
+            return  # a view of a CUDA graph's output buffer: its memory is the buffer's
+        deallocate(out, deallocate_pipeline_outputs)
+
+    replacements.replace(schedules, "deallocate_output_tensor", deallocate_output_tensor_keeping_views)
