@@ -125,7 +125,7 @@ def _close_process_groups(timeout_s: float) -> None:
         timer.cancel()
 
 
-TEARDOWN_S = 30.0  # destroying the process groups takes well under a second when nothing is stuck
+TEARDOWN_S = 15.0  # destroying the process groups takes well under a second when nothing is stuck
 _ARRIVED, _LEFT = "coat-megatron-run/arrived", "coat-megatron-run/left"
 
 

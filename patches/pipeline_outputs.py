@@ -1,4 +1,4 @@
-"""Pipeline parallelism with Megatron's per-layer CUDA graphs: a stage output that is a view is kept.
+"""Pipeline parallelism with Megatron's per-layer CUDA graphs: a stage output that is a view is pseudo-freed too.
 
 Under pipeline parallelism Megatron frees each stage's forward output once it is sent
 (``schedules.deallocate_output_tensor``: ``out.data`` replaced by one element; the backward then
@@ -9,10 +9,11 @@ buffer, so in megatron-core 0.19 every PP run with per-layer graphs stops at its
 BF16 (TE layers) and ``--coat-fp8`` alike (measured on 4 x H200 at TP 2 x PP 2; fixed upstream
 after 0.19 by making that output viewless, Megatron-LM pull request 6168).
 
-Freeing a view's ``.data`` would free nothing: its memory belongs to the tensor it views (here
-the graph's pool, which stays allocated for the replays). The patch therefore leaves a view as it
-is and frees every other output as Megatron does, so a run without graphs frees exactly what it
-did, and a graphed run keeps the few stage outputs it could not have freed anyway.
+The patch pseudo-frees a view as Megatron frees any other output: its ``.data`` becomes one
+element, which the backward's ``custom_backward`` asserts (it runs the autograd engine from the
+output's node, whose shape it no longer checks). That frees no memory, because a view's memory
+belongs to the tensor it views (here the graph's pool, which stays allocated for the replays), and
+it leaves that tensor untouched. A run without graphs frees exactly what it did.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def install(replacements: Replacements) -> None:
     deallocate = schedules.deallocate_output_tensor
 
     def deallocate_output_tensor_keeping_views(out, deallocate_pipeline_outputs=False):
-        if isinstance(out, torch.Tensor) and out._base is not None:
-            return  # a view of a CUDA graph's output buffer: its memory is the buffer's
+        if deallocate_pipeline_outputs and isinstance(out, torch.Tensor) and out._base is not None:
+            # a view of a CUDA graph's output buffer: the buffer keeps its memory and its values
+            out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+            return
         deallocate(out, deallocate_pipeline_outputs)
 
     replacements.replace(schedules, "deallocate_output_tensor", deallocate_output_tensor_keeping_views)

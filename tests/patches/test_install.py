@@ -58,18 +58,32 @@ def test_prebuilt_dataset_helpers_are_not_rebuilt(monkeypatch):
         dataset_utils.compile_helpers()
 
 
-def test_a_pipeline_output_that_is_a_view_is_kept_and_any_other_is_freed():
+def test_a_pipeline_output_that_is_a_view_is_pseudo_freed_and_its_backward_runs():
     """Megatron 0.19 asserts that a stage output it frees is no view, which a per-layer CUDA graph's
-    output is (every PP run with graphs stopped at its first micro-batch on GPUs): the patch leaves a
-    view alone, inside lists too, and frees the rest as Megatron does."""
-    base = torch.arange(12.0).reshape(3, 4)
-    view, plain, listed = base[1:], torch.ones(5), [base[:1], torch.ones(6)]
+    output is (every PP run with graphs stopped at its first micro-batch on GPUs): the patch
+    pseudo-frees a view as any other output (one element left, what the backward's custom_backward
+    asserts), inside lists too, leaves the tensor it views untouched, and the backward from it
+    gives the gradients it would have given."""
+
+    class Double(torch.autograd.Function):  # stands for a graph's replay node
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    x = torch.randn(3, 4, requires_grad=True)
+    base = Double.apply(x)
+    view, plain, listed, kept = base[1:], torch.ones(5), [base[:1], torch.ones(6)], torch.ones(3)
     with pytest.raises(AssertionError, match="counter-productive to free a view"):
         schedules.deallocate_output_tensor(view, True)
     with coat_megatron_patches():
-        schedules.deallocate_output_tensor(view, True)
-        schedules.deallocate_output_tensor(plain, True)
-        schedules.deallocate_output_tensor(listed, True)
-        schedules.deallocate_output_tensor(torch.ones(3), False)  # Megatron's switch still decides
-    assert view.shape == (2, 4) and torch.equal(view, torch.arange(4.0, 12.0).reshape(2, 4))
-    assert plain.numel() == 1 and listed[1].numel() == 1 and listed[0].shape == (1, 4)
+        for out in (view, plain, listed):
+            schedules.deallocate_output_tensor(out, True)
+        schedules.deallocate_output_tensor(kept, False)  # Megatron's switch still decides
+        schedules.custom_backward(view, torch.ones(2, 4))
+    assert view.numel() == plain.numel() == listed[0].numel() == listed[1].numel() == 1 and kept.numel() == 3
+    assert base.shape == (3, 4) and torch.equal(base, x.detach() * 2)
+    assert torch.equal(x.grad, torch.tensor([[0.0] * 4, [2.0] * 4, [2.0] * 4]))
