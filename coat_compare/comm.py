@@ -145,16 +145,22 @@ def per_step(before: dict[str, int], after: dict[str, int], steps: int) -> dict[
     return {k: (after.get(k, 0) - before.get(k, 0)) / steps for k in keys}
 
 
-def all_gather_fields(per_step_bytes: dict[str, float]) -> dict:
+def all_gather_fields(per_step_bytes: dict[str, float], *, graphed_layers: bool = False) -> dict:
     """The row fields of all-gather bytes per step (or per fwd+bwd): ``sp_all_gather_bytes``
     (over the tensor-parallel group: sequence parallel), ``sp_all_gather_fp8_bytes`` (of which
     1-byte elements), ``dp_all_gather_bytes`` (the distributed optimizer's parameter gather) and
-    every count (``all_gather_bytes``)."""
+    every count (``all_gather_bytes``).
+
+    ``graphed_layers``: the steps replayed CUDA graphs of the transformer layers, whose gathers
+    run on the GPU without a Python call, so that only the gathers outside the layers were
+    counted (the output layer's input). The sequence-parallel fields are then None (shown as "-")
+    rather than a part passed off as the whole; the same mode's eager row has them. The
+    distributed optimizer's gather runs outside any graph and stays counted."""
     tp = per_step_bytes.get("tp_wide", 0) + per_step_bytes.get("tp_fp8", 0)
     dp = per_step_bytes.get("dp_wide", 0) + per_step_bytes.get("dp_fp8", 0)
     return {
-        "sp_all_gather_bytes": tp,
-        "sp_all_gather_fp8_bytes": per_step_bytes.get("tp_fp8", 0),
+        "sp_all_gather_bytes": None if graphed_layers else tp,
+        "sp_all_gather_fp8_bytes": None if graphed_layers else per_step_bytes.get("tp_fp8", 0),
         "dp_all_gather_bytes": dp,
         "all_gather_bytes": dict(per_step_bytes),
     }

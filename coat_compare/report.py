@@ -450,7 +450,8 @@ BUDGET_NOTE = (
 SEVERAL_GPUS = (
     "On several GPUs: memory columns are rank 0's, except the per-GPU lists (rank 0 / rank 1 / ...) and peak MiB "
     "(the fullest GPU's); tokens/s is global. SP all-gather: bytes each rank sends per step (per fwd+bwd for a layer) "
-    "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets; "
+    "in all-gathers over the tensor-parallel group (sequence parallel), with the 1-byte (FP8) part in brackets "
+    "(- with CUDA graphs: a replayed layer's gathers make no Python call to count; the eager row has them); "
     "DP all-gather: the distributed optimizer's parameter gather."
 )
 TABLES = {

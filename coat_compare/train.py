@@ -157,7 +157,9 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
         ),  # those with FP8 copies
         **speed_fields(preset, log, o),
         **memory_fields(chunks, optimizer, log, params, o),
-        **all_gather_fields({k: v / len(log.step_ms) for k, v in log.gathered.items()}),
+        **all_gather_fields(
+            {k: v / len(log.step_ms) for k, v in log.gathered.items()}, graphed_layers=o.graphs != "none"
+        ),
         "vocab": preset.vocab,
         "lr": preset.lr,
         "lr_warmup_steps": lr_warmup_steps(preset),

@@ -314,3 +314,18 @@ def test_model_flops_per_token_and_a_layers_share_of_them():
     half = layer_utilisation(layer, 10.0, 2, "NVIDIA H200")  # the same layer split over 2 GPUs: half each
     assert half["model_tflops_per_gpu"] == pytest.approx(u["model_tflops_per_gpu"] / 2)
     assert layer_utilisation(layer, 10.0, 1, "CPU")["mfu_bf16"] is None  # no peak known
+
+
+def test_graphed_rows_carry_no_sequence_parallel_gather_bytes_only_the_parameter_gather():
+    """Under per-layer CUDA graphs the layers' gathers replay without a Python call, so the counter
+    sees only those outside the layers (the output layer's input): the row says "not counted"
+    (None, "-" in the table) instead of that part; the parameter gather, outside any graph, stays."""
+    from coat_compare.comm import all_gather_fields
+
+    counted = {"tp_wide": 96.0 * 2**20, "tp_fp8": 0.0, "dp_wide": 3213.25 * 2**20}
+    eager = all_gather_fields(counted)
+    graphed = all_gather_fields(counted, graphed_layers=True)
+    assert eager["sp_all_gather_bytes"] == 96 * 2**20 and eager["sp_all_gather_fp8_bytes"] == 0
+    assert graphed["sp_all_gather_bytes"] is None and graphed["sp_all_gather_fp8_bytes"] is None
+    assert graphed["dp_all_gather_bytes"] == eager["dp_all_gather_bytes"] == 3213.25 * 2**20
+    assert graphed["all_gather_bytes"] == counted  # the raw counts stay in the row
