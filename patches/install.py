@@ -8,8 +8,8 @@
 - ``parallel_layout``: TP, PP (and virtual stages) and the world size checked against the model
   before Megatron's checks, naming the sizes that fit;
 - ``pipeline_outputs``: pipeline stages with per-layer CUDA graphs (a graph's output, a view, is
-  not freed: megatron-core 0.19 asserts on it, BF16 or COAT; the one patch that acts without
-  ``--coat-fp8``, where the unpatched run stops at its first micro-batch);
+  pseudo-freed like any stage output, where megatron-core 0.19 asserts on it, BF16 or COAT; the one
+  patch that acts without ``--coat-fp8``, where the unpatched run stops at its first micro-batch);
 - ``model``: the COAT layer spec in every ``GPTModel`` of a ``--coat-fp8`` run;
 - ``optimizer``: COAT's distributed FP8 optimizer and its group-aligned DDP layout;
 - ``report``: ``--coat-report PATH``;

@@ -101,14 +101,13 @@ def _close_process_groups(timeout_s: float) -> None:
     threads still running can abort in their destructors ("terminate called without an active
     exception", seen once in CI after training had finished, exit code -6).
 
-    In order: Megatron's per-layer CUDA graphs are released (graphs that captured NCCL kernels,
-    alive while their communicators are destroyed, held every TP 2 run with graphs at its end on
-    H200s, BF16 and COAT alike: the ranks waited in a futex at 0% GPU after the last iteration);
-    the ranks meet at a barrier kept by the rendezvous store, on the host (no NCCL kernel that a
-    stuck stream could hold), which waits at most ``timeout_s`` seconds (``PeersLostError`` if the
-    other ranks do not come); the process groups are destroyed, and a destruction that takes more
-    than ``TEARDOWN_S`` leaves the process with a line saying so and exit status 0: every rank
-    finished the script, so the training's work is done and saved."""
+    In order: Megatron's per-layer CUDA graphs are released; the ranks meet at a barrier kept by
+    the rendezvous store, on the host (no NCCL kernel that a stuck stream could hold), which waits
+    at most ``timeout_s`` seconds (``PeersLostError`` if the other ranks do not come); then the
+    process groups are destroyed. After per-layer graphs at TP 2 that destruction never returned on
+    H200s, BF16 and COAT alike, even with the graphs released first (cause not found), so one that
+    takes more than ``TEARDOWN_S`` leaves the process with a line saying so and exit status 0:
+    every rank finished the script, so the training's work is done and saved."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -151,24 +150,24 @@ def _store_barrier(timeout_s: float) -> None:
 
     store, world, rank = distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
     deadline = time.monotonic() + timeout_s
-    arrived = store.add(_ARRIVED, 1)
+
+    def lost(detail: str) -> PeersLostError:
+        return PeersLostError(
+            f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or hangs; see "
+            f"their output): exiting without closing the process groups ({detail})"
+        )
+
     try:
+        arrived = store.add(_ARRIVED, 1)
         while arrived < world:
             if time.monotonic() > deadline:
-                raise PeersLostError(
-                    f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or "
-                    f"hangs; see their output): exiting without closing the process groups ({arrived} of {world} "
-                    "arrived)"
-                )
+                raise lost(f"{arrived} of {world} arrived")
             time.sleep(0.05)
             arrived = store.add(_ARRIVED, 0)
+    except PeersLostError:
+        raise
     except (RuntimeError, OSError) as e:  # the store's host went away: a rank ended
-        if isinstance(e, PeersLostError):
-            raise
-        raise PeersLostError(
-            f"the other ranks did not reach the end of the script within {timeout_s:g} s (one died or hangs; see "
-            f"their output): exiting without closing the process groups ({str(e).splitlines()[0]})"
-        ) from e
+        raise lost(str(e).splitlines()[0]) from e
     left = store.add(_LEFT, 1)
     give_up = time.monotonic() + 5.0
     while rank == 0 and left < world and time.monotonic() < give_up:

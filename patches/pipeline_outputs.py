@@ -31,11 +31,11 @@ def install(replacements: Replacements) -> None:
 
     deallocate = schedules.deallocate_output_tensor
 
-    def deallocate_output_tensor_keeping_views(out, deallocate_pipeline_outputs=False):
+    def deallocate_output_tensor_views_too(out, deallocate_pipeline_outputs=False):
         if deallocate_pipeline_outputs and isinstance(out, torch.Tensor) and out._base is not None:
             # a view of a CUDA graph's output buffer: the buffer keeps its memory and its values
             out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
             return
         deallocate(out, deallocate_pipeline_outputs)
 
-    replacements.replace(schedules, "deallocate_output_tensor", deallocate_output_tensor_keeping_views)
+    replacements.replace(schedules, "deallocate_output_tensor", deallocate_output_tensor_views_too)
