@@ -32,6 +32,9 @@ coat-recompute     coat with ``recompute_norm_output=True`` (opt-in: less memory
 coat-tp-ring       coat with ``tp_comm_overlap=True``: under sequence parallelism each chunk exchange
                    is a ring of point-to-point transfers overlapped with the GEMMs instead of one
                    collective (the same arithmetic): what the overlap is worth
+coat-fp8-gather    coat with ``fp8_param_gather=True``: the distributed optimizer's parameter all-gather
+                   sends COAT linears' weights as FP8 codes (1 byte per element instead of 2); the
+                   same training (bit for bit on the CPU), fewer bytes over data parallelism
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states and masters,
                    FP32 gradient buffers)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
@@ -136,6 +139,7 @@ MODES: dict[str, Mode] = {
         ),
         Mode("coat-recompute", "coat", "coat", coat=CoatConfig(recompute_norm_output=True)),
         Mode("coat-tp-ring", "coat", "coat", coat=CoatConfig(tp_comm_overlap=True)),
+        Mode("coat-fp8-gather", "coat", "coat", coat=CoatConfig(fp8_param_gather=True)),
         Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),
         Mode("coat-opt", "best-bf16", "coat", coat=CoatConfig()),
         Mode("coat-opt-states", "best-bf16", "coat", coat=CoatConfig(master_weights="fp32", grad_buffers="fp32")),
@@ -152,8 +156,9 @@ RETIRED = {
 # Not in "all": for one layer coat-act is coat and the others are bf16. coat-opt's parts: its FP8
 # states (coat-opt-states), its BF16 gradient sum (bf16-grads) and its split masters (the rest).
 ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")
-# Not in "all" either: without tensor parallelism it is coat, run twice.
-TENSOR_PARALLEL_VARIANTS = ("coat-tp-ring",)
+# Not in "all" either: without tensor parallelism coat-tp-ring is coat, run twice, and without data
+# parallelism so is coat-fp8-gather.
+PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather")
 DEFAULT_MODES = [
     "bf16",
     "te-fp8-delayed",
@@ -170,7 +175,7 @@ def parse_modes(text: str) -> list[Mode]:
     """``"bf16,te-fp8,coat"`` -> Modes, aliases resolved, duplicates dropped, order kept; ``"all"``
     is every mode but the ablations and the tensor-parallel variants."""
     if text.strip() == "all":
-        return [m for m in MODES.values() if m.name not in (*ABLATIONS, *TENSOR_PARALLEL_VARIANTS)]
+        return [m for m in MODES.values() if m.name not in (*ABLATIONS, *PARALLEL_VARIANTS)]
     names = []
     for raw in text.split(","):
         name = ALIASES.get(raw.strip(), raw.strip())

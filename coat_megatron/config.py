@@ -123,6 +123,14 @@ class CoatConfig:
             (always in the GEMM; an error where cuBLASLt cannot take the shape) or "add" (the
             product in an FP32 temporary, then an add: the path before the fused one, kept for
             comparisons). The CPU always adds.
+        fp8_param_gather: the distributed optimizer's parameter all-gather moves each COAT
+            linear's weight as FP8 codes with one per-tensor scale (1 byte per element instead of
+            BF16's 2; the other parameters stay BF16), received in the idle gradient buffer, so
+            no memory is added (``coat_megatron.optimizer.param_gather``). Each replica then holds
+            the other ranks' shards as dequantized codes, from which the layers make the same FP8
+            weight as from the exact values. Off by default (on a one-host NVLink link the BF16
+            gather is cheap; docs/multi-gpu.md has the measurement). Needs COAT's optimizer and
+            layers.
     """
 
     activations: bool = True
@@ -147,6 +155,7 @@ class CoatConfig:
     fuse_wgrad_accumulation: bool = True
     tp_comm_overlap: bool = False
     wgrad_accumulate: str = "auto"
+    fp8_param_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -159,6 +168,7 @@ class CoatConfig:
             "cache_weight_transpose",
             "fuse_wgrad_accumulation",
             "tp_comm_overlap",
+            "fp8_param_gather",
         ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
         # unset: W's codes are kept exactly where W^T's are (the cached configuration)
@@ -177,6 +187,11 @@ class CoatConfig:
                 raise ValueError(f"{name}={value!r} is not an FP8 format: use 'e4m3' or 'e5m2'")
         self._resolve_master_weights()
         self._resolve_grad_buffers()
+        if self.fp8_param_gather and not (self.optimizer and self.activations):
+            raise ValueError(
+                "fp8_param_gather replaces the parameter gather of COAT's distributed optimizer and sends COAT linears' "
+                "weights as FP8: it needs optimizer=True and activations=True (or set fp8_param_gather=False)"
+            )
         _check_choice(
             "wgrad_accumulate", self.wgrad_accumulate, ACCUMULATE_BACKENDS, "'auto' adds in the GEMM where cuBLASLt can"
         )

@@ -107,6 +107,10 @@ KNOBS: dict[str, tuple[dict, str]] = {
         dict(choices=ACCUMULATE_BACKENDS),
         "how COAT's linears add a weight gradient into a gradient buffer that already holds a sum, in later micro-batches and in every micro-batch under per-layer CUDA graphs (default auto: inside the GEMM where cuBLASLt can, else through an FP32 temporary and an add); cublaslt: always inside the GEMM; add: always the temporary and the add, for comparisons",
     ),
+    "fp8_param_gather": (
+        dict(type=_switch, metavar="on|off"),
+        "the distributed optimizer's parameter all-gather sends COAT linears' weights as FP8 codes with one scale per weight (1 byte per element instead of 2; other parameters stay BF16), received in the idle gradient buffer (no memory added): COAT's --fp8-param-gather. Default off",
+    ),
 }
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
@@ -197,6 +201,8 @@ def check_coat_args(args: argparse.Namespace) -> None:
         problems.append(
             "--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8"
         )
+    if coat.fp8_param_gather:
+        problems += _param_gather_problems(args)
     problems += _memory_problems(args, coat)
     if problems:
         raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
@@ -364,7 +370,19 @@ def _optimizer_problems(args) -> list[str]:
         )
     if getattr(args, "fp8_param_gather", False):
         problems.append(
-            "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): drop it"
+            "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): "
+            "drop it, and add --coat-fp8-param-gather on for COAT's FP8 parameter gather"
+        )
+    return problems
+
+
+def _param_gather_problems(args) -> list[str]:
+    problems = []
+    if getattr(args, "check_weight_hash_across_dp_replicas_interval", None):
+        problems.append(
+            "--coat-fp8-param-gather on leaves each replica the other ranks' weight shards as dequantized FP8 codes "
+            "(the same FP8 weights, not the same BF16 bytes), so --check-weight-hash-across-dp-replicas-interval "
+            "would report a mismatch: drop one of them"
         )
     return problems
 

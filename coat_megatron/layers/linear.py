@@ -30,6 +30,13 @@ def _coat_kwargs(kwargs: dict) -> CoatConfig:
     return kwargs.pop("coat_config", None) or CoatConfig()
 
 
+def _tag_weight(module) -> None:
+    # the weight is read only through per-tensor FP8 quantization in this format: the distributed
+    # optimizer may gather it as FP8 codes (coat_megatron.optimizer.param_gather)
+    if module.weight is not None:
+        module.weight.coat_fp8_format = module.coat.weight_format
+
+
 def _weights_loaded(module, incompatible_keys) -> None:
     # loaded weights are new values outside an optimizer step: under CUDA graphs only the device
     # generation tells a replayed layer that its FP8 copy is stale
@@ -45,6 +52,7 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)
+        _tag_weight(self)
         self.output_form = OutputForm.BF16
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
@@ -81,6 +89,7 @@ class CoatRowParallelLinear(RowParallelLinear):
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)
+        _tag_weight(self)
         self.input_saved_by_producer = input_saved_by_producer
 
     def forward(self, input_):

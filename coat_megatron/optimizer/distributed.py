@@ -43,6 +43,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from ..config import CoatConfig
 from .adamw import CoatAdamW, summarize_telemetry
 from .checkpoint import MOMENTS, format_record, fp32_moments, state_keys
+from .param_gather import Fp8ParamGather, gather_exact_params, install_fp8_param_gather
 
 # ---------------------------------------------------------------------------------- the layout
 
@@ -159,6 +160,7 @@ class CoatDistributedOptimizer(DistributedOptimizer):
     shards. Made by ``get_coat_optimizer`` (which converts Megatron's own instance in place)."""
 
     optimizer: CoatAdamW
+    fp8_param_gathers: tuple[Fp8ParamGather, ...] = ()  # CoatConfig.fp8_param_gather: set by get_coat_optimizer
 
     @staticmethod
     def compute_full_param_layout(
@@ -324,7 +326,19 @@ class CoatDistributedOptimizer(DistributedOptimizer):
 
     # ------------------------------------------------------------------ common state
 
+    def sharded_state_dict(self, model_sharded_state_dict={}, is_loading=False, sharding_type=None, metadata=None):  # noqa: B006 - Megatron's signature
+        if not is_loading:
+            self._gather_exact_params()
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, sharding_type, metadata)
+
+    def _gather_exact_params(self) -> None:
+        """Under the FP8 parameter gather each replica holds the other ranks' shards as dequantized
+        codes; a checkpoint is about to read the model's weights: give them the exact BF16 values."""
+        if self.fp8_param_gathers:
+            gather_exact_params(self.model_chunks)
+
     def state_dict(self):
+        self._gather_exact_params()
         if self.is_stub_optimizer:
             return super().state_dict()
         inner = self.optimizer
@@ -484,13 +498,12 @@ def get_coat_optimizer(config: OptimizerConfig, model_chunks: list, coat_config:
         )
     if config.optimizer_cpu_offload:
         problems.append("optimizer_cpu_offload is not supported with COAT")
-    if any(
-        getattr(c.ddp_config, "use_megatron_fsdp", False) or getattr(c.ddp_config, "fp8_param_gather", False)
-        for c in model_chunks
-        if hasattr(c, "ddp_config")
-    ):
+    if any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in model_chunks if hasattr(c, "ddp_config")):
+        problems.append("Megatron-FSDP is not supported with COAT: use DDP with the distributed optimizer")
+    if any(getattr(c.ddp_config, "fp8_param_gather", False) for c in model_chunks if hasattr(c, "ddp_config")):
         problems.append(
-            "Megatron-FSDP and fp8_param_gather are not supported with COAT: use DDP with the distributed optimizer"
+            "the DDP config's fp8_param_gather gathers TransformerEngine's FP8 weights, which COAT does not make: "
+            "turn it off and set CoatConfig(fp8_param_gather=True) (--coat-fp8-param-gather on) for COAT's FP8 gather"
         )
     if problems:
         raise ValueError("get_coat_optimizer: " + "; ".join(problems))
@@ -503,6 +516,18 @@ def get_coat_optimizer(config: OptimizerConfig, model_chunks: list, coat_config:
         CoatDistributedOptimizer.convert(opt, coat_config, config)
     if isinstance(optimizer, ChainedOptimizer) and optimizer.chained_optimizers:
         optimizer.config = optimizer.chained_optimizers[0].config  # the chain reads its first part's flags
+    if coat_config.fp8_param_gather:
+        parts = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+        if len(parts) > 1:
+            # Megatron's step gathers every bucket group of the model after the first part's step,
+            # and this gather lands in the gradient buffers the later parts have yet to read
+            raise ValueError(
+                f"fp8_param_gather needs one distributed optimizer over the model, and get_megatron_optimizer made "
+                f"{len(parts)} (expert-parallel or separately configured parameters): set fp8_param_gather=False"
+            )
+        gathers = tuple(install_fp8_param_gather(model_chunks))
+        for opt in parts:
+            opt.fp8_param_gathers = gathers
     return optimizer
 
 

@@ -338,6 +338,24 @@ def test_transformer_engines_tensor_parallel_overlap_and_fp8_weights_are_refused
     monkeypatch.setenv("WORLD_SIZE", "1")
     text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--fp8-param-gather")
     assert (
-        "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): drop it"
-        in text
+        "--fp8-param-gather gathers TransformerEngine's FP8 weights (made with --fp8-format, which COAT replaces): "
+        "drop it, and add --coat-fp8-param-gather on for COAT's FP8 parameter gather" in text
     )
+
+
+def test_coat_fp8_param_gather_is_one_flag_away_and_refuses_the_replica_hash_check(monkeypatch):
+    assert not coat_config_from_args(parse(monkeypatch, *LLAMA, "--coat-fp8")).fp8_param_gather
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-fp8-param-gather", "on")
+    assert coat_config_from_args(args) == CoatConfig(fp8_param_gather=True)
+    text = problems(
+        monkeypatch,
+        *LLAMA,
+        "--coat-fp8",
+        "--coat-fp8-param-gather",
+        "on",
+        "--check-weight-hash-across-dp-replicas-interval",
+        "10",
+    )
+    assert "--check-weight-hash-across-dp-replicas-interval would report a mismatch: drop one of them" in text
+    text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--coat-fp8-param-gather", "on", "--coat-optimizer", "off")
+    assert "it needs --coat-optimizer on and --coat-activations on (or set --coat-fp8-param-gather off)" in text
