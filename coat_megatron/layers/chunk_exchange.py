@@ -137,6 +137,7 @@ class CollectiveAllGather:
             )
             scales = [row[0] for row in gathered_scales]
         self.chunks, self.scales = list(gathered.chunk(self.size)), scales
+        self.whole = gathered  # every chunk, in rank order, as one (n * R_c, N) tensor
         self.step = 0
 
     def __len__(self) -> int:

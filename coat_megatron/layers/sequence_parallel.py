@@ -19,15 +19,17 @@ Column-parallel, X = [X_0; ...; X_{n-1}] (R, h) gathered, W (out/n, h):
     fprop  Y_j = X_j W^T          for each chunk j as it arrives (X_j E4M3, scale s_j)
     dgrad  dX_c = dY_c W          for c = r - 1, r - 2, ..., r: the partial of chunk c, added to what
                                   arrived from rank r - 1 and sent on to rank r + 1 (reduce-scatter, BF16)
-    wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, each with its pair of scales (dY: one scale,
-                                  this rank's whole dY; X_j: s_j), summed in FP32 / into main_grad
+    wgrad  dW = dY^T X            one GEMM over the whole sequence: dY's chunk j is quantized against
+                                  X_j's scale s_j (``folded_amaxes``), so that every chunk pair has
+                                  the same product of scales
 
 Row-parallel, X (R, in/n) this rank's full-sequence slice of the input, W (h, in/n):
 
     fprop  Y_c = X_c W^T          for c = r - 1, ..., r: the partial of chunk c, reduce-scattered as above
     dgrad  dX_j = dY_j W          for each chunk j of the gathered dY as it arrives (E5M2, scale s_j:
                                   each rank quantizes its own dY with its own amax)
-    wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, as above
+    wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, each with its pair of scales (the dY chunks'
+                                  scales are their producers' ranks'), summed in FP32 / into main_grad
 
 What the column-parallel wgrad reads, the gathered input, is not kept from the forward: the
 backward gathers the FP8 codes again (their scales are kept: n numbers), in a ring overlapped with
@@ -37,9 +39,10 @@ gathered chunks instead would save n times that per linear (n - 1 more chunks of
 hidden size, for linear_qkv and linear_fc1 of every layer) to spare a transfer that runs hidden
 behind the dgrad GEMMs.
 
-Transposed operands of the wgrad GEMMs are made per chunk (the GEMM's token dimension is the
-chunk's): dY_c^T by the pass that quantizes dY_c, X_j^T and gathered dY_j^T by a byte transpose of
-the chunk's codes, and a row-parallel input's X_c^T by its producer's recompute of those rows
+Transposed operands of the wgrad GEMMs: the column-parallel dY^T from the passes that quantize dY's
+chunks (placed side by side) and X^T by one byte transpose of the gathered codes; the row-parallel
+ones per chunk (the GEMM's token dimension is the chunk's): gathered dY_j^T by a byte transpose of
+the chunk's codes, and X_c^T by its producer's recompute of those rows
 (``Fp8Tensor.transposed_codes(rows)``) or by quantizing those rows with the tensor's one scale.
 """
 
@@ -84,6 +87,20 @@ def _reduced_amax(handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tens
     return amax.reshape(()) if amax.numel() == 1 else amax.amax()
 
 
+def folded_amaxes(amax: torch.Tensor, x_scales: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The amax to quantize chunk c of a column-parallel linear's dY with, so that its scale times
+    the scale of X's chunk c (``x_scales[c]``, its producer's) is the same for every chunk:
+    amax * max_j(s_j) / s_c. The wgrad dW = sum_c (dY_c^T * g_c) @ (X_c * s_c) is then one GEMM over
+    the whole sequence with the scales (g_0, s_0), instead of one accumulating GEMM per chunk that
+    reads and writes all of dW again. A chunk whose X scale is below the largest uses less of E5M2's
+    range (its values end up max_j(s_j) / s_c times smaller, no larger than the format's maximum):
+    in a floating-point format that costs precision only below its smallest normal number, 2^29
+    below its largest, and nothing is clipped."""
+    s = torch.stack([t.reshape(()) for t in x_scales])
+    folded = amax.reshape(()) * (s.max() / s)
+    return list(folded.unbind())
+
+
 class _ColumnParallelSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, config, output_form, main_grad, group):
@@ -118,14 +135,16 @@ class _ColumnParallelSP(torch.autograd.Function):
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
         amax = _reduced_amax(ctx.handoff, dy, dy_rows)
-        # dY is this rank's whole (R, out/n): one scale, quantized chunk by chunk so that each chunk's
-        # transposed codes (the wgrad operand, K = the chunk's tokens) come out of the same pass
+        # dY is this rank's whole (R, out/n), quantized chunk by chunk (each chunk's transposed codes,
+        # the wgrad operand, come out of the same pass), chunk c against X's chunk c (folded_amaxes):
+        # then every chunk pair has one product of scales, and the wgrad is one GEMM over the sequence
+        amaxes = folded_amaxes(amax, scales) if need_dw else [amax] * n
         dy_chunks = [
             quantize_per_tensor(
                 dy_rows[c * r_c : (c + 1) * r_c],
                 config.backward_format,
                 transpose=need_dw,
-                amax=amax,
+                amax=amaxes[c],
                 check_finite=False,
             )
             for c in range(n)
@@ -133,7 +152,7 @@ class _ColumnParallelSP(torch.autograd.Function):
         scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
         scatter = scatter if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
-        wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None
+        x_chunks = [None] * n
         for _ in range(n):
             taken = gather.take() if gather else None  # posts the transfer of the next chunk
             if scatter:
@@ -142,10 +161,16 @@ class _ColumnParallelSP(torch.autograd.Function):
                 _gemm_into(part, dy_q, dy_scale, w_t, w_scale, config)
                 scatter.reduce(part)
             if taken:
-                j, chunk, x_scale = taken
-                wgrad.add(dy_chunks[j][2], dy_chunks[j][1], transpose_codes(chunk).t(), x_scale)
+                j, x_chunks[j], _ = taken
         dx = scatter.result().view(x_shape) if need_dx else None
-        dw = wgrad.result() if need_dw else None
+        dw = None
+        if need_dw:
+            x_all = gather.whole if getattr(gather, "whole", None) is not None else torch.cat(x_chunks)
+            dy_t = dy_chunks[0][2] if n == 1 else torch.cat([c[2] for c in dy_chunks], dim=1)  # (out/n, R)
+            wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
+            # scale_c * s_c is the same number for every chunk c (to FP32 rounding): chunk 0's pair
+            wgrad.add(dy_t, dy_chunks[0][1], transpose_codes(x_all).t(), scales[0])
+            dw = wgrad.result()
         db = dy_rows.float().sum(dim=0).to(weight.dtype) if has_bias and need_db else None
         return dx, dw, db, None, None, None, None, None
 

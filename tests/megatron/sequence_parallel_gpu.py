@@ -36,6 +36,21 @@ def _q(x, fmt):
     return dequantize_per_tensor_reference(q, scale, torch.float32)
 
 
+def _q_folded(dy_rows, x_chunks, rows):
+    """A column-parallel dY as its backward quantizes it: chunk j against X's chunk j
+    (``sequence_parallel.folded_amaxes``), dequantized to FP32."""
+    from coat_kernels.per_tensor import dequantize_per_tensor_reference, quantize_per_tensor_reference
+    from coat_megatron.layers.sequence_parallel import folded_amaxes
+
+    scales = [quantize_per_tensor_reference(c, "e4m3")[1] for c in x_chunks]
+    amaxes = folded_amaxes(dy_rows.float().abs().max(), scales)
+    out = []
+    for j, amax in enumerate(amaxes):
+        q, g = quantize_per_tensor_reference(dy_rows[j * rows : (j + 1) * rows], "e5m2", amax=amax)
+        out.append(dequantize_per_tensor_reference(q, g, torch.float32))
+    return torch.cat(out)
+
+
 def _close(got, want, what, rel=2**-7):
     got, want = got.float(), want.float()
     scale = want.abs().max().item()
@@ -66,10 +81,13 @@ def check_linears(group, rank: int, n: int) -> None:
     ref_x = [_q(c, "e4m3").reshape(-1, HIDDEN) for c in x_full.chunk(n)]
     ref_w = _q(w.detach(), "e4m3")
     _close(y, torch.cat([c @ ref_w.t() for c in ref_x]).view(y.shape), "column Y")
-    ref_dy = _q(dy, "e5m2").reshape(-1, out_c)
+    x_chunks = list(x_full.chunk(n))
+    ref_dy = _q_folded(dy.reshape(-1, out_c), x_chunks, rows)
     _close(w.grad, sum(ref_dy[j * rows : (j + 1) * rows].t() @ ref_x[j] for j in range(n)), "column dW")
     partials = [
-        _q(dy_full[..., k * out_c : (k + 1) * out_c], "e5m2").reshape(-1, out_c)[rank * rows : (rank + 1) * rows]
+        _q_folded(dy_full[..., k * out_c : (k + 1) * out_c].reshape(-1, out_c), x_chunks, rows)[
+            rank * rows : (rank + 1) * rows
+        ]
         @ _q(w_full[k * out_c : (k + 1) * out_c], "e4m3")
         for k in range(n)
     ]

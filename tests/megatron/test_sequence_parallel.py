@@ -112,11 +112,13 @@ def _column(dtype, overlap: bool, source: str, main_grad: bool) -> dict:
     if source == "norm":  # the COAT norm's per-tensor FP8 output (under SP: no transposed copy)
         norm_w = torch.ones(HIDDEN, dtype=dtype)
         inp = rmsnorm_to_fp8(x, norm_w, 1e-5, transpose=None)
-        x_chunks = [rmsnorm_to_fp8(c, norm_w, 1e-5, transpose=None).dequantize(torch.float32) for c in x_chunks]
-        ref_x = [c.float() for c in x_chunks]  # already FP8 values on this rank's own scale
+        normed = [rmsnorm_to_fp8(c, norm_w, 1e-5, transpose=None) for c in x_chunks]
+        ref_x = [c.dequantize(torch.float32) for c in normed]  # FP8 values on each rank's own scale
+        x_scales = [c.scale for c in normed]
     else:
         inp = x
         ref_x = [_q(c, "e4m3") for c in x_chunks]
+        x_scales = [quantize_per_tensor_reference(c, "e4m3")[1] for c in x_chunks]
     if main_grad:
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
         w.grad_added_to_main_grad = False
@@ -135,16 +137,31 @@ def _column(dtype, overlap: bool, source: str, main_grad: bool) -> dict:
 
     ref_w = _q(w.detach(), "e4m3")
     ref_y = torch.cat([c.reshape(-1, HIDDEN) @ ref_w.t() + bias.detach().float() for c in ref_x]).to(dtype)
-    ref_dy = _q(dy, "e5m2").reshape(-1, out_c)  # this rank's whole dY: one scale
+    rows = s_c * BATCH
+
+    def folded_dy(k):  # rank k's whole dY, chunk j quantized against X chunk j's scale (one product of scales)
+        dy_k = dy_full[:, :, k * out_c : (k + 1) * out_c].reshape(-1, out_c)
+        amax = dy_k.float().abs().max()
+        s_max = max(float(t) for t in x_scales)
+        chunks, products = [], []
+        for j in range(n):
+            amax_j = amax * (torch.tensor(s_max) / x_scales[j])
+            q, g = quantize_per_tensor_reference(dy_k[j * rows : (j + 1) * rows], "e5m2", amax=amax_j)
+            chunks.append(dequantize_per_tensor_reference(q, g, torch.float32))
+            products.append(float(g) * float(x_scales[j]))
+        assert max(products) - min(products) <= 1e-6 * max(products)  # the fold: one product of scales
+        return torch.cat(chunks)
+
+    ref_dy = folded_dy(rank)
     # dX of this rank's chunk: every rank's partial for it (each rank its own dY columns and W rows)
     partials = []
     for k in range(n):
-        dy_k = _q(dy_full[:, :, k * out_c : (k + 1) * out_c], "e5m2").reshape(-1, out_c)
+        dy_k = folded_dy(k)
         w_k = _q(w_full[k * out_c : (k + 1) * out_c], "e4m3")
-        partials.append((dy_k[rank * s_c * BATCH : (rank + 1) * s_c * BATCH] @ w_k).to(dtype))
+        partials.append((dy_k[rank * rows : (rank + 1) * rows] @ w_k).to(dtype))
     ref_dx = torch.stack(partials).float().sum(0).to(dtype).view(x.shape)
-    rows = s_c * BATCH
     ref_dw = sum(ref_dy[j * rows : (j + 1) * rows].t() @ ref_x[j].reshape(-1, HIDDEN) for j in range(n))
+    assert len({round(float(t), 12) for t in x_scales}) == n  # the chunks' scales differ: the fold is tested
     return dict(
         y=y.detach(),
         dx=dx,
