@@ -78,6 +78,13 @@ def _gemm_into(out, a, a_scale, b_rows, b_scale, config: CoatConfig, *, bias=Non
     fp8_gemm(a, a_scale, b_rows.t(), b_scale, out_dtype=out.dtype, bias=bias, use_fast_accum=fast, out=out)
 
 
+def _cat_codes(codes: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """FP8 codes side by side (as bytes: no FP8 kernel needed), or the one tensor given."""
+    if len(codes) == 1:
+        return codes[0]
+    return torch.cat([c.view(torch.uint8) for c in codes], dim=dim).view(codes[0].dtype)
+
+
 def _reduced_amax(handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The 0-d amax of a gradient ``t`` (``rows``: it as contiguous rows): the one its producer left
     in ``handoff`` (reduced if it is per tile), or computed."""
@@ -165,8 +172,8 @@ class _ColumnParallelSP(torch.autograd.Function):
         dx = scatter.result().view(x_shape) if need_dx else None
         dw = None
         if need_dw:
-            x_all = gather.whole if getattr(gather, "whole", None) is not None else torch.cat(x_chunks)
-            dy_t = dy_chunks[0][2] if n == 1 else torch.cat([c[2] for c in dy_chunks], dim=1)  # (out/n, R)
+            x_all = gather.whole if getattr(gather, "whole", None) is not None else _cat_codes(x_chunks, 0)
+            dy_t = _cat_codes([c[2] for c in dy_chunks], 1)  # (out/n, R)
             wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
             # scale_c * s_c is the same number for every chunk c (to FP32 rounding): chunk 0's pair
             wgrad.add(dy_t, dy_chunks[0][1], transpose_codes(x_all).t(), scales[0])
