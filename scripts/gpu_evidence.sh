@@ -51,6 +51,8 @@
 #   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-tp2-pp2                      pretrain() with graphs at TP 2 (GPUs 0,1) and PP 2 (GPUs 2,3) at once -> tp2-host-bound-and-graphs-2gpu
+#   pretrain-graphs-pp [LAYOUTS]                 pretrain() with graphs under PP (default "pp2 tp2pp2"), BF16 and COAT -> pipeline-graphs-4gpu
+#   dp4-llama2-7b MB GB [MODES]                  Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside -> llama2-7b-dp4-4gpu
 #   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
 # The last ten parts use several GPUs, one process each (coat-compare starts each run's torchrun
@@ -388,6 +390,18 @@ case $part in
       bash scripts/gpu_pretrain_layouts.sh >"$out/pp2.txt" 2>&1) &
     wait "$first" $!
     cat "$out/tp2/summary.md" "$out/pp2/summary.md"; grep -h "coat-megatron-run" "$out"/*/*.log | sort | uniq -c | cut -c1-200 ;;
+  pretrain-graphs-pp)
+    layouts=${1:-pp2 tp2pp2}
+    RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="bf16-graphs coat-graphs" CAP=${CAP:-120} \
+      bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
+    cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
+  dp4-llama2-7b)
+    mb=${1:?dp4-llama2-7b MB GB [MODES]}; gb=${2:?dp4-llama2-7b MB GB [MODES]}
+    modes=${3:-bf16,te-fp8-current,coat,coat-fp8-gather}
+    run 570 "dp4-mb$mb" "${big[@]}" coat-compare --preset llama2-7b --dp 4 --micro-batch "$mb" --global-batch "$gb" \
+      --steps 6 --modes "$modes" --cuda-graphs local --step-timeout 150 --run-timeout 200 --out "$out" \
+      --name "llama2-7b-dp4-mb$mb" --no-plots
+    rows "${modes//,/|}" "$out/llama2-7b-dp4-mb$mb.md" ;;
   resume-gpt-1b-tp2dp2)
     steps=${1:-8}
     run 400 resume coat-compare --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 --steps "$steps" \
