@@ -52,6 +52,7 @@
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-tp2-pp2                      pretrain() with graphs at TP 2 (GPUs 0,1) and PP 2 (GPUs 2,3) at once -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS]                 pretrain() with graphs under PP (default "pp2 tp2pp2"), BF16 and COAT -> pipeline-graphs-4gpu
+#   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES]                  Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside -> llama2-7b-dp4-4gpu
 #   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
@@ -395,6 +396,11 @@ case $part in
     RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="bf16-graphs coat-graphs" CAP=${CAP:-120} \
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
+  scaling-gpt-1b)
+    modes=${1:-bf16,te-fp8-current,coat}
+    run 570 scaling coat-compare --preset gpt-1b --layouts 1,dp2,dp4 --modes "$modes" --micro-batch 4 --global-batch 32 \
+      --steps 8 --cuda-graphs local --step-timeout 120 --run-timeout 150 --out "$out" --name gpt-1b-dp-scaling --no-plots
+    rows "${modes//,/|}" "$out/gpt-1b-dp-scaling.md" ;;
   dp4-llama2-7b)
     mb=${1:?dp4-llama2-7b MB GB [MODES]}; gb=${2:?dp4-llama2-7b MB GB [MODES]}
     modes=${3:-bf16,te-fp8-current,coat,coat-fp8-gather}
