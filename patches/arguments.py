@@ -119,7 +119,11 @@ CUDA_GRAPHS_HELP = (
     "Megatron's per-layer CUDA graphs with --coat-fp8 (default auto: --cuda-graph-impl local on a GPU with COAT's "
     "layers, at any data- and tensor-parallel size, unless the command line sets --cuda-graph-impl or has an option "
     "Megatron refuses with them (recompute, CPU or fine-grained activation offloading); not with pipeline or "
-    "context parallelism, not measured with COAT yet: --cuda-graph-impl local turns them on there. off: eager)"
+    "context parallelism (under PP megatron-core 0.19 stops graphed runs; CP: --cuda-graph-impl local turns them on). off: eager)"
+)
+PIPELINE_GRAPHS = (
+    "megatron-core 0.19 stops every run with per-layer graphs and pipeline parallelism while it creates "
+    "the graphs (assert fwd_buffer_reuse_ref_count == 0; BF16 as well)"
 )
 # Options with which megatron-core 0.19 refuses per-layer graphs (TransformerConfig, validate_args)
 # or allows them only in part (selective recompute), and the flag that names each.
@@ -201,6 +205,7 @@ def check_coat_args(args: argparse.Namespace) -> None:
         problems.append(
             "--coat-activations off and --coat-optimizer off leave nothing for --coat-fp8 to do: drop --coat-fp8"
         )
+    problems += _graph_problems(args)
     if coat.fp8_param_gather:
         problems += _param_gather_problems(args)
     problems += _memory_problems(args, coat)
@@ -229,13 +234,10 @@ def cuda_graphs_by_default(args: argparse.Namespace, cuda: bool) -> tuple[bool, 
     if args.coat_cuda_graphs == "off" or args.enable_cuda_graph or args.external_cuda_graph:
         return False, None  # the user's choice (--enable-cuda-graph / --external-cuda-graph: Megatron's older names)
     eager = "--coat-fp8 leaves Megatron's per-layer CUDA graphs off"
-    layout = {
-        "pipeline parallelism (a graph per micro-batch in flight: not measured with COAT yet)": args.pipeline_model_parallel_size,
-        "context parallelism (not tried with COAT)": args.context_parallel_size,
-    }
-    for reason, size in layout.items():
-        if size > 1:
-            return False, f"{eager} under {reason}; --cuda-graph-impl local turns them on"
+    if args.pipeline_model_parallel_size > 1:
+        return False, f"{eager} under pipeline parallelism: {PIPELINE_GRAPHS}"
+    if args.context_parallel_size > 1:
+        return False, f"{eager} under context parallelism (not tried with COAT); --cuda-graph-impl local turns them on"
     blockers = [option for attr, option in GRAPH_BLOCKERS.items() if getattr(args, attr, None)]
     if getattr(args, "inference_batch_times_seqlen_threshold", -1) > -1:
         blockers.append("--inference-batch-times-seqlen-threshold")
@@ -300,6 +302,14 @@ def _precision_problems(args) -> list[str]:
             + (" and drop --fp16" if getattr(args, "fp16", False) else "")
         )
     return problems
+
+
+def _graph_problems(args) -> list[str]:
+    if args.pipeline_model_parallel_size > 1 and getattr(args, "cuda_graph_impl", None) == "local":
+        return [
+            f"--cuda-graph-impl local with --pipeline-model-parallel-size > 1: {PIPELINE_GRAPHS}; drop --cuda-graph-impl local"
+        ]
+    return []
 
 
 def _layer_problems(args, coat: CoatConfig) -> list[str]:

@@ -50,7 +50,7 @@
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
 #   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
-#   pretrain-graphs-tp2-pp2                      pretrain() with graphs at TP 2 (GPUs 0,1) and PP 2 (GPUs 2,3) at once -> tp2-host-bound-and-graphs-2gpu
+#   pretrain-graphs-tp2-pp2                      pretrain() with graphs at TP 2 (GPUs 0,1) and PP 2 (GPUs 2,3) at once -> tp2-host-bound-and-graphs-2gpu, pipeline-graphs-4gpu
 #   pretrain-graphs-pp [LAYOUTS]                 pretrain() with graphs under PP (default "pp2 tp2pp2"), BF16 and COAT -> pipeline-graphs-4gpu
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES]                  Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside -> llama2-7b-dp4-4gpu

@@ -98,8 +98,12 @@ for log in sorted(out.glob("*-*.log")):
     tokens = int(ARG("global_batch_size", text)) * int(ARG("seq_length", text)) if times else 0
     world = ARG("world_size", text)
     done = bool(times) and times[-1][0] == total
-    errors = [line.strip() for line in text.splitlines() if re.search(r"coat-megatron-run: error|\w+Error: ", line)]
+    lines = text.splitlines()
+    errors = [line.strip() for line in lines if re.search(r"coat-megatron-run: error|\w+Error(: |$)", line)]
     error = next((e for e in errors if "ChildFailedError" not in e), "")  # the rank's, not torchrun's
+    if error.endswith("AssertionError"):  # a bare assertion: name the failed statement
+        asserts = [line.split("]:", 1)[-1].strip() for line in lines if re.search(r"^\S*\s+assert ", line)]
+        error = f"{error}: {asserts[-1]}" if asserts else error
     rows[layout, mode] = dict(
         gpus=world, graphs=ARG("cuda_graph_impl", text),
         tokens_s=tokens * 1000 / statistics.median(steady) if done and steady else None,

@@ -359,3 +359,12 @@ def test_coat_fp8_param_gather_is_one_flag_away_and_refuses_the_replica_hash_che
     assert "--check-weight-hash-across-dp-replicas-interval would report a mismatch: drop one of them" in text
     text = problems(monkeypatch, *LLAMA, "--coat-fp8", "--coat-fp8-param-gather", "on", "--coat-optimizer", "off")
     assert "it needs --coat-optimizer on and --coat-activations on (or set --coat-fp8-param-gather off)" in text
+
+
+def test_graphs_under_pipeline_parallelism_are_refused_with_the_reason(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    text = problems(
+        monkeypatch, *LLAMA, "--coat-fp8", "--pipeline-model-parallel-size", "2", "--cuda-graph-impl", "local"
+    )
+    assert "--cuda-graph-impl local with --pipeline-model-parallel-size > 1: megatron-core 0.19 stops every run" in text
+    assert "drop --cuda-graph-impl local" in text
