@@ -22,6 +22,9 @@ replaces ``start_param_sync`` and ``_post_param_sync`` on each bucket group with
 4. unpack: the other ranks' parts are written into the parameter buffer (codes x scale, rounded to
    BF16), and the gradient buffer's bytes are zeroed again (the backward adds into it).
 
+Steps 1, 2 and 4 are one kernel launch per bucket each (``coat_kernels.segments``, from tables of
+the bucket's segments made once), not a few torch operations per parameter shard.
+
 Each rank's own shard stays as the step wrote it: exact, and under split master weights the FP32
 master's high half. The other shards hold dequantized codes, and the layers compute the same FP8
 weight on every rank: the amax is unchanged (the largest element's code is the format's largest,
@@ -45,7 +48,8 @@ import torch
 import torch.distributed as dist
 
 from coat_kernels.formats import fp8_format
-from coat_kernels.scaling import quantize_with_inverse_reference, scale_from_amax_reference
+from coat_kernels.scaling import scale_from_amax_reference
+from coat_kernels.segments import pack_segments, segment_table, segmented_amax, unpack_segments
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,18 @@ class Segment:
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """Where each rank's stream lies in the bucket's gradient buffer, and what it holds."""
+    """Where each rank's stream lies in the bucket's gradient buffer, what it holds, and the
+    kernels' tables of this rank's work (``coat_kernels.segments``; weight segments by format, the
+    raw ones with the first format's)."""
 
     stream_bytes: int  # per rank (every rank's stream padded to the longest)
     segments: tuple[tuple[Segment, ...], ...]  # per rank
+    amax_table: torch.Tensor  # this rank's weight segments
+    pack_tables: dict[str, torch.Tensor]  # format -> this rank's segments, offsets within its stream
+    unpack_tables: dict[str, torch.Tensor]  # format -> the other ranks' segments, offsets within all streams
 
 
-def _plan_bucket(bucket, data_parallel_size: int, weight_index: dict) -> BucketPlan:
+def _plan_bucket(bucket, data_parallel_size: int, rank: int, weight_index: dict, formats: list[str]) -> BucketPlan:
     numel = bucket.param_data.numel()
     if numel % data_parallel_size:
         raise ValueError(
@@ -87,11 +96,12 @@ def _plan_bucket(bucket, data_parallel_size: int, weight_index: dict) -> BucketP
             if a >= b:
                 continue
             weight = weight_index.get(p, -1)
+            offset = -(-offset // 16) * 16  # aligned: a raw segment moves as integers of its element size
             seg = Segment(a, b, offset, weight, (b - a) * (1 if weight >= 0 else wide))
             segs.append(seg)
             offset += seg.nbytes
         per_rank.append(tuple(segs))
-    longest = max((sum(s.nbytes for s in segs) for segs in per_rank), default=0)
+    longest = max((segs[-1].offset + segs[-1].nbytes for segs in per_rank if segs), default=0)
     stream = -(-longest // 16) * 16
     room = bucket.grad_data.numel() * bucket.grad_data.element_size()
     if stream * data_parallel_size > room:  # never where the gradients are at least as wide as the parameters
@@ -99,7 +109,26 @@ def _plan_bucket(bucket, data_parallel_size: int, weight_index: dict) -> BucketP
             f"bucket {bucket.bucket_id}: the FP8 parameter gather needs {stream * data_parallel_size} bytes of the "
             f"gradient buffer, which has {room}: use BF16 or FP32 gradient buffers"
         )
-    return BucketPlan(stream, tuple(per_rank))
+    device = bucket.param_data.device
+    kinds = sorted(set(formats)) or ["e4m3"]
+
+    def tables(pairs) -> dict[str, torch.Tensor]:  # pairs: (base byte offset, segment)
+        by_format = {}
+        for fmt in kinds:
+            rows = [
+                (seg.start, base + seg.offset, seg.end - seg.start, seg.weight)
+                for base, seg in pairs
+                if (seg.weight >= 0 and formats[seg.weight] == fmt) or (seg.weight < 0 and fmt == kinds[0])
+            ]
+            by_format[fmt] = segment_table(rows, device, element_size=wide)
+        return by_format
+
+    mine = [(0, seg) for seg in per_rank[rank]]
+    others = [(r * stream, seg) for r in range(data_parallel_size) if r != rank for seg in per_rank[r]]
+    amax_rows = [(seg.start, seg.offset, seg.end - seg.start, seg.weight) for seg in per_rank[rank] if seg.weight >= 0]
+    return BucketPlan(
+        stream, tuple(per_rank), segment_table(amax_rows, device, element_size=wide), tables(mine), tables(others)
+    )
 
 
 class Fp8ParamGather:
@@ -115,10 +144,11 @@ class Fp8ParamGather:
         self.rank = bucket_group.intra_distributed_optimizer_instance_rank
         order = [p for b in bucket_group.buckets for p in b.params_list if p in weights]
         self.weight_index = {p: i for i, p in enumerate(order)}
-        self.plans = [_plan_bucket(b, self.size, self.weight_index) for b in bucket_group.buckets]
+        formats = [weights[p] for p in order]
+        self.plans = [_plan_bucket(b, self.size, self.rank, self.weight_index, formats) for b in bucket_group.buckets]
         device = bucket_group.buckets[0].param_data.device if bucket_group.buckets else torch.device("cpu")
-        self.fmax = torch.tensor([fp8_format(weights[p]).max for p in order], dtype=torch.float32, device=device)
-        self.dtypes = [fp8_format(weights[p]).dtype for p in order]
+        self.fmax = torch.tensor([fp8_format(f).max for f in formats], dtype=torch.float32, device=device)
+        self.amax = torch.zeros(len(order), dtype=torch.float32, device=device)
         self.scales: torch.Tensor | None = None
         self.pending = False  # gathered bytes wait in the gradient buffers to be unpacked
         self._handles: list = []
@@ -163,18 +193,8 @@ class Fp8ParamGather:
         with torch.no_grad():
             for bucket, plan in zip(self.group.buckets, self.plans):
                 streams = self._streams(bucket, plan)
-                params = bucket.param_data
-                for r, segs in enumerate(plan.segments):
-                    if r == self.rank:
-                        continue
-                    base = r * plan.stream_bytes
-                    for seg in segs:
-                        data = streams[base + seg.offset : base + seg.offset + seg.nbytes]
-                        if seg.weight < 0:
-                            params[seg.start : seg.end].view(torch.uint8).copy_(data)
-                        else:
-                            codes = data.view(self.dtypes[seg.weight]).float()
-                            params[seg.start : seg.end].copy_(codes.mul_(self.scales[seg.weight]))
+                for fmt, table in plan.unpack_tables.items():
+                    unpack_segments(streams, table, self.scales, fmt, bucket.param_data)
                 streams.zero_()
 
     # ------------------------------------------------------------------ the parts
@@ -188,32 +208,17 @@ class Fp8ParamGather:
     @torch.no_grad()
     def _pack(self) -> None:
         """Scales of the group's weights (one amax all-reduce), then this rank's stream of each bucket."""
-        mine = [
-            (bucket, plan, seg)
-            for bucket, plan in zip(self.group.buckets, self.plans)
-            for seg in plan.segments[self.rank]
-        ]
-        n = len(self.dtypes)
-        amax = torch.zeros(n, dtype=torch.float32, device=self.fmax.device)
-        local = [(seg.weight, bucket.param_data[seg.start : seg.end]) for bucket, _, seg in mine if seg.weight >= 0]
-        if local:
-            parts = torch.stack([t.float() for t in torch._foreach_norm([x for _, x in local], float("inf"))])
-            parts = torch.where(torch.isnan(parts), torch.inf, parts)  # non-finite weights: an infinite scale
-            index = torch.tensor([w for w, _ in local], device=amax.device)
-            amax.index_copy_(0, index, parts)
-        if n:
+        amax = self.amax.zero_()
+        for bucket, plan in zip(self.group.buckets, self.plans):
+            segmented_amax(bucket.param_data, plan.amax_table, amax.numel(), out=amax)
+        if amax.numel():
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.process_group)
         self.scales = scale_from_amax_reference(amax, self.fmax)
         inverse = 1.0 / self.scales
-        for bucket, plan, seg in mine:
-            out = self._stream(bucket, plan, self.rank)[seg.offset : seg.offset + seg.nbytes]
-            x = bucket.param_data[seg.start : seg.end]
-            if seg.weight < 0:
-                out.copy_(x.view(torch.uint8))
-            else:
-                w = seg.weight
-                codes = quantize_with_inverse_reference(x.float(), inverse[w], self.fmax[w])
-                out.copy_(codes.to(self.dtypes[w]).view(torch.uint8))
+        for bucket, plan in zip(self.group.buckets, self.plans):
+            stream = self._stream(bucket, plan, self.rank)
+            for fmt, table in plan.pack_tables.items():
+                pack_segments(bucket.param_data, table, inverse, fmt, stream)
 
     @torch.no_grad()
     def gather_exact(self) -> None:
