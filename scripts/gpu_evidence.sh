@@ -48,15 +48,14 @@
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
-#   tp-graphs-stall [MODES [CONNECTIONS]]        per-layer CUDA graphs at TP 2, gpt-1b: stacks if it stalls -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
-#   pretrain-graphs-tp2-pp2                      pretrain() with graphs at TP 2 (GPUs 0,1) and PP 2 (GPUs 2,3) at once -> tp2-host-bound-and-graphs-2gpu, pipeline-graphs-4gpu
+#   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS]                 pretrain() with graphs under PP (default "pp2 tp2pp2"), BF16 and COAT -> pipeline-graphs-4gpu
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES]                  Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside -> llama2-7b-dp4-4gpu
 #   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
-# The last ten parts use several GPUs, one process each (coat-compare starts each run's torchrun
+# The parts from interconnect on use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
 #
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
@@ -364,18 +363,6 @@ case $part in
     run 560 "step-$preset-tp$tp-dp$dp-$graphs" "${big[@]}" python3 benchmarks/step_profile.py --preset "$preset" --tp "$tp" --dp "$dp" \
       --micro-batch "$mb" --global-batch "$gb" --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --steps 2 --out "$out"
     grep -E "^\| (bf16|te-fp8-current|coat) " "$out/step_profile.md" ;;
-  tp-graphs-stall)
-    modes=${1:-bf16}; connections=${2:-}; tag=${modes//,/-}${connections:+-connections$connections}
-    (while sleep 20; do date +%T; nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
-      ps -eo pid,stat,wchan:24,etime,args | grep -E "coat_compare .*--probe" | grep -v grep | cut -c1-120; done) >"$out/sampled-$tag.txt" 2>&1 &
-    sampler=$!
-    [ -n "$connections" ] && export CUDA_DEVICE_MAX_CONNECTIONS=$connections
-    NCCL_DEBUG=WARN run 300 "tp2-graphs-$tag" coat-compare --preset gpt-1b \
-      --tp 2 --micro-batch 2 --global-batch 8 --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 90 --run-timeout 130 \
-      --out "$out" --name "gpt-1b-tp2-graphs-$tag" --no-plots
-    kill $sampler
-    grep -E "^\| (${modes//,/|}) \|" "$out/gpt-1b-tp2-graphs-$tag.md"; grep -E "step|Timeout|File|Thread" "$out"/*"$tag"*failed.log | cut -c1-200 | tail -40
-    tail -12 "$out/sampled-$tag.txt" ;;
   speed-gpt-1b-tp2)
     graphs=${1:-none,local}
     NCCL_DEBUG=WARN run 520 "gpt-1b-tp2" coat-compare --preset gpt-1b --tp 2 --micro-batch 2 --global-batch 8 --steps 8 \
@@ -383,14 +370,10 @@ case $part in
       --name gpt-1b-tp2-speed --no-plots
     rows "bf16|te-fp8-current|coat" "$out/gpt-1b-tp2-speed.md"
     grep -rhE "row made|released|leaving|teardown|Timeout" "$out" 2>/dev/null | cut -c1-200 | tail -30 ;;
-  pretrain-graphs-tp2-pp2)
-    (CUDA_VISIBLE_DEVICES=0,1 RES="$out/tp2" OUT="$out/tp2" LAYOUTS=tp2 MODES="bf16-graphs coat-auto" CAP=120 \
-      bash scripts/gpu_pretrain_layouts.sh >"$out/tp2.txt" 2>&1) &
-    first=$!
-    (CUDA_VISIBLE_DEVICES=2,3 RES="$out/pp2" OUT="$out/pp2" LAYOUTS=pp2 MODES="bf16-graphs coat-graphs" CAP=120 \
-      bash scripts/gpu_pretrain_layouts.sh >"$out/pp2.txt" 2>&1) &
-    wait "$first" $!
-    cat "$out/tp2/summary.md" "$out/pp2/summary.md"; grep -h "coat-megatron-run" "$out"/*/*.log | sort | uniq -c | cut -c1-200 ;;
+  pretrain-graphs-tp2)
+    RES="$out" OUT="$out" LAYOUTS=tp2 MODES="bf16-graphs coat-auto" CAP=${CAP:-120} \
+      bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
+    cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   pretrain-graphs-pp)
     layouts=${1:-pp2 tp2pp2}
     RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="bf16-graphs coat-graphs" CAP=${CAP:-120} \
