@@ -7,6 +7,7 @@
 #
 #   examples/llama2_7b.sh [more Megatron arguments]                  # data parallel, mock data
 #   GPUS=4 TP=2 examples/llama2_7b.sh                                # TP 2 x DP 2
+#   examples/llama2_7b.sh --coat-fp8-param-gather on                 # the DP weight gather in FP8 (slow links)
 #   DATA_PATH=/data/my_text_document TOKENIZER=meta-llama/Llama-2-7b-hf examples/llama2_7b.sh
 #   COAT=0 examples/llama2_7b.sh                                     # the same run in BF16
 #   DRY_RUN=1 GPUS=4 TP=2 examples/llama2_7b.sh                      # print the command
