@@ -128,7 +128,7 @@ def test_validation_gaps_noise_floors_ablations_and_runs_split_over_calls(tmp_pa
 LONGER = ["--steps", "14"]  # tiny warms up for 10 steps: 4 more for a learning-rate schedule to act on
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules between its group's tests
 def bf16_and_coat(tmp_path_factory):
     """bf16 and coat, 14 steps, the constant schedule: the one run both tests below start from
     (each copies it into its own --out, where accuracy.py finds it done)."""

@@ -495,7 +495,7 @@ def test_a_layout_needs_as_many_gpus_as_processes(tmp_path, capsys, no_work, mon
     assert "a run of --tp x --pp x --dp = 4 processes needs 4 GPUs, one each; this machine has 2" in line
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules between its group's tests
 def saved_checkpoint(tmp_path_factory):
     """A real checkpoint of the tiny preset (coat, DP 1), written by the job as a user writes one."""
     root = tmp_path_factory.mktemp("ckpt")

@@ -23,7 +23,7 @@ from coat_compare.corpus import (
 BUDGET = 2_000_000  # a few MB: the accuracy runs use 100 MiB; a CPU test builds what it needs in about a second
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules between its group's tests
 def built(tmp_path_factory):
     """The packages corpus built twice, into two cache directories."""
     first, second = tmp_path_factory.mktemp("cache1"), tmp_path_factory.mktemp("cache2")

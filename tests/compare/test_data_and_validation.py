@@ -42,7 +42,7 @@ def coat_compare(out, *args, env=None):
     return {r["mode"]: r for r in read_jsonl(out / "tiny.jsonl") if r["kind"] == "train"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules between its group's tests
 def validated(tmp_path_factory):
     return coat_compare(tmp_path_factory.mktemp("validated"), "--modes", "bf16,coat", "--eval-every", "3")
 

@@ -36,7 +36,7 @@ def run_job(*args, timeout=300) -> subprocess.CompletedProcess:
 TINY_STEPS = 20  # the preset's 40 halved: the loss has fallen below 0.65 of ln(256) by step 15
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules between its group's tests
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny")
     proc = run_job("--preset", "tiny", "--modes", "all", "--steps", str(TINY_STEPS), "--out", str(out))
@@ -544,7 +544,7 @@ def test_lr_decay_reaches_the_row_and_changes_only_the_steps_after_the_warm_up(t
 SHORT = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--no-plots"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # xdist may run other modules between its group's tests
 def short(tmp_path_factory):
     """bf16 and coat, 4 steps, every option at its default: the reference of the --adam-eps, --lr
     and --wgrad-fusion tests, run once for them."""

@@ -116,11 +116,13 @@ def test_tp2_one_layer_gathers(tmp_path):
 DP_STEPS = 6
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def dp_runs(tmp_path_factory):
     """The tiny preset at DP 2 (micro-batch 4) and at DP 1 (micro-batch 8), the same global batch,
     BF16 and COAT: one pair of jobs shared by the DP 2 test, the overlap test (the DP 2 COAT run
-    is its reference without overlap) and the TP 2 x DP 2 test (one process's optimizer bytes)."""
+    is its reference without overlap) and the TP 2 x DP 2 test (one process's optimizer bytes).
+    Session-scoped: xdist runs the group's tests on one worker, but other modules' tests may come
+    between them there, and a module-scoped fixture would then run its two jobs again."""
     out = tmp_path_factory.mktemp("dp")
     common = ["--preset", "tiny", "--modes", "bf16,coat", "--steps", str(DP_STEPS), "--out", str(out)]
     run(*common, "--dp", "2", "--micro-batch", "4", "--name", "dp2")
