@@ -152,8 +152,6 @@ class Fp8ParamGather:
         self.scales: torch.Tensor | None = None
         self.pending = False  # gathered bytes wait in the gradient buffers to be unpacked
         self._handles: list = []
-        self.megatron_start = bucket_group.start_param_sync
-        self.megatron_post = bucket_group._post_param_sync
 
     # ------------------------------------------------------------------ Megatron's two entry points
 
