@@ -52,7 +52,8 @@
 #   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS]                 pretrain() with graphs under PP (default "pp2 tp2pp2"), BF16 and COAT -> pipeline-graphs-4gpu
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
-#   dp4-llama2-7b MB GB [MODES]                  Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside -> llama2-7b-dp4-4gpu
+#   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
+#   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
 #   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
 # The parts from interconnect on use several GPUs, one process each (coat-compare starts each run's torchrun
@@ -385,12 +386,20 @@ case $part in
       --steps 8 --cuda-graphs local --step-timeout 120 --run-timeout 150 --out "$out" --name gpt-1b-dp-scaling --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-dp-scaling.md" ;;
   dp4-llama2-7b)
-    mb=${1:?dp4-llama2-7b MB GB [MODES]}; gb=${2:?dp4-llama2-7b MB GB [MODES]}
-    modes=${3:-bf16,te-fp8-current,coat,coat-fp8-gather}
-    run 570 "dp4-mb$mb" "${big[@]}" coat-compare --preset llama2-7b --dp 4 --micro-batch "$mb" --global-batch "$gb" \
-      --steps 6 --modes "$modes" --cuda-graphs local --step-timeout 150 --run-timeout 200 --out "$out" \
-      --name "llama2-7b-dp4-mb$mb" --no-plots
-    rows "${modes//,/|}" "$out/llama2-7b-dp4-mb$mb.md" ;;
+    mb=${1:?dp4-llama2-7b MB GB [MODES [overlap]]}; gb=${2:?dp4-llama2-7b MB GB [MODES [overlap]]}
+    modes=${3:-bf16,te-fp8-current,coat,coat-fp8-gather}; overlap=()
+    [ "${4:-}" = overlap ] && overlap=(--overlap-grad-reduce --overlap-param-gather)
+    name="llama2-7b-dp4-mb$mb${4:+-$4}"
+    run 570 "dp4-mb$mb${4:+-$4}" "${big[@]}" coat-compare --preset llama2-7b --dp 4 --micro-batch "$mb" --global-batch "$gb" \
+      --steps 6 --modes "$modes" --cuda-graphs local "${overlap[@]}" --step-timeout 150 --run-timeout 200 --out "$out" \
+      --name "$name" --no-plots
+    rows "${modes//,/|}" "$out/$name.md" ;;
+  max-batch-llama2-7b-dp4)
+    modes=${1:?max-batch-llama2-7b-dp4 MODES [GIB]}; gib=${2:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
+    run 585 "search-dp4-${modes//,/-}" "${big[@]}" coat-compare --preset llama2-7b --dp 4 --modes "$modes" --search \
+      --search-micro-batches 4 --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" \
+      --name "llama2-7b-dp4-search-${modes//,/-}" --no-plots
+    rows "${modes//,/|}" "$out/llama2-7b-dp4-search-${modes//,/-}.md" ;;
   resume-gpt-1b-tp2dp2)
     steps=${1:-8}
     run 400 resume coat-compare --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 --steps "$steps" \
