@@ -4,6 +4,7 @@
 # The model is scripts/gpu_pretrain.sh's 1b shape (16 layers, hidden 2048, SwiGLU FFN 5632,
 # 16 heads, seq 2048, RMSNorm, RoPE), micro-batch 4, global batch 16, 20 iterations, mock data.
 # Each layout runs on TP x PP x DP GPUs:
+#   one     no parallelism: the reference of each mode's losses  1 GPU
 #   pp2     PP 2                                           2 GPUs
 #   pp2vp2  PP 2 with 2 virtual stages per rank            2 GPUs
 #   tp2     TP 2 + sequence parallel                       2 GPUs
@@ -14,7 +15,9 @@
 # (--coat-fp8 alone: what a user gets). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
 # $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
 # after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
-# to BF16; and copies the logs and summary to $OUT.
+# to BF16, the logged loss first and last, and its largest difference from the same mode's run in
+# layout "one" at the same logged iterations (the same seed, data and global batch: a layout that
+# computes the same model agrees to rounding); and copies the logs and summary to $OUT.
 #
 #   LAYOUTS="pp2" bash scripts/gpu_pretrain_layouts.sh           # one layout's 4 modes: ~6 min
 #   LAYOUTS="dp2" MODES="bf16 coat-auto" bash scripts/gpu_pretrain_layouts.sh
@@ -53,12 +56,13 @@ common=("${model[@]}" --swiglu --normalization RMSNorm --disable-bias-linear --p
 
 for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
   case $layout in
+    one)    gpus=1; parallel=() ;;
     pp2)    gpus=2; parallel=(--pipeline-model-parallel-size 2) ;;
     pp2vp2) gpus=2; parallel=(--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2) ;;
     tp2)    gpus=2; parallel=(--tensor-model-parallel-size 2 --sequence-parallel) ;;
     tp2pp2) gpus=4; parallel=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel) ;;
     dp2)    gpus=2; parallel=() ;;
-    *) echo "layout $layout: use pp2, pp2vp2, tp2, tp2pp2 or dp2" >&2; exit 2 ;;
+    *) echo "layout $layout: use one, pp2, pp2vp2, tp2, tp2pp2 or dp2" >&2; exit 2 ;;
   esac
   for mode in ${MODES:-bf16 bf16-graphs coat coat-graphs}; do
     case $mode in
@@ -81,6 +85,7 @@ import pathlib, re, statistics, sys
 
 out = pathlib.Path(sys.argv[1])
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\d.Ee+-]+)")
 MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: [\d.]+ \| "
                     r"max allocated: ([\d.]+) \| reserved: [\d.]+ \| max reserved: ([\d.]+)")
 ARG = lambda name, text: (re.search(rf"^\s+{name} \.+ (\S+)$", text, re.M) or [None, "?"])[1]
@@ -110,6 +115,7 @@ for log in sorted(out.glob("*-*.log")):
         peak=max((p for p, _ in memory.values()), default=None),
         memory=" / ".join(f"{p:,.0f} ({r:,.0f})" for _, (p, r) in sorted(memory.items())),
         status="ok" if done else f"stopped: {error[:90] or 'no iteration finished (see the log)'}",
+        losses={int(i): float(v) for i, v in LOSS.findall(text)},
     )
 
 
@@ -117,9 +123,20 @@ def ratio(a, b):
     return f"{a / b:.2f}" if a and b else ""
 
 
+def losses(row, layout, mode):
+    got = row["losses"]
+    first_last = f"{got[min(got)]:.4f} -> {got[max(got)]:.4f}" if got else ""
+    ref = rows.get(("one", mode), {}).get("losses", {})
+    common = sorted(set(got) & set(ref))
+    if layout == "one" or not common:
+        return first_last, ""
+    return first_last, f"{max(abs(got[i] - ref[i]) for i in common):.2e}"
+
+
 print("| layout | mode | GPUs | graphs | tokens/s | tokens/s per GPU | x BF16 eager | x BF16 same graphs "
-      "| peak x BF16 eager | peak allocated (reserved) MiB per rank | status |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---|")
+      "| peak x BF16 eager | loss first -> last | largest loss difference vs one | "
+      "peak allocated (reserved) MiB per rank | status |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|")
 for (layout, mode), row in sorted(rows.items()):
     eager = rows.get((layout, "bf16"), {})
     same = rows.get((layout, "bf16-graphs" if row["graphs"] != "none" else "bf16"), {})
@@ -127,7 +144,8 @@ for (layout, mode), row in sorted(rows.items()):
     per_gpu = f"{tps / int(row['gpus']):,.0f}" if tps and row["gpus"].isdigit() else ""
     print(f"| {layout} | {mode} | {row['gpus']} | {row['graphs']} | {f'{tps:,.0f}' if tps else ''} | {per_gpu} "
           f"| {ratio(tps, eager.get('tokens_s'))} | {ratio(tps, same.get('tokens_s'))} "
-          f"| {ratio(row['peak'], eager.get('peak'))} | {row['memory']} | {row['status']} |")
+          f"| {ratio(row['peak'], eager.get('peak'))} | {' | '.join(losses(row, layout, mode))} "
+          f"| {row['memory']} | {row['status']} |")
 PY
 cp "$out"/*.log "$out"/summary.md "$dest"/
 [ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/

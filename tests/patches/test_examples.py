@@ -91,11 +91,12 @@ def test_llama_recipes_give_megatron_the_layout(monkeypatch, recipe, layout, tp,
 
 
 def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
-    """scripts/gpu_pretrain_layouts.sh with the tiny model on the CPU (DP 2, BF16 and eager COAT):
-    each run's log, and a summary row per run with the numbers read back from the log."""
+    """scripts/gpu_pretrain_layouts.sh with the tiny model on the CPU (one process and DP 2, BF16 and
+    eager COAT): each run's log, and a summary row per run with the numbers read back from the log,
+    DP 2's losses against one process's."""
     bin_dir = str(Path(sys.executable).parent)
     env = _cpu_env(
-        SIZE="tiny", ITERS="4", LAYOUTS="dp2", MODES="bf16 coat", RES=str(tmp_path / "res"), OUT=str(tmp_path)
+        SIZE="tiny", ITERS="4", LAYOUTS="one dp2", MODES="bf16 coat", RES=str(tmp_path / "res"), OUT=str(tmp_path)
     )
     env["PATH"] = f"{bin_dir}:{env['PATH']}"
     done = subprocess.run(
@@ -110,11 +111,15 @@ def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
     for line in (tmp_path / "summary.md").read_text().splitlines()[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         rows[cells[0], cells[1]] = cells
-    assert set(rows) == {("dp2", "bf16"), ("dp2", "coat")}
+    assert set(rows) == {(layout, mode) for layout in ("one", "dp2") for mode in ("bf16", "coat")}
     for (layout, mode), cells in rows.items():
         log = (tmp_path / f"{layout}-{mode}.log").read_text()
         times = [float(ms) for ms in re.findall(r"elapsed time per iteration \(ms\): ([\d.]+)", log)]
-        assert len(times) == 4 and cells[2:4] == ["2", "none"] and cells[-1] == "ok"
+        assert len(times) == 4 and cells[2:4] == ["1" if layout == "one" else "2", "none"] and cells[-1] == "ok"
+        losses = [float(v) for v in re.findall(r"lm loss: ([\d.Ee+-]+)", log)]
+        assert cells[9] == f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+        # DP 2 computes the same model on the same global batches: its losses agree with one process's
+        assert cells[10] == "" if layout == "one" else float(cells[10]) < 0.02
         # global batch 4 x seq 64 tokens per iteration, over the median of iterations 3 and 4
         assert float(cells[4].replace(",", "")) == pytest.approx(256 * 1000 / statistics.median(times[2:]), rel=0.01)
     assert rows["dp2", "bf16"][6] == "1.00" and float(rows["dp2", "coat"][6]) > 0
