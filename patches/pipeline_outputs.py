@@ -14,6 +14,18 @@ element, which the backward's ``custom_backward`` asserts (it runs the autograd 
 output's node, whose shape it no longer checks). That frees no memory, because a view's memory
 belongs to the tensor it views (here the graph's pool, which stays allocated for the replays), and
 it leaves that tensor untouched. A run without graphs frees exactly what it did.
+
+Past that assertion, graph creation stops at ``assert fwd_buffer_reuse_ref_count == 0`` (measured
+on 4 x H200 at PP 2 and TP 2 x PP 2, BF16 and COAT alike). The likely cause, from Megatron's code:
+``RotaryEmbedding.forward`` is ``lru_cache``d, so every micro-batch hands its layers the same RoPE
+tensor. Under PP each micro-batch in flight has its own graphs, so that one tensor is an input of
+every layer's graph of every micro-batch; Megatron keeps one shared capture buffer for it until its
+last use. That last use is a forward graph of a later micro-batch, made after the first backward
+graph, which asserts that no forward buffer is held. So under pipeline parallelism the patch hands
+each call its own copy of the cached table (sequence x head dim values, once per micro-batch): each
+micro-batch's buffer is then released within its own forward. Not yet run on GPUs, so
+``--coat-fp8`` still refuses per-layer graphs under PP, unless ``COAT_PIPELINE_GRAPHS=1`` is set
+(to try this patch).
 """
 
 from __future__ import annotations
@@ -24,7 +36,8 @@ from .version import require_megatron_core
 
 def install(replacements: Replacements) -> None:
     """Replace ``megatron.core.pipeline_parallel.schedules.deallocate_output_tensor`` (called by
-    name from the schedules in that module, and recursively from itself)."""
+    name from the schedules in that module, and recursively from itself) and
+    ``RotaryEmbedding.forward`` (a copy per call under pipeline parallelism)."""
     require_megatron_core(__name__)
     import torch
     from megatron.core.pipeline_parallel import schedules
@@ -39,3 +52,20 @@ def install(replacements: Replacements) -> None:
         deallocate(out, deallocate_pipeline_outputs)
 
     replacements.replace(schedules, "deallocate_output_tensor", deallocate_output_tensor_views_too)
+
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    cached = RotaryEmbedding.forward  # functools.lru_cache over (self, arguments)
+
+    def forward_a_copy_per_call_under_pp(self, *args, **kwargs):
+        emb = cached(self, *args, **kwargs)
+        pipelined = (
+            parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_pipeline_model_parallel_world_size() > 1
+        )
+        return emb.clone() if pipelined and isinstance(emb, torch.Tensor) else emb
+
+    forward_a_copy_per_call_under_pp.cache_clear = cached.cache_clear  # what subclasses call on it
+    forward_a_copy_per_call_under_pp.cache_info = cached.cache_info
+    replacements.replace(RotaryEmbedding, "forward", forward_a_copy_per_call_under_pp)

@@ -377,7 +377,8 @@ case $part in
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   pretrain-graphs-pp)
     layouts=${1:-pp2 tp2pp2}
-    RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="bf16-graphs coat-graphs" CAP=${CAP:-120} \
+    # COAT_PIPELINE_GRAPHS=1: --coat-fp8 lets graphs through under PP (refused until this runs)
+    COAT_PIPELINE_GRAPHS=1 RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="bf16-graphs coat-graphs" CAP=${CAP:-120} \
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   scaling-gpt-1b)

@@ -368,3 +368,10 @@ def test_graphs_under_pipeline_parallelism_are_refused_with_the_reason(monkeypat
     )
     assert "--cuda-graph-impl local with --pipeline-model-parallel-size > 1: megatron-core 0.19 stops every run" in text
     assert "drop --cuda-graph-impl local" in text
+
+
+def test_the_pipeline_graph_refusal_can_be_lifted_to_try_the_rope_copy(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("COAT_PIPELINE_GRAPHS", "1")
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--pipeline-model-parallel-size", "2", "--cuda-graph-impl", "local")
+    assert args.cuda_graph_impl == "local" and args.pipeline_model_parallel_size == 2

@@ -8,10 +8,13 @@ import megatron.training.initialize as initialize
 import megatron.training.training as training
 import pytest
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.pipeline_parallel import schedules
 
+from coat_patches.cpu import megatron_on_cpu
 from coat_patches.install import coat_megatron_patches
 
 PATCHED = [
@@ -27,6 +30,7 @@ PATCHED = [
     (initialize, "_set_random_seed"),
     (dataset_utils, "compile_helpers"),
     (schedules, "deallocate_output_tensor"),
+    (RotaryEmbedding, "forward"),
     (torch.Tensor, "cuda"),
     (torch.nn.Module, "cuda"),
     (torch.cuda, "Stream"),
@@ -87,3 +91,23 @@ def test_a_pipeline_output_that_is_a_view_is_pseudo_freed_and_its_backward_runs(
     assert view.numel() == plain.numel() == listed[0].numel() == listed[1].numel() == 1 and kept.numel() == 3
     assert base.shape == (3, 4) and torch.equal(base, x.detach() * 2)
     assert torch.equal(x.grad, torch.tensor([[0.0] * 4, [2.0] * 4, [2.0] * 4]))
+
+
+def test_under_pipeline_parallelism_each_rope_call_gets_its_own_copy(monkeypatch):
+    """Megatron caches the RoPE table (lru_cache), so every micro-batch's layers share one tensor;
+    under PP with per-layer graphs that one input outlives a micro-batch's graphs (the suspected
+    cause of graph creation's ``fwd_buffer_reuse_ref_count`` assertion). Under PP the patch hands
+    each call a copy of the same values; without PP the cached tensor itself, as Megatron does."""
+    rope = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
+    monkeypatch.setattr(parallel_state, "model_parallel_is_initialized", lambda: True)
+    stages = {"n": 1}
+    monkeypatch.setattr(parallel_state, "get_pipeline_model_parallel_world_size", lambda: stages["n"])
+    with megatron_on_cpu(), coat_megatron_patches():
+        assert rope(32) is rope(32)  # one stage: Megatron's cache, untouched
+        stages["n"] = 2
+        first, second = rope(32), rope(32)
+        assert first is not second and first.data_ptr() != second.data_ptr()
+        assert torch.equal(first, second) and torch.equal(first, rope.get_emb(32))
+        rope.forward.cache_clear()  # what Megatron's YaRN subclass calls still works
+    with megatron_on_cpu():
+        assert rope(32) is rope(32)
