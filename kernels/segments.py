@@ -112,14 +112,22 @@ def unpack_segments_reference(stream, table, scales, fmt: str, x) -> None:
 # ---------------------------------------------------------------------------------- kernels
 
 
+@triton.jit
+def _block(table_ptr, RAW_UNIT: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's table row as indices: elements of x, bytes of the stream (codes), integers of
+    RAW_UNIT bytes in the stream (a raw segment), the mask of the row's n elements, and the weight."""
+    row = table_ptr + tl.program_id(0) * 4
+    start, offset, n, w = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    offs = tl.arange(0, BLOCK)
+    at_x = start.to(tl.int64) + offs
+    return at_x, offset.to(tl.int64) + offs, (offset // RAW_UNIT).to(tl.int64) + offs, offs < n, w
+
+
 @lean
 @triton.jit
 def _amax_kernel(x_ptr, table_ptr, amax_ptr, BLOCK: tl.constexpr):
-    row = table_ptr + tl.program_id(0) * 4
-    start, n, w = tl.load(row), tl.load(row + 2), tl.load(row + 3)
-    offs = tl.arange(0, BLOCK)
-    mask = (offs < n) & (w >= 0)
-    x = tl.load(x_ptr + start.to(tl.int64) + offs, mask=mask, other=0.0).to(tl.float32)
+    at_x, _, _, mask, w = _block(table_ptr, 1, BLOCK)
+    x = tl.load(x_ptr + at_x, mask=mask & (w >= 0), other=0.0).to(tl.float32)
     tl.atomic_max(amax_ptr + tl.maximum(w, 0), tl.max(abs_or_inf(x), axis=0), mask=w >= 0)
 
 
@@ -129,18 +137,13 @@ def _pack_kernel(
     x_ptr, xraw_ptr, table_ptr, inv_ptr, stream_ptr, streamraw_ptr, RAW_UNIT: tl.constexpr,
     FMAX: tl.constexpr, E5M2: tl.constexpr, PTX: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = table_ptr + tl.program_id(0) * 4
-    start, offset, n, w = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    src = start.to(tl.int64) + offs
+    at_x, at_code, at_raw, mask, w = _block(table_ptr, RAW_UNIT, BLOCK)
     if w >= 0:
-        x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + at_x, mask=mask, other=0.0).to(tl.float32)
         y = quantize_with_inverse(x, tl.load(inv_ptr + w), FMAX)
-        tl.store(stream_ptr + offset.to(tl.int64) + offs, fp8_bits(y, E5M2, PTX), mask=mask)
+        tl.store(stream_ptr + at_code, fp8_bits(y, E5M2, PTX), mask=mask)
     else:  # x's own bytes, as integers of x's element size (the offset is a multiple of it)
-        raw = tl.load(xraw_ptr + src, mask=mask)
-        tl.store(streamraw_ptr + (offset // RAW_UNIT).to(tl.int64) + offs, raw, mask=mask)
+        tl.store(streamraw_ptr + at_raw, tl.load(xraw_ptr + at_x, mask=mask), mask=mask)
 
 
 @lean
@@ -149,21 +152,16 @@ def _unpack_kernel(
     stream_ptr, streamraw_ptr, table_ptr, scale_ptr, x_ptr, xraw_ptr, RAW_UNIT: tl.constexpr,
     E5M2: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = table_ptr + tl.program_id(0) * 4
-    start, offset, n, w = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
-    dst = start.to(tl.int64) + offs
+    at_x, at_code, at_raw, mask, w = _block(table_ptr, RAW_UNIT, BLOCK)
     if w >= 0:
-        bits = tl.load(stream_ptr + offset.to(tl.int64) + offs, mask=mask, other=0)
+        bits = tl.load(stream_ptr + at_code, mask=mask, other=0)
         if E5M2:
             q = bits.to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
             q = bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        tl.store(x_ptr + dst, (q * tl.load(scale_ptr + w)).to(x_ptr.dtype.element_ty), mask=mask)
+        tl.store(x_ptr + at_x, (q * tl.load(scale_ptr + w)).to(x_ptr.dtype.element_ty), mask=mask)
     else:
-        raw = tl.load(streamraw_ptr + (offset // RAW_UNIT).to(tl.int64) + offs, mask=mask)
-        tl.store(xraw_ptr + dst, raw, mask=mask)
+        tl.store(xraw_ptr + at_x, tl.load(streamraw_ptr + at_raw, mask=mask), mask=mask)
 
 
 def _raw_views(x: torch.Tensor, stream: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

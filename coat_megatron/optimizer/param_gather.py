@@ -151,7 +151,6 @@ class Fp8ParamGather:
         self.amax = torch.zeros(len(order), dtype=torch.float32, device=device)
         self.scales: torch.Tensor | None = None
         self.pending = False  # gathered bytes wait in the gradient buffers to be unpacked
-        self._handles: list = []
 
     # ------------------------------------------------------------------ Megatron's two entry points
 
@@ -168,7 +167,7 @@ class Fp8ParamGather:
             assert g.param_gather_handle is None
         async_op = overlap and not force_sync
         self._pack()
-        self._handles = [
+        handles = [
             dist.all_gather_into_tensor(
                 self._streams(bucket, plan),
                 self._stream(bucket, plan, self.rank),
@@ -178,7 +177,7 @@ class Fp8ParamGather:
             for bucket, plan in zip(g.buckets, self.plans)
         ]
         self.pending = True
-        g.param_gather_handle = _Handles(self._handles) if async_op else None
+        g.param_gather_handle = _Handles(handles) if async_op else None
         if force_sync and overlap:
             self.post_param_sync()
         g.param_gather_dispatched = True
