@@ -50,10 +50,11 @@
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
-#   pretrain-graphs-pp [LAYOUTS]                 pretrain() with graphs under PP (default "pp2 tp2pp2"), BF16 and COAT -> pipeline-graphs-4gpu
+#   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with graphs under PP (default "pp2 tp2pp2", "bf16-graphs coat-graphs") -> pipeline-graphs-4gpu
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
 #   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
+#   llama2-13b-4gpu TP DP MB MODES [GB]         Llama-2-13B on 4 GPUs, graphed, one layout (GB 16) -> llama2-13b-4gpu
 #   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
 # The parts from interconnect on use several GPUs, one process each (coat-compare starts each run's torchrun
@@ -376,9 +377,9 @@ case $part in
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   pretrain-graphs-pp)
-    layouts=${1:-pp2 tp2pp2}
+    layouts=${1:-pp2 tp2pp2}; modes=${2:-bf16-graphs coat-graphs}
     # COAT_PIPELINE_GRAPHS=1: --coat-fp8 lets graphs through under PP (refused until this runs)
-    COAT_PIPELINE_GRAPHS=1 RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="bf16-graphs coat-graphs" CAP=${CAP:-120} \
+    COAT_PIPELINE_GRAPHS=1 RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="$modes" CAP=${CAP:-120} \
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   scaling-gpt-1b)
@@ -401,6 +402,13 @@ case $part in
       --search-micro-batches 4 --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" \
       --name "llama2-7b-dp4-search-${modes//,/-}" --no-plots
     rows "${modes//,/|}" "$out/llama2-7b-dp4-search-${modes//,/-}.md" ;;
+  llama2-13b-4gpu)
+    tp=${1:?llama2-13b-4gpu TP DP MB MODES [GB]}; dp=${2:?}; mb=${3:?}; modes=${4:?}; gb=${5:-16}
+    name="llama2-13b-tp$tp-dp$dp-mb$mb"
+    run 570 "$name" "${big[@]}" coat-compare --preset llama2-13b --tp "$tp" --dp "$dp" --micro-batch "$mb" \
+      --global-batch "$gb" --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 150 --run-timeout 260 \
+      --out "$out" --name "$name" --no-plots
+    rows "${modes//,/|}" "$out/$name.md" ;;
   resume-gpt-1b-tp2dp2)
     steps=${1:-8}
     run 400 resume coat-compare --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 --steps "$steps" \
