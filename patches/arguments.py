@@ -123,8 +123,8 @@ CUDA_GRAPHS_HELP = (
     "context parallelism (under PP megatron-core 0.19 stops graphed runs; CP: --cuda-graph-impl local turns them on). off: eager)"
 )
 PIPELINE_GRAPHS = (
-    "megatron-core 0.19 stops every run with per-layer graphs and pipeline parallelism while it creates "
-    "the graphs (assert fwd_buffer_reuse_ref_count == 0; BF16 as well)"
+    "megatron-core 0.19 does not run per-layer graphs with pipeline parallelism (BF16 as well): it stops while "
+    "it creates them (assert fwd_buffer_reuse_ref_count == 0) or, past that, hangs in the first replay"
 )
 # Options with which megatron-core 0.19 refuses per-layer graphs (TransformerConfig, validate_args)
 # or allows them only in part (selective recompute), and the flag that names each.
@@ -307,7 +307,7 @@ def _precision_problems(args) -> list[str]:
 
 def _graph_problems(args) -> list[str]:
     if os.environ.get("COAT_PIPELINE_GRAPHS", "0") not in ("", "0"):
-        return []  # trying coat_patches.pipeline_outputs' RoPE copy (not yet run on GPUs)
+        return []  # debugging graphs under PP: with the RoPE copy the first replay hangs (pipeline-graphs-4gpu)
     if args.pipeline_model_parallel_size > 1 and getattr(args, "cuda_graph_impl", None) == "local":
         return [
             f"--cuda-graph-impl local with --pipeline-model-parallel-size > 1: {PIPELINE_GRAPHS}; drop --cuda-graph-impl local"

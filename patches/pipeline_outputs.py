@@ -23,9 +23,10 @@ every layer's graph of every micro-batch; Megatron keeps one shared capture buff
 last use. That last use is a forward graph of a later micro-batch, made after the first backward
 graph, which asserts that no forward buffer is held. So under pipeline parallelism the patch hands
 each call its own copy of the cached table (sequence x head dim values, once per micro-batch): each
-micro-batch's buffer is then released within its own forward. Not yet run on GPUs, so
-``--coat-fp8`` still refuses per-layer graphs under PP, unless ``COAT_PIPELINE_GRAPHS=1`` is set
-(to try this patch).
+micro-batch's buffer is then released within its own forward. On GPUs (PP 2, 4 x H200) that gets
+graph creation past the assertion and the first iteration done, but the first replay then hangs,
+BF16 and COAT alike (benchmarks/results/pipeline-graphs-4gpu), so ``--coat-fp8`` still refuses
+per-layer graphs under PP, unless ``COAT_PIPELINE_GRAPHS=1`` is set (to debug that hang).
 """
 
 from __future__ import annotations
