@@ -54,7 +54,7 @@
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
 #   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
-#   llama2-13b-4gpu TP DP MB MODES [GB]         Llama-2-13B on 4 GPUs, graphed, one layout (GB 16) -> llama2-13b-4gpu
+#   llama2-13b-4gpu TP DP MB MODES [GB]          Llama-2-13B on 4 GPUs, graphed, one layout (GB 16) -> llama2-13b-4gpu
 #   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
 # The parts from interconnect on use several GPUs, one process each (coat-compare starts each run's torchrun
@@ -378,7 +378,7 @@ case $part in
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   pretrain-graphs-pp)
     layouts=${1:-pp2 tp2pp2}; modes=${2:-bf16-graphs coat-graphs}
-    # COAT_PIPELINE_GRAPHS=1: --coat-fp8 lets graphs through under PP (refused until this runs)
+    # COAT_PIPELINE_GRAPHS=1: --coat-fp8 lets graphs through under PP (refused otherwise: the first replay hangs)
     COAT_PIPELINE_GRAPHS=1 RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="$modes" CAP=${CAP:-120} \
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
