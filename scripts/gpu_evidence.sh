@@ -44,6 +44,7 @@
 #   te-fp8-pa-divergence                         Megatron's FP8-moment Adam through pretrain() -> te-fp8-pa-divergence-1gpu
 #   interconnect                                 NCCL all-gather, reduce-scatter and ring bandwidth -> interconnect-4gpu
 #   tp-gpu-tests                                 the sequence-parallel path's GPU tests on 2 GPUs -> layer-llama2-7b-tp2-2gpu
+#   tp-chunk-gemms                               one FP8 GEMM per sequence chunk against one GEMM (1 GPU) -> tp-chunk-gemms-1gpu
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
@@ -344,6 +345,9 @@ case $part in
   tp-gpu-tests)
     run 300 pytest-tp python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_sequence_parallel.py
     tail -3 "$out/pytest-tp.log" ;;
+  tp-chunk-gemms)
+    run 120 chunk-gemms python3 benchmarks/chunk_gemms.py --out "$out"
+    cat "$out/chunk_gemms.md" ;;
   layer-llama2-7b-tp2)
     mb=${1:-4}
     run 400 "layer-tp2-mb$mb" coat-compare --preset llama2-7b-layer --tp 2 --micro-batch "$mb" \
