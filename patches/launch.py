@@ -21,10 +21,17 @@ requires it (tensor or context parallelism before Blackwell: ``coat_patches.devi
 A rank whose script raises exits with the exception (torchrun then stops the other ranks); a rank
 whose script returned waits at most ``CLOSE_TIMEOUT_S`` for the others before it closes the process
 groups, and exits with code 1 if they do not come (a rank that died or hangs).
+
+To see where a hung run waits: ``COAT_STACKS_AFTER=SECONDS`` makes each rank write every thread's
+Python stack to ``coat-stacks-rank{RANK}.txt`` in ``COAT_STACKS_DIR`` (default: the working
+directory) if its script is still running that many seconds after it started (``faulthandler``,
+which needs no GIL; once, and the run goes on); a script that returns before removes its empty file (and the folder, once empty).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import runpy
 import socket
@@ -73,6 +80,7 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
         _say(notice)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(script))
+    stacks = _stacks_after()
     try:
         with held_output(streams=False):  # megatron-core's import warnings wait for the arguments' check
             from .install import coat_megatron_patches
@@ -81,6 +89,8 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
                 runpy.run_path(script, run_name="__main__")
     except ARGUMENT_ERRORS as e:
         _fail(str(e))
+    finally:
+        _cancel_stacks(stacks)
     # Only a script that returned gets here: a rank that raised must not wait at a barrier that
     # the others, stopped by torchrun or failing on it, may never reach.
     try:
@@ -89,6 +99,36 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
         print(f"coat-megatron-run: rank {os.environ.get('RANK', '0')}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)  # not sys.exit: the process groups' destructors would wait on the dead peer
+
+
+def _stacks_after():
+    """Arm ``COAT_STACKS_AFTER``: the open stack file, or None when the variable is unset."""
+    value = os.environ.get("COAT_STACKS_AFTER", "")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+        if seconds <= 0:
+            raise ValueError
+    except ValueError:
+        _fail(f"COAT_STACKS_AFTER={value!r}: give the seconds after which each rank writes its stacks, e.g. 90")
+    folder = os.environ.get("COAT_STACKS_DIR") or os.getcwd()
+    os.makedirs(folder, exist_ok=True)
+    stacks = open(os.path.join(folder, f"coat-stacks-rank{os.environ.get('RANK', '0')}.txt"), "w")  # noqa: SIM115 (faulthandler keeps it)
+    faulthandler.dump_traceback_later(seconds, repeat=False, file=stacks)
+    return stacks
+
+
+def _cancel_stacks(stacks) -> None:
+    """The script is done: no stacks later, and no empty file left behind."""
+    if stacks is None:
+        return
+    faulthandler.cancel_dump_traceback_later()
+    stacks.close()
+    if os.path.getsize(stacks.name) == 0:
+        os.remove(stacks.name)
+        with contextlib.suppress(OSError):  # the folder too, once no rank's file is left in it
+            os.rmdir(os.path.dirname(stacks.name))
 
 
 class PeersLostError(RuntimeError):

@@ -25,7 +25,8 @@
 #
 # Environment: RES (default /tmp/pretrain-layouts), OUT (default out), LAYOUTS (default "pp2 tp2 tp2pp2"), MODES
 # (default "bf16 bf16-graphs coat coat-graphs"), ITERS (default 20), CAP (seconds per run, default
-# 150: a run that stalls is stopped and its row says so), SIZE (1b | tiny).
+# 150: a run that stalls is stopped and its row says so; 20 s before, each of its ranks writes its Python
+# stacks to $RES/stacks-LAYOUT-MODE/coat-stacks-rankN.txt: COAT_STACKS_AFTER), SIZE (1b | tiny).
 # (--no-gradient-accumulation-fusion: see scripts/gpu_pretrain.sh.)
 set -uo pipefail
 out=${RES:-/tmp/pretrain-layouts}
@@ -73,9 +74,16 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
       coat-auto)   flags=(--coat-fp8) ;;
       *) echo "mode $mode: use bf16, bf16-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
     esac
-    run "$cap" "$layout-$mode" python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
+    # a run still going 20 s before its cap writes each rank's stacks (coat_patches.launch), then is stopped
+    COAT_STACKS_AFTER=$((cap > 40 ? cap - 20 : cap / 2)) COAT_STACKS_DIR="$out/stacks-$layout-$mode" \
+      run "$cap" "$layout-$mode" python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
       -m coat_patches.launch "$root/examples/pretrain_gpt.py" "${common[@]}" "${parallel[@]}" "${flags[@]}"
     grep -hE "coat-megatron-run: |iteration +$iters/" "$out/$layout-$mode.log" | cut -c1-200
+    if compgen -G "$out/stacks-$layout-$mode/*.txt" >/dev/null; then  # where each rank waited: the main thread's
+      for f in "$out/stacks-$layout-$mode"/*.txt; do  # innermost frames (faulthandler lists the oldest thread last)
+        echo "   ${f##*/}: $(awk '/most recent call first/ {n = 0; top = ""; next} n < 3 && /File/ {top = top $0 ";"; n++} END {print top}' "$f" | tr -s ' ')"
+      done
+    fi
   done
 done
 
@@ -148,5 +156,6 @@ for (layout, mode), row in sorted(rows.items()):
           f"| {row['memory']} | {row['status']} |")
 PY
 cp "$out"/*.log "$out"/summary.md "$dest"/
+for stacks in "$out"/stacks-*/; do [ -d "$stacks" ] && [ "$out" != "$dest" ] && cp -r "$stacks" "$dest"/; done
 [ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/
 true

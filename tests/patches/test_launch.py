@@ -286,3 +286,43 @@ def test_the_demo_stopped_with_sigterm_takes_its_training_down(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_stacks_after_writes_every_thread_of_a_rank_still_running(tmp_path, monkeypatch):
+    """COAT_STACKS_AFTER: a rank whose script runs past the time writes where it is (once) to its
+    own file; the run goes on."""
+    monkeypatch.setenv("COAT_STACKS_AFTER", "0.3")
+    monkeypatch.setenv("COAT_STACKS_DIR", str(tmp_path / "stacks"))
+    monkeypatch.setenv("RANK", "3")
+    stacks = launch_module._stacks_after()
+
+    def a_replay_that_hangs():
+        time.sleep(1.5)
+        return "went on"
+
+    assert a_replay_that_hangs() == "went on"
+    launch_module._cancel_stacks(stacks)
+    text = (tmp_path / "stacks" / "coat-stacks-rank3.txt").read_text()
+    assert text.startswith("Timeout (") and "a_replay_that_hangs" in text and text.count("Timeout (") == 1
+
+
+def test_stacks_after_leaves_nothing_when_the_script_ends_in_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("COAT_STACKS_AFTER", "60")
+    monkeypatch.setenv("COAT_STACKS_DIR", str(tmp_path / "stacks"))
+    stacks = launch_module._stacks_after()
+    assert (tmp_path / "stacks" / "coat-stacks-rank0.txt").exists()
+    launch_module._cancel_stacks(stacks)
+    time.sleep(0.1)
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its folder
+    monkeypatch.delenv("COAT_STACKS_AFTER")
+    assert launch_module._stacks_after() is None  # unset: nothing armed
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5"])
+def test_a_bad_stacks_after_names_the_fix(monkeypatch, capsys, value):
+    monkeypatch.setenv("COAT_STACKS_AFTER", value)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as stop:
+        launch_module._stacks_after()
+    assert stop.value.code == 2
+    assert "give the seconds after which each rank writes its stacks, e.g. 90" in capsys.readouterr().err
