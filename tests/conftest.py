@@ -15,6 +15,12 @@ HAS_CUDA = torch.cuda.is_available()
 torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # megatron-core wraps its fused kernels in torch.compile when it is imported, which loads
+    # TorchDynamo's backends and Inductor: about 1.4 s of CPU in every Megatron process the tests
+    # start (inherited by the subprocesses). A CPU run never calls those kernels
+    # (coat_patches.training_cpu skips their warm-up); with this, torch.compile hands them back as
+    # they are. GPU test runs keep it.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from triton_interpreter import install
 
     install()
