@@ -21,6 +21,9 @@ if not HAS_CUDA:
     # (coat_patches.training_cpu skips their warm-up); with this, torch.compile hands them back as
     # they are. GPU test runs keep it.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    # the processes the tests start (launchers, torchrun ranks, gloo workers): one intra-op thread
+    # each too, as above (torchrun sets this only for more than one process per node)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from triton_interpreter import install
 
     install()
