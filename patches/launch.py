@@ -25,7 +25,8 @@ groups, and exits with code 1 if they do not come (a rank that died or hangs).
 To see where a hung run waits: ``COAT_STACKS_AFTER=SECONDS`` makes each rank write every thread's
 Python stack to ``coat-stacks-rank{RANK}.txt`` in ``COAT_STACKS_DIR`` (default: the working
 directory) if its script is still running that many seconds after it started (``faulthandler``,
-which needs no GIL; once, and the run goes on); a script that returns before removes its empty file (and the folder, once empty).
+which needs no GIL; once, and the run goes on). A script that returns before then removes its
+empty file, and the folder once no rank's file is left in it.
 """
 
 from __future__ import annotations
