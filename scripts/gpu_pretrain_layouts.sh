@@ -16,8 +16,11 @@
 # $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
 # after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
 # to BF16, the logged loss first and last, and its largest difference from the same mode's run in
-# layout "one" at the same logged iterations (the same seed, data and global batch: a layout that
-# computes the same model agrees to rounding); and copies the logs and summary to $OUT.
+# layout "one" at the same logged iterations (the same seed, data and global batch); and copies the
+# logs and summary to $OUT. Only DP layouts start from one GPU's weights: Megatron seeds pipeline
+# stage s with seed + 100 s and draws each TP partition from its own RNG, so a PP or TP layout trains
+# another draw of the model, and its difference from "one" includes that. Judge COAT's difference
+# against BF16's in the same layout (coat-compare --layouts initializes every layout alike).
 #
 #   LAYOUTS="pp2" bash scripts/gpu_pretrain_layouts.sh           # one layout's 4 modes: ~6 min
 #   LAYOUTS="dp2" MODES="bf16 coat-auto" bash scripts/gpu_pretrain_layouts.sh
