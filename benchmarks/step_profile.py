@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -56,6 +59,43 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 ROW_MARK = "STEP-PROFILE-ROW "
+
+# kernel classes for the step's GPU time: the collectives first, then benchmarks/layer_profile.py's classes
+COLLECTIVE, OPTIMIZER = "collectives (NCCL)", "optimizer"
+
+
+def step_kernel_class(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low:
+        return COLLECTIVE
+    if "adam" in low or "multi_tensor" in low:
+        return OPTIMIZER
+    return _layer_profile().kernel_class(name)
+
+
+@functools.cache
+def _layer_profile():
+    """benchmarks/layer_profile.py, beside this script (benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("layer_profile", Path(__file__).with_name("layer_profile.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def class_times(kernels: list[tuple[str, float, float]], steps: int) -> dict:
+    """Per step: GPU time by kernel class (summed over streams) and how much of the collectives' time
+    no other kernel overlaps (the communication the step waits for). ``kernels``: (name, start us, end us)."""
+    by_class: dict[str, float] = {}
+    for name, start, end in kernels:
+        cls = step_kernel_class(name)
+        by_class[cls] = by_class.get(cls, 0.0) + (end - start) / 1e3 / steps
+    every = [(s, e) for _, s, e in kernels]
+    compute = [(s, e) for n, s, e in kernels if step_kernel_class(n) != COLLECTIVE]
+    return {
+        "class_ms_per_step": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
+        "exposed_collective_ms_per_step": (busy_ms(every) - busy_ms(compute)) / steps,
+        "compute_busy_ms_per_step": busy_ms(compute) / steps,
+    }
 
 
 def python_profile(run_steps) -> tuple[str, str]:
@@ -114,6 +154,7 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int, t
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         host_launches = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.name in LAUNCH_CALLS]
         gpu = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
+        classes = class_times([(e.name, e.time_range.start, e.time_range.end) for e in kernels], steps)
         table_gpu = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70)
         table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70)
         first = preset.warmup_steps + 1 + steps
@@ -129,11 +170,38 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int, t
         "gpu_busy_fraction": gpu / wall,
         "kernel_launches_per_step": len(kernels) / steps,
         "host_launch_calls_per_step": len(host_launches) / steps,
+        **classes,
         "top_gpu": table_gpu,
         "top_cpu": table_cpu,
         "top_python_cumulative": by_cumulative,
         "top_python_own": by_own,
     }
+
+
+def class_table(rows: list[dict]) -> list[str]:
+    """Markdown: each mode's GPU time per step by kernel class, the collectives' exposed part, and the
+    host's share (wall time when no kernel runs)."""
+    classes = sorted(
+        {c for r in rows for c in r["class_ms_per_step"]},
+        key=lambda c: -max(r["class_ms_per_step"].get(c, 0) for r in rows),
+    )
+    lines = [
+        "",
+        "GPU time per step by kernel class, ms (summed over streams, so collectives that overlap compute count "
+        "in full); exposed collectives: time when only collectives run; host: wall time when no kernel runs.",
+        "",
+        "| mode | CUDA graphs | "
+        + " | ".join(classes)
+        + " | exposed collectives | compute busy | host (wall - busy) |",
+        "|---|---|" + "---:|" * (len(classes) + 3),
+    ]
+    for r in rows:
+        cells = [f"{r['class_ms_per_step'].get(c, 0.0):.1f}" for c in classes]
+        lines.append(
+            f"| {r['mode']} | {r['graphs']} | " + " | ".join(cells) + f" | {r['exposed_collective_ms_per_step']:.1f} "
+            f"| {r['compute_busy_ms_per_step']:.1f} | {r['wall_ms_per_step'] - r['gpu_busy_ms_per_step']:.1f} |"
+        )
+    return lines
 
 
 def launcher(processes: int) -> list[str]:
@@ -234,6 +302,7 @@ def main():
         f"{r['kernel_launches_per_step']:.0f} | {r['host_launch_calls_per_step']:.0f} |"
         for r in rows
     ]
+    lines += class_table(rows)
     for r in rows:
         name = r["mode"] + ("" if r["graphs"] == "none" else f" with {r['graphs']} CUDA graphs")
         lines += [

@@ -52,6 +52,7 @@
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with graphs under PP (default "pp2 tp2pp2", "bf16-graphs coat-graphs") -> pipeline-graphs-4gpu
+#   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto"), eager under PP -> pipeline-graphs-4gpu
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
 #   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
@@ -384,6 +385,11 @@ case $part in
     layouts=${1:-pp2 tp2pp2}; modes=${2:-bf16-graphs coat-graphs}
     # COAT_PIPELINE_GRAPHS=1: --coat-fp8 lets graphs through under PP (refused otherwise: the first replay hangs)
     COAT_PIPELINE_GRAPHS=1 RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="$modes" CAP=${CAP:-120} \
+      bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
+    cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
+  pretrain-layouts)
+    layouts=${1:?pretrain-layouts LAYOUTS [MODES]}; modes=${2:-bf16 te-fp8 coat-auto}
+    RES="$out" OUT="$out" LAYOUTS="$layouts" MODES="$modes" CAP=${CAP:-150} \
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   scaling-gpt-1b)

@@ -10,7 +10,8 @@
 #   tp2     TP 2 + sequence parallel                       2 GPUs
 #   tp2pp2  TP 2 x PP 2 + sequence parallel                4 GPUs
 #   dp2     DP 2 (where --coat-fp8 alone turns graphs on)  2 GPUs
-# Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, coat
+# Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, te-fp8 (TE FP8
+# with current scaling: --fp8-format hybrid --fp8-recipe tensorwise; needs TE), te-fp8-graphs, coat
 # (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 --cuda-graph-impl local), coat-auto
 # (--coat-fp8 alone: what a user gets). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
 # $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
@@ -74,8 +75,11 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
       bf16-graphs) flags=(--cuda-graph-impl local) ;;
       coat)        flags=(--coat-fp8 --coat-cuda-graphs off) ;;
       coat-graphs) flags=(--coat-fp8 --cuda-graph-impl local) ;;
+      te-fp8 | te-fp8-graphs)
+        [ "$impl" = transformer_engine ] || { echo "mode $mode needs TransformerEngine: install it, or drop the mode" >&2; exit 2; }
+        flags=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl "$([ "$mode" = te-fp8 ] && echo none || echo local)") ;;
       coat-auto)   flags=(--coat-fp8) ;;
-      *) echo "mode $mode: use bf16, bf16-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
+      *) echo "mode $mode: use bf16, bf16-graphs, te-fp8, te-fp8-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
     esac
     # a run still going 20 s before its cap writes each rank's stacks (coat_patches.launch), then is stopped
     COAT_STACKS_AFTER=$((cap > 40 ? cap - 20 : cap / 2)) COAT_STACKS_DIR="$out/stacks-$layout-$mode" \
@@ -145,18 +149,19 @@ def losses(row, layout, mode):
 
 
 print("| layout | mode | GPUs | graphs | tokens/s | tokens/s per GPU | x BF16 eager | x BF16 same graphs "
-      "| peak x BF16 eager | loss first -> last | largest loss difference vs one | "
-      "peak allocated (reserved) MiB per rank | status |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---|---|")
+      "| peak x BF16 eager | loss first -> last | largest loss difference vs one | x TE FP8 same graphs "
+      "| peak allocated (reserved) MiB per rank | status |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|")
 for (layout, mode), row in sorted(rows.items()):
     eager = rows.get((layout, "bf16"), {})
     same = rows.get((layout, "bf16-graphs" if row["graphs"] != "none" else "bf16"), {})
+    te = rows.get((layout, "te-fp8-graphs" if row["graphs"] != "none" else "te-fp8"), {})
     tps = row["tokens_s"]
     per_gpu = f"{tps / int(row['gpus']):,.0f}" if tps and row["gpus"].isdigit() else ""
     print(f"| {layout} | {mode} | {row['gpus']} | {row['graphs']} | {f'{tps:,.0f}' if tps else ''} | {per_gpu} "
           f"| {ratio(tps, eager.get('tokens_s'))} | {ratio(tps, same.get('tokens_s'))} "
           f"| {ratio(row['peak'], eager.get('peak'))} | {' | '.join(losses(row, layout, mode))} "
-          f"| {row['memory']} | {row['status']} |")
+          f"| {ratio(tps, te.get('tokens_s'))} | {row['memory']} | {row['status']} |")
 PY
 cp "$out"/*.log "$out"/summary.md "$dest"/
 for stacks in "$out"/stacks-*/; do [ -d "$stacks" ] && [ "$out" != "$dest" ] && cp -r "$stacks" "$dest"/; done

@@ -120,6 +120,28 @@ def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
         assert cells[9] == f"{losses[0]:.4f} -> {losses[-1]:.4f}"
         # DP 2 computes the same model on the same global batches: its losses agree with one process's
         assert cells[10] == "" if layout == "one" else float(cells[10]) < 0.02
+        assert cells[11] == ""  # x TE FP8: no te-fp8 run here
         # global batch 4 x seq 64 tokens per iteration, over the median of iterations 3 and 4
         assert float(cells[4].replace(",", "")) == pytest.approx(256 * 1000 / statistics.median(times[2:]), rel=0.01)
     assert rows["dp2", "bf16"][6] == "1.00" and float(rows["dp2", "coat"][6]) > 0
+
+
+def test_gpu_pretrain_layouts_script_names_te_when_a_te_mode_lacks_it(tmp_path):
+    """The te-fp8 modes need TransformerEngine: without it the script says so and exits 2 before any run."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        pass
+    else:
+        pytest.skip("TransformerEngine imports here")
+    env = _cpu_env(SIZE="tiny", LAYOUTS="one", MODES="te-fp8", RES=str(tmp_path / "res"), OUT=str(tmp_path))
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_pretrain_layouts.sh")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2 and "mode te-fp8 needs TransformerEngine" in done.stderr
+    assert not list((tmp_path / "res").glob("*.log"))
