@@ -1,7 +1,7 @@
 """Where one end-to-end training step spends its time: GPU kernels vs the host, per mode.
 
     python benchmarks/step_profile.py [--preset gpt-1b] [--modes bf16,coat] [--steps 3] [--cuda-graphs none,local,full]
-        [--micro-batch N] [--global-batch N] [--tp N] [--dp N] [--out DIR]
+        [--micro-batch N] [--global-batch N] [--tp N] [--dp N] [--config-timeout S] [--out DIR]
 
 Builds the model and optimizer exactly as ``coat-compare`` does (``coat_compare``), runs a
 few warm-up steps, then profiles ``--steps`` steps with ``torch.profiler``. Per mode: the wall time
@@ -204,6 +204,17 @@ def class_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def run_config(cmd: list[str], env: dict, timeout: float) -> tuple[str, str, str]:
+    """Run one configuration's processes: (stdout, stderr, status). Past ``timeout`` seconds they are
+    stopped and what they printed is returned (a row printed before a stalled tear-down counts)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as stopped:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return text(stopped.stdout), text(stopped.stderr), f"stopped after {timeout:.0f} s"
+    return proc.stdout, proc.stderr, f"exit {proc.returncode}"
+
+
 def launcher(processes: int) -> list[str]:
     """How one configuration's processes start: this Python alone, or torchrun with one per GPU."""
     if processes == 1:
@@ -224,6 +235,12 @@ def main():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (sequence parallel), one process per GPU")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--config-timeout",
+        type=float,
+        default=400,
+        help="seconds for one configuration's processes; past it they are stopped and a row they printed is kept",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # one configuration, its row printed as JSON
     args = p.parse_args()
@@ -241,11 +258,19 @@ def main():
     )
     configs = [(m, g) for m in parse_modes(args.modes) for g in parse_graphs(args.cuda_graphs)]
     if args.one:
+        from coat_compare.run import TEARDOWN_S
+
         with contextlib.ExitStack() as stack:
             parallel.initialize(args.tp, args.dp, stack)
             row = profile_mode(preset, *configs[0], seed=args.seed, steps=args.steps, tp=args.tp, dp=args.dp)
             if parallel.is_main_rank():
                 print(ROW_MARK + json.dumps(row), flush=True)
+            # the row first, then the tear-down, as coat-compare's runs: after CUDA graphs at TP the
+            # destruction of the process groups may never return; past TEARDOWN_S this process
+            # exits (status 1) and the parent keeps the row printed above
+            with parallel.step_watchdog(TEARDOWN_S):
+                parallel.free_memory()
+                stack.close()
         return
     rows = []
     for mode, graphs in configs:
@@ -275,10 +300,10 @@ def main():
         if args.global_batch:
             cmd += ["--global-batch", str(args.global_batch)]
         env = {**os.environ, **run_environment(["--tp", str(args.tp)])}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        found = [line[len(ROW_MARK) :] for line in proc.stdout.splitlines() if line.startswith(ROW_MARK)]
+        stdout, stderr, status = run_config(cmd, env, args.config_timeout)
+        found = [line[len(ROW_MARK) :] for line in stdout.splitlines() if line.startswith(ROW_MARK)]
         if not found:
-            print(f"{mode.name} (graphs {graphs}) failed ({proc.returncode}): {proc.stderr[-2000:]}", flush=True)
+            print(f"{mode.name} (graphs {graphs}) failed ({status}): {stderr[-2000:]}", flush=True)
             continue
         r = json.loads(found[-1])
         rows.append(r)

@@ -368,7 +368,7 @@ case $part in
   step-profile-tp)
     preset=${1:?step-profile-tp PRESET TP DP MB GB [GRAPHS]}; tp=$2; dp=$3; mb=$4; gb=$5; graphs=${6:-none}
     run 560 "step-$preset-tp$tp-dp$dp-$graphs" "${big[@]}" python3 benchmarks/step_profile.py --preset "$preset" --tp "$tp" --dp "$dp" \
-      --micro-batch "$mb" --global-batch "$gb" --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --steps 2 --out "$out"
+      --micro-batch "$mb" --global-batch "$gb" --modes bf16,te-fp8-current,coat --cuda-graphs "$graphs" --steps 2 --config-timeout 180 --out "$out"
     grep -E "^\| (bf16|te-fp8-current|coat) " "$out/step_profile.md" ;;
   speed-gpt-1b-tp2)
     graphs=${1:-none,local}

@@ -55,3 +55,19 @@ def test_class_table_has_a_row_per_mode_and_the_host_share():
     assert header.split(" | ")[2:4] == ["GEMM", "norm"]
     coat = next(line for line in lines if line.startswith("| coat"))
     assert [c.strip() for c in coat.strip("|").split("|")] == ["coat", "local", "4.0", "2.0", "1.0", "7.0", "2.0"]
+
+
+def test_a_configuration_past_its_time_keeps_the_row_it_printed(tmp_path):
+    """A configuration whose processes print their row and then never exit (a stalled tear-down)
+    is stopped at --config-timeout, and its row is still read."""
+    import sys
+
+    script = tmp_path / "stalls.py"
+    script.write_text(
+        f'import sys, time\nprint({step_profile.ROW_MARK!r} + \'{{"mode": "coat"}}\', flush=True)\ntime.sleep(60)\n'
+    )
+    stdout, _, status = step_profile.run_config([sys.executable, str(script)], None, timeout=3)
+    assert status == "stopped after 3 s"
+    assert stdout.splitlines() == [step_profile.ROW_MARK + '{"mode": "coat"}']
+    stdout, _, status = step_profile.run_config([sys.executable, "-c", "print('done')"], None, timeout=30)
+    assert (stdout, status) == ("done\n", "exit 0")
