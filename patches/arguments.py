@@ -307,7 +307,7 @@ def _precision_problems(args) -> list[str]:
 
 def _graph_problems(args) -> list[str]:
     if os.environ.get("COAT_PIPELINE_GRAPHS", "0") not in ("", "0"):
-        return []  # debugging graphs under PP: with the RoPE copy the first replay hangs (pipeline-graphs-4gpu)
+        return []  # debugging graphs under PP: with the RoPE copy the first replay hangs (pretrain-pipeline-4gpu)
     if args.pipeline_model_parallel_size > 1 and getattr(args, "cuda_graph_impl", None) == "local":
         return [
             f"--cuda-graph-impl local with --pipeline-model-parallel-size > 1: {PIPELINE_GRAPHS}; drop --cuda-graph-impl local"

@@ -25,7 +25,7 @@ graph, which asserts that no forward buffer is held. So under pipeline paralleli
 each call its own copy of the cached table (sequence x head dim values, once per micro-batch): each
 micro-batch's buffer is then released within its own forward. On GPUs (PP 2, 4 x H200) that gets
 graph creation past the assertion and the first iteration done, but the first replay then hangs,
-BF16 and COAT alike (benchmarks/results/pipeline-graphs-4gpu), so ``--coat-fp8`` still refuses
+BF16 and COAT alike (benchmarks/results/pretrain-pipeline-4gpu), so ``--coat-fp8`` still refuses
 per-layer graphs under PP, unless ``COAT_PIPELINE_GRAPHS=1`` is set (to debug that hang).
 """
 

@@ -51,8 +51,8 @@
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
-#   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with graphs under PP (default "pp2 tp2pp2", "bf16-graphs coat-graphs") -> pipeline-graphs-4gpu
-#   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto"), eager under PP -> pipeline-graphs-4gpu
+#   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with graphs under PP (default "pp2 tp2pp2", "bf16-graphs coat-graphs") -> pretrain-pipeline-4gpu
+#   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto"), eager under PP -> pretrain-pipeline-4gpu
 #   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
 #   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
