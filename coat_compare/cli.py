@@ -311,6 +311,12 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
     )
     ckpt.add_argument("--save-step", type=int, help="steps before --save writes (default: half of --steps)")
     ckpt.add_argument(
+        "--stop-after-save",
+        action="store_true",
+        help="with --save: end the run once the checkpoint is written, and leave the rest of --steps to a later "
+        "--load (the learning-rate schedule and the batches stay those of --steps): one run over two commands",
+    )
+    ckpt.add_argument(
         "--load",
         metavar="DIR",
         help="start from the checkpoint in DIR, at its step (dp_reshardable: any --dp, the saving --tp and --pp; "
@@ -397,6 +403,10 @@ def check_args(args) -> None:
             "--resume-check saves at the job's layout and resumes at DP 1 and there: give --dp 2 (or more), "
             "or --resume-at the layouts to resume at"
         )
+    if (args.save or args.load) and len(parse_modes(args.modes)) > 1:
+        raise ValueError("--save and --load hold one run's checkpoint: give one mode (--modes MODE), a job per mode")
+    if args.stop_after_save and (not args.save or args.resume_check):
+        raise ValueError("--stop-after-save ends a run at its --save: give --save DIR (and no --resume-check)")
     if args.resume_at and not args.resume_check:
         raise ValueError("--resume-at names where --resume-check resumes: add --resume-check")
     if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
@@ -589,6 +599,11 @@ def check_steps(preset: Preset, args) -> None:
             raise ValueError(
                 f"--save-step {save_step} is not a step of this run (steps {first} .. {steps - 1}), so "
                 f"--save would write nothing: give --save-step {first} to {steps - 1}"
+            )
+        if args.stop_after_save and save_step < fewest_steps(preset, first):
+            raise ValueError(
+                f"--stop-after-save ends the run after step {save_step}, which leaves no step to time: {warmup}; "
+                f"give --save-step {fewest_steps(preset, first)} to {steps - 1}"
             )
 
 

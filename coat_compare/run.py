@@ -205,7 +205,7 @@ def run_in_processes(preset: Preset, mode: Mode, args, graphs: str) -> dict:
         return row
     processes = args.tp * args.pp * args.dp
     print(f"{preset.name} {mode.name} (graphs: {graphs}): {processes} fresh process(es)", file=sys.stderr, flush=True)
-    line = run_args(args, preset, mode.name, graphs=graphs, micro_batch=preset.micro_batch)
+    line = run_args(args, preset, mode.name, graphs=graphs, micro_batch=preset.micro_batch, extra=checkpoint_args(args))
     result = run_probe(line, processes, timeout_s=args.run_timeout)
     if result.row is None:
         reason = result.error
@@ -216,6 +216,21 @@ def run_in_processes(preset: Preset, mode: Mode, args, graphs: str) -> dict:
             reason += f" (log: {log.name})"
         return {**row, "status": "failed", "reason": reason, "seconds": round(result.seconds, 2)}
     return result.row
+
+
+def checkpoint_args(args) -> tuple[str, ...]:
+    """The job's --save / --load options (one mode: cli.check_args), for its run in processes of
+    its own."""
+    line: list[str] = []
+    for option, value in (("--save", args.save), ("--load", args.load)):
+        if value:
+            line += [option, value]
+    if args.save:
+        if args.save_step is not None:
+            line += ["--save-step", str(args.save_step)]
+        if args.stop_after_save:
+            line.append("--stop-after-save")
+    return tuple(line)
 
 
 def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none", release: bool = True) -> dict:
@@ -251,6 +266,7 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none", release: bo
                 progress=progress,
                 save=args.save,
                 save_step=save_step,
+                stop_after_save=args.stop_after_save,
                 load=args.load,
                 graphs=graphs,
                 gc_mode=args.gc,

@@ -84,7 +84,8 @@ class TrainOptions:
     collective fails its run instead of hanging the job.
 
     ``save``: write a dist checkpoint (``checkpoint_format``) into this directory after ``save_step``
-    steps (and go on).
+    steps (and go on, unless ``stop_after_save``: then the run ends there, and a later ``load``
+    trains the rest of ``preset.steps`` on the same schedule).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
     learning rate and the batches continue from there, so a resumed run sees what the
     uninterrupted one saw.
@@ -95,6 +96,7 @@ class TrainOptions:
     dp: int = 1
     save: str | None = None
     save_step: int | None = None
+    stop_after_save: bool = False
     load: str | None = None
     graphs: str = "none"
     pp: int = 1
@@ -145,6 +147,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
         "gc": o.gc_mode,
         "steps": preset.steps,
         "first_step": first,
+        "last_step": first + len(log.losses),  # steps trained: below ``steps`` where the run stopped at its --save
         "tp": o.tp,
         "pp": o.pp,
         "vpp": o.vpp,
@@ -266,6 +269,8 @@ def train_steps(
             batches = micro(data.batch(step), micro_batches)
             if o.save is not None and step == o.save_step:
                 save_checkpoint(o.save, chunks, optimizer, step=step, sharding_type=o.checkpoint_format)
+                if o.stop_after_save:
+                    break
             set_learning_rate(optimizer, preset, step)
             measure = step == first + preset.warmup_steps
             if measure and cuda:

@@ -106,10 +106,16 @@ BAD = [
     (["--resume-check", "--dp", "2", "--steps", "4"], ["use --steps 5 or more"]),
     (["--resume-check", "--dp", "2", "--steps", "6", "--save-step", "4"], ["use --steps 7 or more"]),
     (
-        ["--save", "{tmp}/ckpt", "--save-step", "40"],
+        ["--modes", "coat", "--save", "{tmp}/ckpt", "--save-step", "40"],
         ["--save-step 40 is not a step of this run", "give --save-step 0 to 39"],
     ),
-    (["--load", "{tmp}/missing"], ["--load", "no such directory"]),
+    (["--stop-after-save"], ["--stop-after-save ends a run at its --save: give --save DIR"]),
+    (["--modes", "bf16,coat", "--save", "{tmp}/ckpt"], ["give one mode (--modes MODE), a job per mode"]),
+    (
+        ["--modes", "coat", "--save", "{tmp}/ckpt", "--save-step", "1", "--stop-after-save"],
+        ["--stop-after-save ends the run after step 1, which leaves no step to time", "to 39"],
+    ),
+    (["--modes", "coat", "--load", "{tmp}/missing"], ["--load", "no such directory"]),
     (["--modes", "bf16,fp4"], ["unknown mode 'fp4'"]),
     (["--name", "a/b"], ["give a file name without '/'"]),
     (["--repeat", "0"], ["--repeat 0: the N-th run counts from 1"]),
@@ -138,16 +144,18 @@ def test_a_checkpoint_step_counts_toward_the_fewest_steps(tmp_path, capsys, no_w
     """With --load, training starts at the checkpoint's step: that step counts too."""
     (tmp_path / "ckpt").mkdir()
     monkeypatch.setattr(cli, "read_checkpoint", lambda directory: {"step": 4})
-    line = refused(["--load", str(tmp_path / "ckpt"), "--steps", "6", "--out", str(tmp_path / "out")], capsys)
+    line = refused(
+        ["--modes", "coat", "--load", str(tmp_path / "ckpt"), "--steps", "6", "--out", str(tmp_path / "out")], capsys
+    )
     assert "--steps 6 leaves no step to time after the checkpoint's step 4" in line and "use --steps 7 or more" in line
-    assert cli.parse_args(["--load", str(tmp_path / "ckpt"), "--steps", "7"]).steps == 7
+    assert cli.parse_args(["--modes", "coat", "--load", str(tmp_path / "ckpt"), "--steps", "7"]).steps == 7
 
 
 def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path, capsys, no_work):
     """Reading the checkpoint imports Megatron, which on a machine without CUDA may log a line of
     its own first (torch's cpp_extension): the refusal is the last line."""
     with pytest.raises(SystemExit) as e:
-        run.main(["--load", str(tmp_path), "--out", str(tmp_path / "out")])
+        run.main(["--modes", "coat", "--load", str(tmp_path), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert e.value.code == 2 and len(lines) < 4 and "Traceback" not in err, err

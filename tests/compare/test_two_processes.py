@@ -224,6 +224,25 @@ def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
     assert "| resumed at 1 | difference | resumed at dp2 | difference |" in md
 
 
+def test_one_run_over_two_commands_stops_at_its_save_and_resumes_where_it_stopped(tmp_path):
+    """--stop-after-save ends a DP 2 run at its checkpoint; a second command --load's it and trains
+    the rest of --steps on the same schedule and batches: together, the uninterrupted run's losses
+    and validation losses bit for bit (the same layout)."""
+    common = ["--preset", "tiny", "--modes", "coat", "--steps", "8", "--dp", "2", "--micro-batch", "4"]
+    common += ["--eval-every", "2", "--eval-windows", "16"]
+    run(*common, "--out", str(tmp_path), "--name", "whole")
+    ckpt = str(tmp_path / "ckpt")
+    run(*common, "--save", ckpt, "--save-step", "4", "--stop-after-save", "--out", str(tmp_path), "--name", "first")
+    run(*common, "--load", ckpt, "--out", str(tmp_path), "--name", "second")
+    whole, first, second = (rows(tmp_path / f"{n}.jsonl")["coat"] for n in ("whole", "first", "second"))
+    assert whole["status"] == first["status"] == second["status"] == "ok"
+    assert (first["first_step"], first["last_step"], second["first_step"], second["last_step"]) == (0, 4, 4, 8)
+    assert len(whole["losses"]) == 8 and first["losses"] + second["losses"] == whole["losses"]
+    assert [s for s, _ in first["valid_losses"]] == [2, 4] and [s for s, _ in second["valid_losses"]] == [6, 8]
+    assert first["valid_losses"] + second["valid_losses"] == whole["valid_losses"]
+    assert second["valid_loss"] == whole["valid_loss"]
+
+
 def test_checkpoint_at_tp2_by_dp2_resumes_at_dp4_and_at_one_process(tmp_path):
     """A TP change reshards through Megatron's fully_reshardable format (FP32 Adam states: COAT's
     are dequantized on save and requantized on load, so the resumed losses move within that
@@ -249,7 +268,7 @@ def test_checkpoint_at_tp2_by_dp2_resumes_at_dp4_and_at_one_process(tmp_path):
         (["--preset", "tiny", "--tp", "3"], "use --tp 1, 2, 4"),
         (["--preset", "tiny", "--tp", "2", "--seq", "63"], "use --seq 62"),
         (["--preset", "tiny", "--resume-check"], "give --dp 2 (or more)"),
-        (["--preset", "tiny-layer", "--load", "x"], "checkpoints need an end-to-end preset"),
+        (["--preset", "tiny-layer", "--modes", "coat", "--load", "x"], "checkpoints need an end-to-end preset"),
     ],
 )
 def test_layouts_the_job_cannot_run_name_the_fix(args, message, capsys):
