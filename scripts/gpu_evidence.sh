@@ -37,6 +37,7 @@
 #   accuracy-protocol SEED KEY                   one run of the accuracy protocol gpt-1b-accuracy (docs/accuracy.md) -> accuracy-gpt-1b-1gpu
 #   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
+#   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-1gpu
 #   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
 #   warmup-spike-llama2-7b                       the same, Llama-2-7B -> warmup-spike-1gpu
 #   spike-batches-llama2-13b                     the 13B spike's batches beside its losses -> warmup-spike-1gpu
@@ -282,6 +283,36 @@ case $part in
     run 590 "llama2-7b-acc-$mode" "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
       --eval-every 25 --eval-windows 48 --modes "$mode" --out "$out/seed1234" --name "llama2-7b-acc-$mode" --no-plots
     grep -E "^\| ($mode|training loss)" "$out/seed1234/llama2-7b-acc-$mode.md" | cut -c1-260 ;;
+  accuracy-llama2-7b-dp4)
+    # one run per mode spread over two device commands: HALF 1 trains steps 0 .. STEPS/2 - 1 and saves
+    # (--stop-after-save) into $CKPT/MODE on this machine, HALF 2 loads it and trains the rest on the
+    # same schedule and batches, with the last validation; each mode's half takes at most 290 s
+    half=${1:?accuracy-llama2-7b-dp4 HALF (1 or 2) [STEPS (80) [MODES (bf16,coat)]]}; steps=${2:-80}
+    modes=${3:-bf16,coat}; ckpt=${CKPT:-/root/ckpt-llama2-7b-dp4}
+    case $half in 1 | 2) ;; *) echo "accuracy-llama2-7b-dp4: HALF is 1 (train and save) or 2 (load and finish)" >&2; exit 2 ;; esac
+    for mode in ${modes//,/ }; do
+      name="llama2-7b-dp4-acc-$mode-$half"
+      args=(coat-compare --preset llama2-7b --dp 4 --micro-batch 1 --global-batch 64 --steps "$steps"
+        --eval-every $((steps / 4)) --eval-windows 64 --modes "$mode" --step-timeout 150 --run-timeout 280
+        --out "$out" --name "$name" --no-plots)
+      if [ "$half" = 1 ]; then
+        rm -rf "${ckpt:?}/$mode"
+        run 290 "$name" "${big[@]}" "${args[@]}" --save "$ckpt/$mode" --save-step $((steps / 2)) --stop-after-save
+      else
+        run 290 "$name" "${big[@]}" "${args[@]}" --load "$ckpt/$mode"
+      fi
+      grep -E "^\| $mode " "$out/$name.md" 2>/dev/null | head -2 | cut -c1-200
+    done
+    python3 - "$out" <<'PY'
+import glob, json, sys
+rows = {r["mode"]: r for f in glob.glob(sys.argv[1] + "/*.jsonl") for r in map(json.loads, open(f)) if r.get("kind") == "train"}
+for mode, r in sorted(rows.items()):
+    print(f"{mode}: steps {r.get('first_step')}..{r.get('last_step')} of {r.get('steps')}, {r.get('status')}, validation {r.get('valid_losses')}")
+if {"bf16", "coat"} <= rows.keys() and rows["bf16"].get("valid_loss") and rows["coat"].get("valid_loss"):
+    b, c = rows["bf16"]["valid_loss"], rows["coat"]["valid_loss"]
+    print(f"last validation: bf16 {b:.4f}, coat {c:.4f}, gap {100 * (c - b) / b:+.2f}% (reported, not judged)")
+PY
+    ;;
   warmup-spike-gpt-1b)
     for w in 5 20; do
       run 280 "gpt-1b-warmup$w" coat-compare --preset gpt-1b --micro-batch 4 --steps 30 --modes bf16,coat \

@@ -195,3 +195,36 @@ def test_wrong_calls_fail_before_any_set_up(stand_ins):
     )  # fmt: skip
     assert proc.returncode == 2 and "got 4 parts but this machine has 3 GPUs" in proc.stderr
     assert not (tmp_path / "calls").exists()  # nothing installed, nothing run
+
+
+def test_the_7b_accuracy_run_saves_in_one_command_and_finishes_in_the_next(stand_ins):
+    """accuracy-llama2-7b-dp4: HALF 1 trains each mode to half of STEPS and stops at its checkpoint
+    (in $CKPT/MODE, which it empties first); HALF 2 loads it and trains the rest, same flags."""
+    tmp_path, env = stand_ins
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "coat").mkdir(parents=True)
+    (ckpt / "coat" / "stale").write_text("from an earlier run")
+    env = {**env, "CKPT": str(ckpt)}
+    for half in ("1", "2"):
+        proc = subprocess.run(
+            ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", half, "40"], capture_output=True, text=True, env=env,
+            cwd=ROOT, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+    assert not (ckpt / "coat").exists()  # half 1 cleared it for the run's own checkpoint
+    calls = [c.split(" ", 1)[1] for c in (tmp_path / "calls").read_text().splitlines() if "coat-compare" in c]
+    out = tmp_path / "out" / "accuracy-llama2-7b-dp4"
+    common = (
+        "--preset llama2-7b --dp 4 --micro-batch 1 --global-batch 64 --steps 40 --eval-every 10 --eval-windows 64 "
+        "--modes {m} --step-timeout 150 --run-timeout 280 --out "
+        + str(out)
+        + " --name llama2-7b-dp4-acc-{m}-{h} --no-plots"
+    )
+    assert calls == [
+        *(f"coat-compare {common.format(m=m, h=1)} --save {ckpt}/{m} --save-step 20 --stop-after-save" for m in ("bf16", "coat")),
+        *(f"coat-compare {common.format(m=m, h=2)} --load {ckpt}/{m}" for m in ("bf16", "coat")),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", "3"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 2 and "HALF is 1 (train and save) or 2 (load and finish)" in proc.stderr
