@@ -263,6 +263,20 @@ PRESETS: dict[str, Preset] = {
             adam_eps=1e-5,
             description="Llama-2-13B, seq 2048, vocab 32000",
         ),
+        Preset(
+            "llama-30b",
+            "train",
+            layers=60,
+            hidden=6656,
+            ffn=17920,
+            heads=52,
+            seq=2048,
+            micro_batch=1,
+            lr=1.5e-4,
+            lr_warmup_min_steps=100,
+            adam_eps=1e-5,
+            description="LLaMA-30B class (LLaMA's 33B shape: 60 layers, hidden 6656, 52 heads), seq 2048, vocab 32000",
+        ),
     ]
 }
 

@@ -54,7 +54,9 @@
 #   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with graphs under PP (default "pp2 tp2pp2", "bf16-graphs coat-graphs") -> pretrain-pipeline-4gpu
 #   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto"), eager under PP -> pretrain-pipeline-4gpu
-#   scaling-gpt-1b [MODES]                       gpt-1b graphed on 1, 2 and 4 GPUs (DP), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
+#   scaling-gpt-1b [MODES [LAYOUTS]]             gpt-1b graphed on 1, 2 and 4 GPUs (DP; LAYOUTS 1,dp2,dp4,dp8 on 8), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
+#   train-8gpu PRESET LAYOUT MB GB MODES [GRAPHS]  one preset at one layout of 8 GPUs (e.g. llama2-7b dp8 4 512 bf16,te-fp8-current,coat) -> eight-gpu-plan-cpu
+#   max-batch-8gpu PRESET LAYOUT MODES [GIB]     each mode's largest micro-batch at a layout of 8 GPUs within GIB (79) per GPU, eager -> eight-gpu-plan-cpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
 #   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
 #   llama2-13b-4gpu TP DP MB MODES [GB]          Llama-2-13B on 4 GPUs, graphed, one layout (GB 16) -> llama2-13b-4gpu
@@ -424,8 +426,8 @@ PY
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   scaling-gpt-1b)
-    modes=${1:-bf16,te-fp8-current,coat}
-    run 570 scaling coat-compare --preset gpt-1b --layouts 1,dp2,dp4 --modes "$modes" --micro-batch 4 --global-batch 32 \
+    modes=${1:-bf16,te-fp8-current,coat}; layouts=${2:-1,dp2,dp4}
+    run 570 scaling coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 4 --global-batch 32 \
       --steps 8 --cuda-graphs local --step-timeout 120 --run-timeout 150 --out "$out" --name gpt-1b-dp-scaling --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-dp-scaling.md" ;;
   dp4-llama2-7b)
@@ -449,6 +451,24 @@ PY
     run 570 "$name" "${big[@]}" coat-compare --preset llama2-13b --tp "$tp" --dp "$dp" --micro-batch "$mb" \
       --global-batch "$gb" --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 150 --run-timeout 260 \
       --out "$out" --name "$name" --no-plots
+    rows "${modes//,/|}" "$out/$name.md" ;;
+  train-8gpu | max-batch-8gpu)
+    preset=${1:?$part PRESET LAYOUT ...}; layout=${2:?$part PRESET LAYOUT ... (e.g. dp8, tp2xdp4, tp2xpp2xdp2)}
+    sizes=$(python3 -c "from coat_compare.layouts import parse_layouts as p; print(*p('$layout')[0])") || exit 2
+    read -r tp pp vpp dp <<<"$sizes"
+    [ $((tp * pp * vpp * dp)) -le "$(nvidia-smi -L | wc -l)" ] || { echo "$part: $layout needs $((tp * pp * vpp * dp)) GPUs" >&2; exit 2; }
+    on=(--tp "$tp" --pp "$pp" --vpp "$vpp" --dp "$dp")
+    if [ "$part" = train-8gpu ]; then
+      mb=${3:?train-8gpu PRESET LAYOUT MB GB MODES [GRAPHS]}; gb=${4:?}; modes=${5:?}; graphs=${6:-$([ "$pp" = 1 ] && echo local || echo none)}
+      name="$preset-$layout-mb$mb-$graphs"
+      run 580 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --micro-batch "$mb" --global-batch "$gb" \
+        --steps 6 --modes "$modes" --cuda-graphs "$graphs" --step-timeout 200 --run-timeout 280 --out "$out" --name "$name" --no-plots
+    else
+      modes=${3:?max-batch-8gpu PRESET LAYOUT MODES [GIB]}; gib=${4:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
+      name="$preset-$layout-search"
+      run 585 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --modes "$modes" --search --search-micro-batches 4 \
+        --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" --name "$name" --no-plots
+    fi
     rows "${modes//,/|}" "$out/$name.md" ;;
   resume-gpt-1b-tp2dp2)
     steps=${1:-8}

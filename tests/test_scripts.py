@@ -228,3 +228,34 @@ def test_the_7b_accuracy_run_saves_in_one_command_and_finishes_in_the_next(stand
         ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", "3"], capture_output=True, text=True, env=env, cwd=ROOT
     )
     assert proc.returncode == 2 and "HALF is 1 (train and save) or 2 (load and finish)" in proc.stderr
+
+
+def test_the_8_gpu_parts_spell_out_the_layout_and_refuse_a_smaller_host(stand_ins):
+    tmp_path, env = stand_ins
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "python3").write_text(  # the layout parse runs; anything else is recorded
+        '#!/bin/sh\n[ "$1" = -c ] && exec "$REAL_PYTHON" "$@"\necho "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
+    )
+    env = {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "train-8gpu", "llama2-13b", "tp2xpp2xdp2", "2", "64", "bf16,coat"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "train-8gpu: tp2xpp2xdp2 needs 8 GPUs" in proc.stderr  # the stand-in has 3
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: h"; done\n')
+    for argv in (["train-8gpu", "llama2-13b", "tp2xpp2xdp2", "2", "64", "bf16,coat"],
+                 ["train-8gpu", "llama2-7b", "dp8", "4", "512", "coat"],
+                 ["max-batch-8gpu", "llama-30b", "tp4xpp2", "bf16,coat"]):  # fmt: skip
+        proc = subprocess.run(
+            ["bash", str(RUNNER), *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+    calls = [c.split(" ", 2)[2] for c in (tmp_path / "calls").read_text().splitlines() if " coat-compare " in c]
+    assert [c.split(" --out ")[0] for c in calls] == [
+        "--preset llama2-13b --tp 2 --pp 2 --vpp 1 --dp 2 --micro-batch 2 --global-batch 64 --steps 6 --modes bf16,coat "
+        "--cuda-graphs none --step-timeout 200 --run-timeout 280",  # no graphs under PP
+        "--preset llama2-7b --tp 1 --pp 1 --vpp 1 --dp 8 --micro-batch 4 --global-batch 512 --steps 6 --modes coat "
+        "--cuda-graphs local --step-timeout 200 --run-timeout 280",
+        "--preset llama-30b --tp 4 --pp 2 --vpp 1 --dp 1 --modes bf16,coat --search --search-micro-batches 4 "
+        "--fit-memory 79 --search-time-limit 270",
+    ]
