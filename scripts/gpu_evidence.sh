@@ -123,6 +123,26 @@ gpu_setup
 big=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)  # 7B and 13B near the memory limit: fewer fragments
 rows() { grep -h -E "^\| ($1) \|" "${@:2}" 2>/dev/null | cut -c1-200; }  # a report's table rows, for the printout
 
+eight_gpus() {  # train-8gpu and max-batch-8gpu: PRESET LAYOUT ...
+  preset=${1:?$part PRESET LAYOUT ...}; layout=${2:?$part PRESET LAYOUT ... (e.g. dp8, tp2xdp4, tp2xpp2xdp2)}
+  sizes=$(python3 -c "from coat_compare.layouts import parse_layouts as p; print(*p('$layout')[0])") || exit 2
+  read -r tp pp vpp dp <<<"$sizes"
+  [ $((tp * pp * vpp * dp)) -le "$(nvidia-smi -L | wc -l)" ] || { echo "$part: $layout needs $((tp * pp * vpp * dp)) GPUs" >&2; exit 2; }
+  on=(--tp "$tp" --pp "$pp" --vpp "$vpp" --dp "$dp")
+  if [ "$part" = train-8gpu ]; then
+    mb=${3:?train-8gpu PRESET LAYOUT MB GB MODES [GRAPHS]}; gb=${4:?}; modes=${5:?}; graphs=${6:-$([ "$pp" = 1 ] && echo local || echo none)}
+    name="$preset-$layout-mb$mb-$graphs"
+    run 580 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --micro-batch "$mb" --global-batch "$gb" \
+      --steps 6 --modes "$modes" --cuda-graphs "$graphs" --step-timeout 200 --run-timeout 280 --out "$out" --name "$name" --no-plots
+  else
+    modes=${3:?max-batch-8gpu PRESET LAYOUT MODES [GIB]}; gib=${4:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
+    name="$preset-$layout-search"
+    run 585 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --modes "$modes" --search --search-micro-batches 4 \
+      --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" --name "$name" --no-plots
+  fi
+  rows "${modes//,/|}" "$out/$name.md"
+}
+
 case $part in
   gpu-tests)
     run 580 pytest-gpu python3 -m pytest -q -m gpu -p no:cacheprovider tests
@@ -452,24 +472,10 @@ PY
       --global-batch "$gb" --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 150 --run-timeout 260 \
       --out "$out" --name "$name" --no-plots
     rows "${modes//,/|}" "$out/$name.md" ;;
-  train-8gpu | max-batch-8gpu)
-    preset=${1:?$part PRESET LAYOUT ...}; layout=${2:?$part PRESET LAYOUT ... (e.g. dp8, tp2xdp4, tp2xpp2xdp2)}
-    sizes=$(python3 -c "from coat_compare.layouts import parse_layouts as p; print(*p('$layout')[0])") || exit 2
-    read -r tp pp vpp dp <<<"$sizes"
-    [ $((tp * pp * vpp * dp)) -le "$(nvidia-smi -L | wc -l)" ] || { echo "$part: $layout needs $((tp * pp * vpp * dp)) GPUs" >&2; exit 2; }
-    on=(--tp "$tp" --pp "$pp" --vpp "$vpp" --dp "$dp")
-    if [ "$part" = train-8gpu ]; then
-      mb=${3:?train-8gpu PRESET LAYOUT MB GB MODES [GRAPHS]}; gb=${4:?}; modes=${5:?}; graphs=${6:-$([ "$pp" = 1 ] && echo local || echo none)}
-      name="$preset-$layout-mb$mb-$graphs"
-      run 580 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --micro-batch "$mb" --global-batch "$gb" \
-        --steps 6 --modes "$modes" --cuda-graphs "$graphs" --step-timeout 200 --run-timeout 280 --out "$out" --name "$name" --no-plots
-    else
-      modes=${3:?max-batch-8gpu PRESET LAYOUT MODES [GIB]}; gib=${4:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
-      name="$preset-$layout-search"
-      run 585 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --modes "$modes" --search --search-micro-batches 4 \
-        --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" --name "$name" --no-plots
-    fi
-    rows "${modes//,/|}" "$out/$name.md" ;;
+  train-8gpu)
+    eight_gpus "$@" ;;
+  max-batch-8gpu)
+    eight_gpus "$@" ;;
   resume-gpt-1b-tp2dp2)
     steps=${1:-8}
     run 400 resume coat-compare --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 --steps "$steps" \
