@@ -86,15 +86,18 @@ def class_times(kernels: list[tuple[str, float, float]], steps: int) -> dict:
     """Per step: GPU time by kernel class (summed over streams) and how much of the collectives' time
     no other kernel overlaps (the communication the step waits for). ``kernels``: (name, start us, end us)."""
     by_class: dict[str, float] = {}
+    every, compute = [], []
     for name, start, end in kernels:
         cls = step_kernel_class(name)
         by_class[cls] = by_class.get(cls, 0.0) + (end - start) / 1e3 / steps
-    every = [(s, e) for _, s, e in kernels]
-    compute = [(s, e) for n, s, e in kernels if step_kernel_class(n) != COLLECTIVE]
+        every.append((start, end))
+        if cls != COLLECTIVE:
+            compute.append((start, end))
+    compute_ms = busy_ms(compute)
     return {
         "class_ms_per_step": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
-        "exposed_collective_ms_per_step": (busy_ms(every) - busy_ms(compute)) / steps,
-        "compute_busy_ms_per_step": busy_ms(compute) / steps,
+        "exposed_collective_ms_per_step": (busy_ms(every) - compute_ms) / steps,
+        "compute_busy_ms_per_step": compute_ms / steps,
     }
 
 
