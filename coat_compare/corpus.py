@@ -43,6 +43,7 @@ import torch
 VALID_FRACTION = 0.02  # of the files (by the hash of their key), not of the bytes
 FORMAT = 1  # of the cache; bump when what a corpus holds for the same files changes
 VALIDATION_SEED = 0  # which validation windows are evaluated: one set for every mode, seed and data order
+POOL_SEED = 0  # which training windows a data pool holds: one pool for every data order (TrainingWindows)
 PROJECT = "coat-megatron"  # its own sources are no training text
 STDLIB_KEY = "python"
 TEST_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -359,12 +360,36 @@ class TrainingWindows:
     ``i * batch_size`` .. ``(i + 1) * batch_size - 1`` of that order, as int64 tokens and labels
     of shape (batch_size, seq_length). There are ``len(self)`` batches; asking for more raises
     (use ``check_steps`` before training): a run never wraps around to text it has seen.
+
+    ``pool``: draw from a fixed set of this many windows (picked by a generator seeded with
+    ``POOL_SEED``, the same for every ``seed``) instead of the whole split, so that two data orders
+    train on the same text in another order, not on other text; a run then has at most
+    ``pool // batch_size`` batches.
     """
 
-    def __init__(self, data: torch.Tensor, seq_length: int, batch_size: int, *, seed: int, vocab_size: int = 256):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        seq_length: int,
+        batch_size: int,
+        *,
+        seed: int,
+        vocab_size: int = 256,
+        pool: int | None = None,
+    ):
         count = len(data) // (seq_length + 1)
         self.windows = data[: count * (seq_length + 1)].view(count, seq_length + 1)
-        self.order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        if pool is None:
+            self.order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))
+        else:
+            if not 0 < pool <= count:
+                raise ValueError(
+                    f"a data pool of {pool:,} windows of {seq_length + 1} bytes: the train split holds {count:,}; "
+                    "give a pool between 1 and that (the preset's data_pool), or a bigger corpus (--corpus-bytes)"
+                )
+            chosen = torch.randperm(count, generator=torch.Generator().manual_seed(POOL_SEED))[:pool]
+            self.order = chosen[torch.randperm(pool, generator=torch.Generator().manual_seed(seed))]
+        self.pool = pool
         self.seq_length, self.batch_size, self.vocab_size = seq_length, batch_size, vocab_size
 
     def __len__(self) -> int:
@@ -375,11 +400,16 @@ class TrainingWindows:
         if steps > len(self):
             need, have = steps * self.batch_size, len(self.order)
             width = self.seq_length + 1
+            where = "the corpus's train split" if self.pool is None else "the preset's data pool"
             raise ValueError(
                 f"{steps} steps of {self.batch_size} sequences need {need:,} windows of {width} bytes "
-                f"({need * width / 1e6:.1f} MB) of training text, and the corpus's train split holds {have:,} "
+                f"({need * width / 1e6:.1f} MB) of training text, and {where} holds {have:,} "
                 f"({have * width / 1e6:.1f} MB), each to be seen at most once: use --steps {len(self)} or fewer, "
-                "or a bigger corpus (--corpus packages, --corpus-bytes)"
+                + (
+                    "or a bigger corpus (--corpus packages, --corpus-bytes)"
+                    if self.pool is None
+                    else f"or a preset whose data_pool (here {self.pool:,} windows) holds them"
+                )
             )
 
     def batch(self, index: int) -> dict[str, torch.Tensor]:

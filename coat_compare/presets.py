@@ -31,6 +31,9 @@ class Preset:
     corpus: what a train preset trains on (``coat_compare.corpus``): "docstrings" (the standard
         library's docstrings, 1.4 MB) or "packages" (Python sources of the installed packages).
     corpus_bytes: the corpus's size; None: its default (``corpus_max_bytes``).
+    data_pool: train on a fixed set of this many windows (``coat_compare.corpus.TrainingWindows``'
+        ``pool``), the same for every data order, instead of the whole train split; None: the whole
+        split. With a pool, another ``--data-seed`` trains the same text in another order.
     eval_every: validation loss on held-out windows after every this many steps and after the
         last; 0: none.
     eval_windows: how many validation windows of seq + 1 bytes (rounded up to a multiple of the
@@ -78,6 +81,7 @@ class Preset:
     adam_eps: float = 1e-8
     corpus: str = "packages"
     corpus_bytes: int | None = None
+    data_pool: int | None = None
     eval_every: int = 0
     eval_windows: int = 256
     needs_gpu: bool = True
@@ -234,6 +238,49 @@ PRESETS: dict[str, Preset] = {
             eval_windows=768,
             description="gpt-1b's layers, 17 of them (1.005B parameters; gpt-1b's 16 count 0.953B), trained for the accuracy "
             "protocol (coat_compare.protocol): 262,144 tokens per step, 96 steps, learning rate to zero",
+        ),
+        Preset(
+            "gpt-1b-accuracy-pool",
+            "train",
+            layers=17,
+            hidden=2048,
+            ffn=5632,
+            heads=16,
+            seq=2048,
+            micro_batch=4,
+            global_batch=128,
+            steps=96,
+            lr=1e-4,
+            lr_warmup_steps=24,
+            lr_decay="linear",
+            lr_min_ratio=0.0,
+            data_pool=96 * 128,
+            eval_every=24,
+            eval_windows=768,
+            description="gpt-1b-accuracy with a data pool: every data order trains the same 12,288 windows (one pass, "
+            "25.2M tokens) in another order; peak learning rate 1e-4 (the protocols gpt-1b-accuracy-lr1e-4 and -lr5e-5)",
+        ),
+        Preset(
+            "gpt-1b-bytes-accuracy",
+            "train",
+            layers=20,
+            hidden=2048,
+            ffn=5632,
+            heads=16,
+            seq=2048,
+            micro_batch=4,
+            global_batch=128,
+            vocab=256,
+            steps=96,
+            lr=1e-4,
+            lr_warmup_steps=24,
+            lr_decay="linear",
+            lr_min_ratio=0.0,
+            data_pool=96 * 128,
+            eval_every=24,
+            eval_windows=768,
+            description="gpt-1b-accuracy-pool with a 256-row vocabulary (the byte tokens the corpus has, no 31,744 rows "
+            "that only the softmax's normalisation trains) and 20 layers: 1.029B parameters",
         ),
         Preset(
             "llama2-7b",

@@ -42,13 +42,18 @@ from .presets import Preset
 
 
 def training_windows(preset: Preset, data_seed: int, dp: int = 1, corpus: Corpus | None = None) -> TrainingWindows:
-    """The training batches of ``preset``'s corpus in the order of ``data_seed``: the global batch
-    (``preset.global_batch_for(dp)`` windows) per step, checked to last ``preset.steps`` steps
-    without repeating a byte."""
+    """The training batches of ``preset``'s corpus (or of its ``data_pool``) in the order of
+    ``data_seed``: the global batch (``preset.global_batch_for(dp)`` windows) per step, checked to
+    last ``preset.steps`` steps without repeating a byte."""
     if corpus is None:
         corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
     data = TrainingWindows(
-        corpus.train, preset.seq, preset.global_batch_for(dp), seed=data_seed, vocab_size=preset.vocab
+        corpus.train,
+        preset.seq,
+        preset.global_batch_for(dp),
+        seed=data_seed,
+        vocab_size=preset.vocab,
+        pool=preset.data_pool,
     )
     data.check_steps(preset.steps)
     return data
@@ -172,6 +177,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
         "wgrad_fused_linears": [sum(c) for c in zip(*map(fused_wgrad_linears, chunks))],  # [in-GEMM, linears]
         "losses": log.losses,
         "data_seed": data_seed,
+        "data_pool": preset.data_pool,
         **corpus.identity(),
         "eval_every": preset.eval_every,
         "eval_windows": len(validation) * preset.micro_batch * o.dp if validation else 0,

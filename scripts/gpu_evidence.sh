@@ -34,7 +34,8 @@
 #   wgrad-accumulate                             the wgrad added by the GEMM, per layer -> wgrad-accumulate-gemm-1gpu
 #   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
 #   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
-#   accuracy-protocol SEED KEY                   one run of the accuracy protocol gpt-1b-accuracy (docs/accuracy.md) -> accuracy-gpt-1b-1gpu
+#   accuracy-protocol SEED KEY [PROTOCOL]        one run of an accuracy protocol (gpt-1b-accuracy; docs/accuracy.md) -> accuracy-gpt-1b-1gpu
+#   accuracy-next INDEX                          the INDEX-th run the screen's rule says comes next (one per GPU) -> accuracy-gpt-1b-1gpu
 #   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-1gpu
@@ -122,6 +123,19 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_setup
 big=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)  # 7B and 13B near the memory limit: fewer fragments
 rows() { grep -h -E "^\| ($1) \|" "${@:2}" 2>/dev/null | cut -c1-200; }  # a report's table rows, for the printout
+runs_kept=${ACCURACY_RUNS:-${HOME:-/tmp}/accuracy-runs}  # each accuracy run's row, kept while the machine is warm
+runs_committed=${ACCURACY_COMMITTED:-benchmarks/results/accuracy-gpt-1b-1gpu}  # and those of earlier sessions
+
+accuracy_run() {  # PROTOCOL SEED KEY: one run of an accuracy protocol, every setting from coat_compare/protocol.py
+  local name=$1 seed=$2 key=$3 tag argv flags
+  tag="$name-${key//@/-}-seed$seed"
+  argv=$(python3 -m coat_compare.protocol flags "$name" "$seed" "$key" 2>"$out/$tag-flags.log") ||
+    { tail -3 "$out/$tag-flags.log"; exit 2; }
+  read -ra flags <<<"$argv"
+  run 560 "$tag" coat-compare "${flags[@]}" --out "$out/seed$seed" --name "$tag" --no-plots
+  mkdir -p "$runs_kept" && cp "$out/seed$seed/$tag.jsonl" "$runs_kept/" 2>/dev/null  # what accuracy-next reads
+  grep -E "^\| (${key%%@*}|training loss)" "$out/seed$seed/$tag.md" | cut -c1-260
+}
 
 eight_gpus() {  # train-8gpu and max-batch-8gpu: PRESET LAYOUT ...
   preset=${1:?$part PRESET LAYOUT ...}; layout=${2:?$part PRESET LAYOUT ... (e.g. dp8, tp2xdp4, tp2xpp2xdp2)}
@@ -276,15 +290,20 @@ case $part in
       --eval-every 46 --cuda-graphs local --modes "$mode" --seed "$seed" "${more[@]}" --out "$out/seed$seed" \
       --name "gpt-1b-acc-$tag" --no-plots
     grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$tag.md" | cut -c1-260 ;;
+  accuracy-next)
+    # the INDEX-th of the runs the screen's rule (coat_compare/protocol.py) says come next
+    index=${1:?accuracy-next INDEX (0, 1, 2, ...: one per GPU under --each-gpu)}
+    next=$(python3 -m coat_compare.protocol next "$runs_committed" "$runs_kept" --index "$index") || exit 2
+    if [ -z "$next" ]; then
+      echo "accuracy-next $index: nothing to run"
+      python3 -m coat_compare.protocol screen "$runs_committed" "$runs_kept" | sed -n '/^Next/,$p'
+      exit 0
+    fi
+    read -r name seed key <<<"$next"
+    accuracy_run "$name" "$seed" "$key" ;;
   accuracy-protocol)
-    seed=${1:?accuracy-protocol SEED KEY (e.g. 1 bf16, 1 bf16@run2, 1 bf16@data2, 1 coat@eps1e-05)}
-    key=${2:?accuracy-protocol SEED KEY}; tag="gpt-1b-accuracy-${key//@/-}-seed$seed"
-    # the run's every setting comes from the protocol (coat_compare/protocol.py), which its judge checks
-    argv=$(python3 -m coat_compare.protocol flags gpt-1b-accuracy "$seed" "$key" 2>"$out/$tag-flags.log") ||
-      { tail -3 "$out/$tag-flags.log"; exit 2; }
-    read -ra flags <<<"$argv"
-    run 560 "$tag" coat-compare "${flags[@]}" --out "$out/seed$seed" --name "$tag" --no-plots
-    grep -E "^\| (${key%%@*}|training loss)" "$out/seed$seed/$tag.md" | cut -c1-260 ;;
+    seed=${1:?accuracy-protocol SEED KEY [PROTOCOL] (e.g. 1 bf16, 1 bf16@run2, 1 bf16@data2, 1 coat@eps1e-05)}
+    accuracy_run "${3:-gpt-1b-accuracy}" "$seed" "${2:?accuracy-protocol SEED KEY [PROTOCOL]}" ;;
   accuracy-gpt-125m)
     seeds=${1:?accuracy-gpt-125m SEEDS (e.g. 1,2,3,4)}
     runs=/tmp/coat-accuracy-gpt-125m  # kept while the machine stays warm: a later call goes on from here

@@ -68,7 +68,7 @@ def test_every_part_the_evidence_and_the_index_name_exists():
     parts = set(listed_parts())
     named = {}
     for commands in RESULTS.glob("*/commands.txt"):
-        for part in re.findall(r"gpu_evidence\.sh (?:--each-gpu )?([a-z0-9-]+)", commands.read_text()):
+        for part in re.findall(r"gpu_evidence\.sh (?:--each-gpu \"?)?([a-z0-9-]+)", commands.read_text()):
             named.setdefault(part, commands.parent.name)
     index = (ROOT / "docs" / "results.md").read_text()
     for row in re.findall(r"^\|.*\|$", index, re.M):
@@ -92,6 +92,7 @@ def stand_ins(tmp_path):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "CALLS": str(tmp_path / "calls")}
+    env["ACCURACY_RUNS"] = str(tmp_path / "accuracy-runs")  # accuracy-next's rows of this machine
     return tmp_path, env
 
 
@@ -168,6 +169,39 @@ def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_
     for gpu in "012":  # three processes packed a part of one name at once, each its own archive
         with tarfile.open(out / f"gpu{gpu}" / f"{part}.tgz") as archive:
             assert "./gpu.txt" in archive.getnames()
+
+
+def test_accuracy_next_runs_what_the_screen_says_comes_next_one_run_per_gpu(stand_ins):
+    tmp_path, env = stand_ins
+    (tmp_path / "bin" / "python3").write_text(  # the protocol module for real; anything else recorded
+        '#!/bin/sh\n[ "$2" = coat_compare.protocol ] && exec "$REAL_PYTHON" "$@"\n'
+        'echo "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
+    )
+    (tmp_path / "committed").mkdir()  # no run made yet: the screen's twelve come first, in order
+    env |= {"REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "ACCURACY_COMMITTED": str(tmp_path / "committed")}
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "--each-gpu", "accuracy-next 0", "accuracy-next 1", "accuracy-next 12"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    out = tmp_path / "out"
+    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
+    common = (
+        "--steps 96 --micro-batch 4 --global-batch 128 --lr 0.0001 --lr-warmup-steps 24 --lr-decay linear "
+        "--eval-every 24 --eval-windows 768 --cuda-graphs local"
+    )
+    name = "gpt-1b-accuracy-lr1e-4"
+    assert by_gpu["0"] == [
+        f"coat-compare --preset gpt-1b-accuracy-pool --modes bf16 --seed 1 --data-seed 1 {common} "
+        f"--out {out}/gpu0/accuracy-next/seed1 --name {name}-bf16-seed1 --no-plots"
+    ]
+    assert by_gpu["1"] == [
+        f"coat-compare --preset gpt-1b-accuracy-pool --modes bf16 --seed 1 --data-seed 1001 {common} "
+        f"--out {out}/gpu1/accuracy-next/seed1 --name {name}-bf16-data2-seed1 --no-plots"
+    ]
+    assert by_gpu["2"] == []  # past the end of the twelve: nothing
+    assert "accuracy-next 12: nothing to run" in (out / "gpu2.txt").read_text()
 
 
 def test_a_part_past_the_limit_is_stopped_and_what_it_wrote_comes_back(stand_ins):

@@ -133,6 +133,31 @@ def test_training_windows_never_repeat_and_run_out_loudly():
     assert not torch.equal(TrainingWindows(data, seq, batch, seed=4).batch(0)["tokens"], windows.batch(0)["tokens"])
 
 
+def test_a_data_pool_trains_the_same_windows_in_another_order_per_data_seed():
+    seq, batch, pool = 16, 4, 20
+    data = torch.randint(0, 256, (50 * (seq + 1),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+    def windows_of(seed):
+        w = TrainingWindows(data, seq, batch, seed=seed, pool=pool)
+        assert len(w) == pool // batch == 5
+        rows = [torch.cat([w.batch(i)["tokens"], w.batch(i)["labels"][:, -1:]], 1) for i in range(len(w))]
+        return torch.cat(rows)
+
+    a, b = windows_of(3), windows_of(4)
+    assert len(torch.unique(a, dim=0)) == len(a) == pool  # each pooled window once
+    assert not torch.equal(a, b)  # another order ...
+    assert torch.equal(torch.unique(a, dim=0), torch.unique(b, dim=0))  # ... of the same windows
+    assert torch.equal(windows_of(3), a)  # the same seed: the same batches
+    whole = torch.unique(
+        torch.cat([TrainingWindows(data, seq, batch, seed=s).batch(0)["tokens"] for s in (3, 4)]), dim=0
+    )
+    assert len(whole) == 2 * batch  # without a pool, two seeds start on other windows (here all distinct)
+    with pytest.raises(ValueError, match=r"6 steps of 4 sequences need 24 windows .* the preset's data pool holds 20"):
+        TrainingWindows(data, seq, batch, seed=3, pool=pool).check_steps(6)
+    with pytest.raises(ValueError, match=r"a data pool of 51 windows of 17 bytes: the train split holds 50"):
+        TrainingWindows(data, seq, batch, seed=3, pool=51)
+
+
 def test_bytes_above_the_vocabulary_map_to_its_last_token():
     data = torch.tensor([10, 200, 255, 3, 7], dtype=torch.uint8)
     b = TrainingWindows(data, 4, 1, seed=0, vocab_size=128).batch(0)

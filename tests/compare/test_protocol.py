@@ -18,6 +18,10 @@ from coat_compare.presets import get_preset
 FROZEN = {
     "gpt-1b-accuracy": "9748896c91cdfaade851cff276e656350ec8ff56baa122ef4179492b76365faa",
     "tiny-accuracy": "cec14e4a450003b168b55545735ed1aaecd3d6020be34fa50ff284a69bfd5863",
+    # declared after gpt-1b-accuracy's floor was missed, before any run of theirs
+    "gpt-1b-accuracy-lr1e-4": "729992e8305b1a0c444cd650ae484cad68152c909c35c80f31e6a4aac7d5e83c",
+    "gpt-1b-accuracy-lr5e-5": "dcfeeb8f5d33027f2ae7c54955ddf6a732d31c846adb56b7fc7c981f7e53aa33",
+    "gpt-1b-bytes-accuracy": "3f60c929d17f7c22f18a426061ad9a546f4557cfe3f7c2360df4c3bad1e895f9",
 }
 FROZEN_RULE = "f8fafbabd09091e056583541132aac41c214ce70c0a1841ec7167ca4f02a8a33"
 WHY = (
@@ -79,6 +83,32 @@ def test_the_gpt_1b_protocol_by_value():
     # >= 0.25M tokens per step; 17 layers of 51,384,320 and two 32000-row tables: over 1B parameters
     assert 128 * 2048 >= 250_000
     assert 17 * 51_384_320 + 2 * 32000 * 2048 + 2048 >= P.GOAL_MIN_PARAMS
+
+
+def test_the_screen_and_its_candidates_are_frozen():
+    assert P.SCREEN_CANDIDATES == ("gpt-1b-accuracy-lr1e-4", "gpt-1b-accuracy-lr5e-5", "gpt-1b-bytes-accuracy"), WHY
+    assert (P.SCREEN_SEEDS, P.SCREEN_KIND, P.SCREEN_BOUND) == ((1, 2), "bf16@data2", 0.003), WHY
+    base = dict(P.get_protocol("gpt-1b-accuracy").settings)
+    for name, preset, lr in [
+        ("gpt-1b-accuracy-lr1e-4", "gpt-1b-accuracy-pool", 1e-4),
+        ("gpt-1b-accuracy-lr5e-5", "gpt-1b-accuracy-pool", 5e-5),
+        ("gpt-1b-bytes-accuracy", "gpt-1b-bytes-accuracy", 1e-4),
+    ]:
+        p = P.get_protocol(name)
+        assert p.preset == preset and dict(p.settings) == {**base, "--lr": lr}, name  # only the rate differs
+        assert (p.graphs, p.seeds, p.floor_seeds, p.modes, p.metric_last) == (
+            "local",
+            (1, 2, 3, 4, 5, 6),
+            (1, 2, 3, 4),
+            ("coat", "coat-fp32-grads", "coat@eps1e-05", "te-fp8-delayed"),
+            1,
+        )
+    pool, byte = get_preset("gpt-1b-accuracy-pool"), get_preset("gpt-1b-bytes-accuracy")
+    assert pool.data_pool == byte.data_pool == 96 * 128  # one pass over the pool: each window once
+    assert (pool.layers, pool.vocab, byte.layers, byte.vocab) == (17, 32000, 20, 256)
+    assert (pool.lr_min_ratio, byte.lr_min_ratio, get_preset("gpt-1b-accuracy").data_pool) == (0.0, 0.0, None)
+    # 20 layers of 51,384,320 (their norms included) and two 256-row tables: over 1B parameters
+    assert 20 * 51_384_320 + 2 * 256 * 2048 + 2048 == 1_028_737_024 >= P.GOAL_MIN_PARAMS
 
 
 # -- the judge on made-up reports ------------------------------------------------------------------
@@ -287,3 +317,79 @@ def test_the_tiny_protocol_runs_and_is_judged_on_a_cpu(tmp_path):
     assert "Floor not shown" in judge.stdout and "the gaps of the 1 run(s) of other modes are not shown" in judge.stdout
     result = json.loads((tmp_path / "judgement.json").read_text())
     assert result["floor"]["shown"] is None and result["verdict"] is None
+
+
+# -- the screen on made-up reports ------------------------------------------------------------------
+
+
+def candidate_row(name, mode, seed, valid, *, order=1, repeat=None):
+    """A finished run of candidate protocol ``name``."""
+    p = P.get_protocol(name)
+    preset = get_preset(p.preset)
+    fields = {P.ROW_FIELDS[o]: v for o, v in p.settings}
+    params = 1_028_737_024 if p.preset == "gpt-1b-bytes-accuracy" else PARAMS
+    return row(mode, seed, valid, order=order, repeat=repeat, preset=p.preset, data_pool=preset.data_pool, params=params,
+               **fields)  # fmt: skip
+
+
+def screen_rows(gaps):
+    """The screen's runs: per candidate, BF16 and BF16 in another data order at seeds 1 and 2."""
+    rows = []
+    for name, (g1, g2) in gaps.items():
+        rows += [candidate_row(name, "bf16", s, 1.0) for s in (1, 2)]
+        rows += [candidate_row(name, "bf16", 1, 1.0 + g1, order=2), candidate_row(name, "bf16", 2, 1.0 + g2, order=2)]
+    return [("f", r) for r in rows]
+
+
+LR4, LR5, BYTES = P.SCREEN_CANDIDATES
+
+
+def test_the_screen_lists_its_runs_first_then_completes_the_best_passing_candidate():
+    todo, why = P.next_runs([])
+    assert why == "the screen: 12 run(s) missing" and len(todo) == 12
+    assert todo[:3] == [(LR4, 1, "bf16"), (LR4, 1, "bf16@data2"), (LR4, 2, "bf16")] and todo[-1] == (
+        BYTES,
+        2,
+        "bf16@data2",
+    )
+    rows = screen_rows({LR4: (0.004, -0.003), LR5: (0.002, -0.002), BYTES: (0.001, 0.0025)})
+    todo, why = P.next_runs(rows[:-1])  # one run short: still the screen
+    assert todo == [(BYTES, 2, "bf16@data2")]
+    results = {r["protocol"]: r for r in P.screen(rows)}
+    assert results[LR4]["rms"] == pytest.approx(0.003536, abs=1e-6) and results[LR4]["passed"] is False
+    assert results[LR5]["passed"] and results[BYTES]["passed"]  # 0.200% and 0.190%, both <= 0.30%
+    todo, why = P.next_runs(rows)
+    assert why.startswith(f"{BYTES} (screen rms 0.190%): 34 run(s) missing")  # the lowest first; 38 - 4
+    assert todo[:4] == [(BYTES, 3, "bf16"), (BYTES, 4, "bf16"), (BYTES, 1, "bf16@run2"), (BYTES, 2, "bf16@run2")]
+    assert (BYTES, 5, "bf16") in todo and todo[-1] == (BYTES, 6, "te-fp8-delayed")
+    # its floor missed (a same-seed pair far apart): the next passing candidate's runs
+    missed = [("f", candidate_row(BYTES, "bf16", s, 1.0 + 0.01, repeat=2)) for s in (1, 2, 3, 4)]
+    missed += [("f", candidate_row(BYTES, "bf16", s, 1.0)) for s in (3, 4)]
+    todo, why = P.next_runs(rows + missed)
+    assert why.startswith(f"{LR5} (screen rms 0.200%)") and todo[0] == (LR5, 3, "bf16")
+    lines = "\n".join(P.screen_lines(rows + missed))
+    assert f"- {BYTES}: rms 0.190% (seed 1 +0.100%, seed 2 +0.250%): passed; floor MISSED" in lines
+    assert f"- {LR4}: rms 0.354% (seed 1 +0.400%, seed 2 -0.300%): failed; floor not yet shown" in lines
+
+
+def test_no_candidate_passing_the_screen_means_no_more_runs():
+    rows = screen_rows({LR4: (0.01, -0.01), LR5: (0.005, 0.0), BYTES: (0.0, 0.0045)})
+    todo, why = P.next_runs(rows)
+    assert todo == [] and why.startswith("no candidate passed the screen (bf16@data2 rms <= 0.30%)")
+    assert f"{BYTES} 0.318%" in why
+    # the rows of one candidate are not another's: a pool run is no run of gpt-1b-accuracy, nor of another rate
+    runs, notes = P.collect(PROTOCOL, rows)
+    assert runs == {} and "preset gpt-1b-accuracy-pool, not gpt-1b-accuracy" in "\n".join(notes)
+    runs, notes = P.collect(P.get_protocol(LR5), rows)
+    assert "lr 0.0001, the protocol's 5e-05" in "\n".join(notes)
+    no_pool = dict(candidate_row(LR4, "bf16", 1, 1.0), data_pool=None)
+    assert P.mismatch(P.get_protocol(LR4), no_pool) == "data_pool None, the protocol's 12288"
+
+
+def test_next_on_the_command_line_gives_one_run_per_index(tmp_path):
+    command = [sys.executable, "-m", "coat_compare.protocol", "next", str(tmp_path), str(tmp_path / "absent")]
+    done = subprocess.run([*command, "--index", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == f"{LR4} 1 bf16@data2\n", done.stderr
+    assert "the screen: 12 run(s) missing" in done.stderr
+    done = subprocess.run([*command, "--index", "12"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == ""
