@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from coat_compare import cli, probe, run
 from coat_compare.corpus import load_corpus
@@ -106,6 +107,16 @@ def test_a_run_longer_than_its_corpus_is_refused_with_the_fix():
         ValueError, match=rf"use --steps {len(data)} or fewer, or a bigger corpus \(--corpus packages, --corpus-bytes\)"
     ):
         training_windows(preset.with_overrides(steps=len(data) + 1), 1)
+
+
+def test_a_preset_with_a_data_pool_trains_the_same_windows_for_every_data_seed():
+    preset = get_preset("tiny").with_overrides(data_pool=8 * 40, steps=40)  # one pass over the pool
+    a, b = training_windows(preset, 1), training_windows(preset, 2)
+    assert len(a) == len(b) == 40 and a.pool == 8 * 40
+    assert not torch.equal(a.order, b.order) and torch.equal(a.order.sort().values, b.order.sort().values)
+    assert not torch.equal(training_windows(get_preset("tiny"), 2).order[:320].sort().values, a.order.sort().values)
+    with pytest.raises(ValueError, match=r"use --steps 40 or fewer, or a preset whose data_pool \(here 320 windows\)"):
+        training_windows(preset.with_overrides(steps=41), 1)
 
 
 def test_graphed_runs_validate_only_when_asked():

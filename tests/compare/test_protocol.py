@@ -284,12 +284,18 @@ def test_run_keys_and_their_flags():
         P.parse_key("bf16@data0")
 
 
-def test_every_run_flag_is_a_coat_compare_option():
+@pytest.mark.parametrize("name", sorted(P.PROTOCOLS))
+def test_every_run_flag_is_a_coat_compare_option(name):
     from coat_compare.cli import parse_args
 
-    for seed, key in PROTOCOL.runs():
-        args = parse_args(P.flags(PROTOCOL, seed, [key]))
-        assert (args.preset, args.steps, args.global_batch) == ("gpt-1b-accuracy", 96, 128)
+    protocol = P.get_protocol(name)
+    for seed, key in protocol.runs():
+        args = parse_args(P.flags(protocol, seed, [key]))
+        assert (args.preset, args.steps, args.lr) == (
+            protocol.preset,
+            protocol.setting("--steps"),
+            protocol.setting("--lr"),
+        )
 
 
 def test_the_tiny_protocol_runs_and_is_judged_on_a_cpu(tmp_path):
