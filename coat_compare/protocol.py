@@ -120,6 +120,23 @@ class Protocol:
         return order
 
 
+def candidate(name: str, preset: str, lr: float, description: str) -> Protocol:
+    """A protocol with gpt-1b-accuracy's steps, batch, schedule shape, validation, graphs, seeds and
+    modes, on ``preset`` at peak learning rate ``lr``."""
+    settings = (("--steps", 96), ("--micro-batch", 4), ("--global-batch", 128), ("--lr", lr))
+    settings += (("--lr-warmup-steps", 24), ("--lr-decay", "linear"), ("--eval-every", 24), ("--eval-windows", 768))
+    return Protocol(
+        name,
+        preset,
+        settings=settings,
+        graphs="local",
+        seeds=(1, 2, 3, 4, 5, 6),
+        floor_seeds=(1, 2, 3, 4),
+        modes=("coat", "coat-fp32-grads", "coat@eps1e-05", "te-fp8-delayed"),
+        description=description,
+    )
+
+
 PROTOCOLS: dict[str, Protocol] = {
     p.name: p
     for p in [
@@ -146,65 +163,26 @@ PROTOCOLS: dict[str, Protocol] = {
         # The candidates declared after gpt-1b-accuracy's floor was missed (0.69% and 2.44% rms): the
         # same tokens, schedule shape and validation; each data order trains the same windows
         # (a data pool); a lower peak learning rate, since same-seed runs part only once the rate
-        # is at its peak. SCREEN below picks which of them is completed.
-        Protocol(
+        # is at its peak. SCREEN_CANDIDATES picks which of them is completed.
+        candidate(
             "gpt-1b-accuracy-lr1e-4",
             "gpt-1b-accuracy-pool",
-            settings=(
-                ("--steps", 96),
-                ("--micro-batch", 4),
-                ("--global-batch", 128),
-                ("--lr", 1e-4),
-                ("--lr-warmup-steps", 24),
-                ("--lr-decay", "linear"),
-                ("--eval-every", 24),
-                ("--eval-windows", 768),
-            ),
-            graphs="local",
-            seeds=(1, 2, 3, 4, 5, 6),
-            floor_seeds=(1, 2, 3, 4),
-            modes=("coat", "coat-fp32-grads", "coat@eps1e-05", "te-fp8-delayed"),
-            description="gpt-1b-accuracy with a data pool (each data order trains the same 12,288 windows) and a peak "
-            "learning rate of 1e-4 (3x lower)",
+            1e-4,
+            "gpt-1b-accuracy with a data pool (each data order trains the same 12,288 windows) and a peak learning "
+            "rate of 1e-4 (3x lower)",
         ),
-        Protocol(
+        candidate(
             "gpt-1b-accuracy-lr5e-5",
             "gpt-1b-accuracy-pool",
-            settings=(
-                ("--steps", 96),
-                ("--micro-batch", 4),
-                ("--global-batch", 128),
-                ("--lr", 5e-5),
-                ("--lr-warmup-steps", 24),
-                ("--lr-decay", "linear"),
-                ("--eval-every", 24),
-                ("--eval-windows", 768),
-            ),
-            graphs="local",
-            seeds=(1, 2, 3, 4, 5, 6),
-            floor_seeds=(1, 2, 3, 4),
-            modes=("coat", "coat-fp32-grads", "coat@eps1e-05", "te-fp8-delayed"),
-            description="gpt-1b-accuracy with a data pool and a peak learning rate of 5e-5 (6x lower)",
+            5e-5,
+            "gpt-1b-accuracy with a data pool and a peak learning rate of 5e-5 (6x lower)",
         ),
-        Protocol(
+        candidate(
             "gpt-1b-bytes-accuracy",
             "gpt-1b-bytes-accuracy",
-            settings=(
-                ("--steps", 96),
-                ("--micro-batch", 4),
-                ("--global-batch", 128),
-                ("--lr", 1e-4),
-                ("--lr-warmup-steps", 24),
-                ("--lr-decay", "linear"),
-                ("--eval-every", 24),
-                ("--eval-windows", 768),
-            ),
-            graphs="local",
-            seeds=(1, 2, 3, 4, 5, 6),
-            floor_seeds=(1, 2, 3, 4),
-            modes=("coat", "coat-fp32-grads", "coat@eps1e-05", "te-fp8-delayed"),
-            description="a 256-row vocabulary (the bytes the corpus has) and 20 layers (1.029B parameters), a data pool, "
-            "peak learning rate 1e-4",
+            1e-4,
+            "a 256-row vocabulary (the bytes the corpus has) and 20 layers (1.029B parameters), a data pool, peak "
+            "learning rate 1e-4",
         ),
         Protocol(
             "tiny-accuracy",
