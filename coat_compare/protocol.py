@@ -79,6 +79,13 @@ SCREEN_SEEDS = (1, 2)
 SCREEN_KIND = "bf16@data2"
 SCREEN_BOUND = 2 * FLOOR_RMS
 
+# Where the loss goes, fixed before any verdict was read: a variant of the default (another mode of
+# the protocol but TE's) is lower than the default when, over the declared seeds that have both, the
+# mean of the paired differences (variant's gap - the default's gap, seed by seed) plus
+# PART_SE standard errors is below zero, over >= GOAL_MIN_SEEDS seeds. Such a variant names a part
+# of the loss, and only such a variant may become the default.
+PART_SE = 2
+
 
 @dataclass(frozen=True)
 class Protocol:
@@ -495,7 +502,25 @@ def verdict(protocol: Protocol, runs: dict[int, dict[str, dict]]) -> dict:
                 + ", ".join(map(str, both)),
             }
         )
-    return {"modes": modes, "params": params, "goals": goals}
+    return {"modes": modes, "params": params, "goals": goals, "against_default": against_default(protocol, runs)}
+
+
+def against_default(protocol: Protocol, runs: dict[int, dict[str, dict]]) -> dict[str, dict]:
+    """Per variant of the default (every mode of the protocol but the default and TE): the paired
+    differences of its gap to the default's over the declared seeds with both, their statistics, and
+    ``lower``: True where mean + ``PART_SE`` standard errors < 0 over >= ``GOAL_MIN_SEEDS`` seeds,
+    None where too few seeds."""
+    default = gaps_of(protocol, runs, DEFAULT_MODE, protocol.seeds)
+    out = {}
+    for key in protocol.modes:
+        if key in (DEFAULT_MODE, TE_REFERENCE):
+            continue
+        gaps = gaps_of(protocol, runs, key, protocol.seeds)
+        d = stats({s: gaps[s] - default[s] for s in sorted(set(gaps) & set(default))})
+        enough = d["seeds"] >= GOAL_MIN_SEEDS
+        d["lower"] = None if not enough else d["mean"] + PART_SE * d["se"] < 0
+        out[key] = d
+    return out
 
 
 def judge(protocol: Protocol, directory: str | list[str]) -> tuple[dict, list[str]]:
@@ -544,6 +569,18 @@ def judge(protocol: Protocol, directory: str | list[str]) -> tuple[dict, list[st
     for g in v["goals"]:
         state = "not judged" if g["met"] is None else "**met**" if g["met"] else "**NOT met**"
         lines.append(f"- {g['goal']}: {state}" + (f" ({g['note']})" if g["note"] else ""))
+    lines += [
+        "",
+        f"Where the loss goes: each variant's gap minus {DEFAULT_MODE}'s, seed by seed; lower when mean + {PART_SE} se < 0 "
+        f"over >= {GOAL_MIN_SEEDS} seeds:",
+        "",
+        "| variant | seeds | mean | se | mean + 2 se | lower than the default |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, d in v["against_default"].items():
+        numbers = ["-" if d[f] is None else f"{d[f]:+.3%}" for f in ("mean", "se", "upper")]
+        state = "not judged" if d["lower"] is None else "**yes**" if d["lower"] else "no"
+        lines.append(f"| {key} | {d['seeds']} | " + " | ".join(numbers) + f" | {state} |")
     return result, lines
 
 

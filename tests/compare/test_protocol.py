@@ -88,6 +88,7 @@ def test_the_gpt_1b_protocol_by_value():
 def test_the_screen_and_its_candidates_are_frozen():
     assert P.SCREEN_CANDIDATES == ("gpt-1b-accuracy-lr1e-4", "gpt-1b-accuracy-lr5e-5", "gpt-1b-bytes-accuracy"), WHY
     assert (P.SCREEN_SEEDS, P.SCREEN_KIND, P.SCREEN_BOUND) == ((1, 2), "bf16@data2", 0.003), WHY
+    assert P.PART_SE == 2, WHY  # where the loss goes: a variant is lower when mean + 2 se of its difference < 0
     base = dict(P.get_protocol("gpt-1b-accuracy").settings)
     for name, preset, lr in [
         ("gpt-1b-accuracy-lr1e-4", "gpt-1b-accuracy-pool", 1e-4),
@@ -189,6 +190,25 @@ def test_floor_met_then_the_verdict_and_the_goals(tmp_path):
     assert v["modes"]["coat-fp32-grads"]["seeds"] == 0
     assert [g["met"] for g in v["goals"]] == [True, True]  # coat +0.1% against TE's +0.05% + 0.1%
     assert "| coat | +0.100% | +0.200% | -0.100% |" in text
+    part = v["against_default"]
+    assert set(part) == {"coat-fp32-grads", "coat@eps1e-05"}  # TE is no variant of the default
+    assert part["coat@eps1e-05"]["mean"] == pytest.approx(0.003) and part["coat@eps1e-05"]["lower"] is False
+    assert part["coat-fp32-grads"]["seeds"] == 0 and part["coat-fp32-grads"]["lower"] is None
+    assert "| coat-fp32-grads | 0 | - | - | - | not judged |" in text and "| coat@eps1e-05 | 6 | +0.300% |" in text
+
+
+def test_a_variant_lower_than_the_default_names_the_part(tmp_path):
+    rows = floor_rows() + [row("bf16", s, 1.0) for s in (5, 6)] + mode_rows("coat", SIX)
+    wobble = {1: 0.0002, 2: -0.0001, 3: 0.0001, 4: -0.0002, 5: 0.0, 6: 0.0001}
+    rows += mode_rows("coat-fp32-grads", {s: g - 0.002 + wobble[s] for s, g in SIX.items()})
+    rows += mode_rows("coat", {s: g + 0.001 for s, g in SIX.items() if s <= 5}, eps=1e-5)  # five seeds: not judged
+    result, lines = judged(tmp_path, rows)
+    part = result["verdict"]["against_default"]
+    assert part["coat-fp32-grads"]["lower"] is True and part["coat-fp32-grads"]["mean"] == pytest.approx(
+        -0.002, abs=1e-4
+    )
+    assert part["coat@eps1e-05"]["seeds"] == 5 and part["coat@eps1e-05"]["lower"] is None
+    assert "| coat-fp32-grads | 6 | -0.198% |" in "\n".join(lines) and "| **yes** |" in "\n".join(lines)
 
 
 def test_the_goals_missed_by_the_mean_and_by_the_spread(tmp_path):
