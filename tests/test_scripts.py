@@ -133,13 +133,19 @@ def test_each_gpu_runs_the_parts_at_once_one_per_gpu_with_their_arguments(stand_
     assert "=== GPU 1: weight-passes + optimizer-step" in proc.stdout
 
 
-def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_flags(stand_ins):
-    tmp_path, env = stand_ins
-    (tmp_path / "bin" / "python3").write_text(  # the protocol's own flags; anything else recorded
+def with_the_protocol_module(tmp_path, env):
+    """python3's stand-in runs coat_compare.protocol for real (its flags, its next runs) and records
+    anything else."""
+    (tmp_path / "bin" / "python3").write_text(
         '#!/bin/sh\n[ "$2" = coat_compare.protocol ] && exec "$REAL_PYTHON" "$@"\n'
         'echo "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
     )
-    env = {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    return {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_flags(stand_ins):
+    tmp_path, env = stand_ins
+    env = with_the_protocol_module(tmp_path, env)
     proc = subprocess.run(
         ["bash", str(RUNNER), "--each-gpu", "accuracy-protocol 1 bf16", "accuracy-protocol 1 bf16@run2",
          "accuracy-protocol 2 coat@eps1e-05"],
@@ -173,12 +179,9 @@ def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_
 
 def test_accuracy_next_runs_what_the_screen_says_comes_next_one_run_per_gpu(stand_ins):
     tmp_path, env = stand_ins
-    (tmp_path / "bin" / "python3").write_text(  # the protocol module for real; anything else recorded
-        '#!/bin/sh\n[ "$2" = coat_compare.protocol ] && exec "$REAL_PYTHON" "$@"\n'
-        'echo "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
-    )
+    env = with_the_protocol_module(tmp_path, env)
     (tmp_path / "committed").mkdir()  # no run made yet: the screen's twelve come first, in order
-    env |= {"REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "ACCURACY_COMMITTED": str(tmp_path / "committed")}
+    env["ACCURACY_COMMITTED"] = str(tmp_path / "committed")
     proc = subprocess.run(
         ["bash", str(RUNNER), "--each-gpu", "accuracy-next 0", "accuracy-next 1", "accuracy-next 12"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
