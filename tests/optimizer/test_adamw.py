@@ -11,6 +11,11 @@ from coat_megatron import CoatConfig
 from coat_megatron.optimizer import CoatAdamW
 
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# The regression problem at 3e-3 sits at the edge of stability once learned: torch's own AdamW spikes
+# near step 140 on some seeds (2 of 81 sampled), where the two curves' spikes differ in time and the
+# pointwise gap passed 1%. At 2e-3 it is learned as well (81 of 81) without the late spikes: worst
+# gap 0.13% of the initial loss over those seeds.
+REGRESSION_HYPER = dict(HYPER, lr=2e-3)
 
 
 def regression_problem(seed: int):
@@ -50,8 +55,8 @@ def states_equal(a: CoatAdamW, b: CoatAdamW) -> bool:
 def test_regression_loss_curve_matches_torch_adamw(seed):
     model, x, y = regression_problem(seed)
     reference = copy.deepcopy(model)
-    coat = fit(model, CoatAdamW(model.parameters(), **HYPER), x, y, 150)
-    fp32 = fit(reference, torch.optim.AdamW(reference.parameters(), **HYPER), x, y, 150)
+    coat = fit(model, CoatAdamW(model.parameters(), **REGRESSION_HYPER), x, y, 150)
+    fp32 = fit(reference, torch.optim.AdamW(reference.parameters(), **REGRESSION_HYPER), x, y, 150)
     assert fp32[-1] < 0.05 * fp32[0] and coat[-1] < 0.05 * coat[0]  # the problem is learned
     gap = [abs(a - b) / fp32[0] for a, b in zip(coat, fp32)]  # in units of the initial loss
     assert max(gap) < 0.01 and sum(gap[-20:]) / 20 < 0.004, (max(gap), sum(gap[-20:]) / 20)
