@@ -572,7 +572,8 @@ def test_a_stalled_run_of_several_processes_prints_every_ranks_stacks_and_is_kil
         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "def waiting_for_a_peer():\n"
         "    time.sleep(600)\n"
-        "print('rank', os.environ['RANK'], 'pid', os.getpid(), flush=True)\n"
+        # one write per line: the ranks share a pipe, unbuffered (print's pieces would interleave)
+        "os.write(1, f\"rank {os.environ['RANK']} pid {os.getpid()}\\n\".encode())\n"
         "waiting_for_a_peer()\n"
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
