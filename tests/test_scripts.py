@@ -143,18 +143,23 @@ def with_the_protocol_module(tmp_path, env):
     return {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
 
 
+def each_gpu(tmp_path, env, *specs):
+    """Run ``--each-gpu`` with the stand-ins; each GPU's recorded calls and the output folder."""
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "--each-gpu", *specs], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
+    return by_gpu, tmp_path / "out"
+
+
 def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_flags(stand_ins):
     tmp_path, env = stand_ins
     env = with_the_protocol_module(tmp_path, env)
-    proc = subprocess.run(
-        ["bash", str(RUNNER), "--each-gpu", "accuracy-protocol 1 bf16", "accuracy-protocol 1 bf16@run2",
-         "accuracy-protocol 2 coat@eps1e-05"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    calls = (tmp_path / "calls").read_text().splitlines()
-    out = tmp_path / "out"
-    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
+    by_gpu, out = each_gpu(
+        tmp_path, env, "accuracy-protocol 1 bf16", "accuracy-protocol 1 bf16@run2", "accuracy-protocol 2 coat@eps1e-05"
+    )
     common = (
         "--steps 96 --micro-batch 4 --global-batch 128 --lr 0.0003 --lr-warmup-steps 24 --lr-decay linear "
         "--eval-every 24 --eval-windows 768 --cuda-graphs local"
@@ -182,14 +187,7 @@ def test_accuracy_next_runs_what_the_screen_says_comes_next_one_run_per_gpu(stan
     env = with_the_protocol_module(tmp_path, env)
     (tmp_path / "committed").mkdir()  # no run made yet: the screen's twelve come first, in order
     env["ACCURACY_COMMITTED"] = str(tmp_path / "committed")
-    proc = subprocess.run(
-        ["bash", str(RUNNER), "--each-gpu", "accuracy-next 0", "accuracy-next 1", "accuracy-next 12"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    calls = (tmp_path / "calls").read_text().splitlines()
-    out = tmp_path / "out"
-    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
+    by_gpu, out = each_gpu(tmp_path, env, "accuracy-next 0", "accuracy-next 1", "accuracy-next 12")
     common = (
         "--steps 96 --micro-batch 4 --global-batch 128 --lr 0.0001 --lr-warmup-steps 24 --lr-decay linear "
         "--eval-every 24 --eval-windows 768 --cuda-graphs local"
