@@ -102,10 +102,14 @@ def _one_visible_device():
 def _init_gloo_process_group(args) -> None:
     if torch.distributed.is_initialized():
         return
+    # a world of one needs no rendezvous: an in-process store, not a TCP port that another process
+    # may take between the launcher picking it and this bind (EADDRINUSE under parallel jobs)
+    store = torch.distributed.HashStore() if args.world_size == 1 else None
     torch.distributed.init_process_group(
         backend="gloo",
         world_size=args.world_size,
         rank=args.rank,
+        store=store,
         timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
     )
 
