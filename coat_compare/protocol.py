@@ -23,6 +23,7 @@ protocol gets a new name.
     python -m coat_compare.protocol flags NAME SEED KEY  # one run's coat-compare arguments (on a GPU)
     python -m coat_compare.protocol run NAME --out DIR [--seeds 1,2] [--keys bf16,coat]   # runs, one at a time
     python -m coat_compare.protocol judge NAME DIR       # the floor, then the verdict, from DIR's reports
+    python -m coat_compare.protocol keep SOURCE... --into FILE   # a session's rows, into one committed file
 
 A run key is a coat-compare mode with optional variants: ``MODE@epsE`` (Adam's epsilon E instead of
 the protocol's), ``MODE@dataN`` (the N-th data order: data seed = seed + 1000 (N - 1)) and
@@ -40,6 +41,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tarfile
 from dataclasses import asdict, dataclass
 
 from .corpus import DEFAULT_MAX_BYTES, POOL_SEED, VALID_FRACTION, VALIDATION_SEED
@@ -338,6 +340,57 @@ def read_rows(directory: str | list[str]) -> list[tuple[str, dict]]:
                 with open(path) as f:
                     rows += [(path, row) for row in map(json.loads, filter(str.strip, f)) if row.get("kind") == "train"]
     return rows
+
+
+def keep(sources: list[str], into: str) -> list[dict]:
+    """Append to ``into`` (JSON lines) each run's row (``kind`` train; a failed run's too: the
+    judge names it and leaves it out) found in ``sources`` that it does not hold yet, and return
+    those rows. A source is a folder of reports (any depth), a report (``.jsonl``) or a pack of
+    them (``.tgz``, as ``--each-gpu`` returns them); partial reports (``.partial.jsonl``) are not
+    read. Each kept row drops its per-step timings (``step_ms_per_step``: the bulk of a row, and no
+    rule reads them); a row equal to one already in ``into`` (or met twice in the sources) is kept
+    once."""
+
+    def rows_of(source: str) -> list[dict]:
+        if os.path.isdir(source):
+            return [r for _, r in read_rows(source)]
+        if source.endswith((".tgz", ".tar.gz")):
+            out = []
+            with tarfile.open(source) as pack:
+                for member in sorted(pack.getmembers(), key=lambda m: m.name):
+                    if (
+                        member.isfile()
+                        and member.name.endswith(".jsonl")
+                        and not member.name.endswith(".partial.jsonl")
+                    ):
+                        text = pack.extractfile(member).read().decode()
+                        out += [json.loads(line) for line in text.splitlines() if line.strip()]
+            return [r for r in out if r.get("kind") == "train"]
+        if source.endswith(".jsonl"):
+            with open(source) as f:
+                return [r for r in map(json.loads, filter(str.strip, f)) if r.get("kind") == "train"]
+        raise ValueError(f"{source}: not a folder of reports, a report (.jsonl) or a pack of them (.tgz)")
+
+    def text(row: dict) -> str:
+        return json.dumps({k: v for k, v in row.items() if k != "step_ms_per_step"}, sort_keys=True)
+
+    seen = set()
+    if os.path.exists(into):
+        with open(into) as f:
+            seen = {text(json.loads(line)) for line in f if line.strip()}
+    added = []
+    for source in sources:
+        if not os.path.exists(source):
+            raise ValueError(f"{source} does not exist")
+        for row in rows_of(source):
+            line = text(row)
+            if line not in seen:
+                seen.add(line)
+                added.append(json.loads(line))
+    if added:
+        with open(into, "a") as f:
+            f.writelines(text(r) + "\n" for r in added)
+    return added
 
 
 ROW_FIELDS = {"--steps": "steps", "--micro-batch": "micro_batch", "--global-batch": "global_batch", "--lr": "lr"}
@@ -728,8 +781,22 @@ def main(argv=None) -> int:
     n = sub.add_parser("next", help="the runs to make next, one 'PROTOCOL SEED KEY' per line")
     n.add_argument("directory", nargs="+", help="folders of reports; one that does not exist counts as empty")
     n.add_argument("--index", type=int, help="only the run at this place in the list (nothing past its end)")
+    k = sub.add_parser("keep", help="append a session's run rows to one file (per-step timings left out)")
+    k.add_argument("source", nargs="+", help="folders of reports, reports (.jsonl) or packs of them (.tgz)")
+    k.add_argument("--into", required=True, help="the JSON-lines file to append to (made if absent)")
     args = p.parse_args(argv)
     try:
+        if args.command == "keep":
+            added = keep(args.source, args.into)
+            for r in added:
+                print(
+                    f"kept: {r.get('preset')} lr {r.get('lr')} seed {r.get('seed')} data seed {r.get('data_seed')} "
+                    f"{r.get('mode')}"
+                    + (f" run {r['repeat']}" if r.get("repeat") else "")
+                    + f": {r.get('status')}, valid {r.get('valid_loss')}"
+                )
+            print(f"{len(added)} row(s) added to {args.into}")
+            return 0
         if args.command in ("screen", "next"):
             dirs = [d for d in args.directory if os.path.isdir(d)]
             if args.command == "screen":

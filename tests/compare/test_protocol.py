@@ -419,3 +419,50 @@ def test_next_on_the_command_line_gives_one_run_per_index(tmp_path):
     assert "the screen: 12 run(s) missing" in done.stderr
     done = subprocess.run([*command, "--index", "12"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == ""
+
+
+def test_keep_appends_a_sessions_rows_once_from_packs_reports_and_folders(tmp_path):
+    import tarfile
+
+    runs = tmp_path / "gpu0" / "accuracy-next" / "seed1"
+    first = row("bf16", 1, 2.26, step_ms_per_step=[3100.0] * 96)
+    other = row("bf16", 1, 2.27, order=2, step_ms_per_step=[3150.0] * 96)
+    failed = dict(row("bf16", 2, 0.0), status="failed", reason="out of memory")
+    write(runs, [first, {"kind": "goal", "goal": "g"}], name="a")
+    write(runs, [other, failed], name="b")
+    write(runs, [row("bf16", 3, 2.3)], name="c.partial")  # a run still going: not read
+    pack = tmp_path / "gpu0" / "accuracy-next.tgz"
+    with tarfile.open(pack, "w:gz") as t:
+        t.add(tmp_path / "gpu0" / "accuracy-next", arcname=".")
+    into = tmp_path / "kept" / "screen-runs.jsonl"
+    os.makedirs(into.parent)
+    added = P.keep([str(pack)], str(into))
+    assert [(r["seed"], r["data_seed"], r["status"]) for r in added] == [
+        (1, 1, "ok"),
+        (1, 1001, "ok"),
+        (2, 2, "failed"),
+    ]
+    assert all("step_ms_per_step" not in r for r in added)
+    # the same rows again, from the folder, a report and the pack: nothing new
+    assert P.keep([str(runs), str(runs / "a.jsonl"), str(pack)], str(into)) == []
+    kept = [json.loads(line) for line in open(into)]
+    assert len(kept) == 3 and kept[0] == {k: v for k, v in first.items() if k != "step_ms_per_step"}
+    # what is kept is what the judge and the screen read
+    assert {(r["seed"], r["data_seed"]) for _, r in P.read_rows(str(into.parent))} == {(1, 1), (1, 1001), (2, 2)}
+    (tmp_path / "gpu0.txt").write_text("=== GPU 0: accuracy-next 0\n")
+    with pytest.raises(ValueError, match="not a folder of reports"):
+        P.keep([str(tmp_path / "gpu0.txt")], str(into))
+    done = subprocess.run(
+        [sys.executable, "-m", "coat_compare.protocol", "keep", str(pack), "--into", str(into)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == f"0 row(s) added to {into}", done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "coat_compare.protocol", "keep", str(tmp_path / "absent.tgz"), "--into", str(into)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "absent.tgz does not exist" in done.stderr
