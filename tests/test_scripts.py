@@ -154,29 +154,35 @@ def each_gpu(tmp_path, env, *specs):
     return by_gpu, tmp_path / "out"
 
 
+def protocol_run_line(preset, mode, seed, data_seed, lr, extra, folder, name):
+    """The coat-compare line an accuracy protocol's run gives on a GPU (gpt-1b-accuracy's settings
+    at peak rate ``lr``; ``extra``: the run key's own flags, each with a leading space)."""
+    settings = (
+        f"--steps 96 --micro-batch 4 --global-batch 128 --lr {lr} --lr-warmup-steps 24 --lr-decay linear "
+        "--eval-every 24 --eval-windows 768 --cuda-graphs local"
+    )
+    return (
+        f"coat-compare --preset {preset} --modes {mode} --seed {seed} --data-seed {data_seed} {settings}{extra} "
+        f"--out {folder} --name {name} --no-plots"
+    )
+
+
 def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_flags(stand_ins):
     tmp_path, env = stand_ins
     env = with_the_protocol_module(tmp_path, env)
     by_gpu, out = each_gpu(
         tmp_path, env, "accuracy-protocol 1 bf16", "accuracy-protocol 1 bf16@run2", "accuracy-protocol 2 coat@eps1e-05"
     )
-    common = (
-        "--steps 96 --micro-batch 4 --global-batch 128 --lr 0.0003 --lr-warmup-steps 24 --lr-decay linear "
-        "--eval-every 24 --eval-windows 768 --cuda-graphs local"
-    )
     part = "accuracy-protocol"
-    assert by_gpu["0"] == [
-        f"coat-compare --preset gpt-1b-accuracy --modes bf16 --seed 1 --data-seed 1 {common} "
-        f"--out {out}/gpu0/{part}/seed1 --name gpt-1b-accuracy-bf16-seed1 --no-plots"
-    ]
-    assert by_gpu["1"] == [
-        f"coat-compare --preset gpt-1b-accuracy --modes bf16 --seed 1 --data-seed 1 {common} --repeat 2 "
-        f"--out {out}/gpu1/{part}/seed1 --name gpt-1b-accuracy-bf16-run2-seed1 --no-plots"
-    ]
-    assert by_gpu["2"] == [
-        f"coat-compare --preset gpt-1b-accuracy --modes coat --seed 2 --data-seed 2 {common} --adam-eps 1e-05 "
-        f"--out {out}/gpu2/{part}/seed2 --name gpt-1b-accuracy-coat-eps1e-05-seed2 --no-plots"
-    ]
+
+    def line(gpu, mode, seed, extra, name):
+        return protocol_run_line(
+            "gpt-1b-accuracy", mode, seed, seed, "0.0003", extra, f"{out}/gpu{gpu}/{part}/seed{seed}", name
+        )
+
+    assert by_gpu["0"] == [line(0, "bf16", 1, "", "gpt-1b-accuracy-bf16-seed1")]
+    assert by_gpu["1"] == [line(1, "bf16", 1, " --repeat 2", "gpt-1b-accuracy-bf16-run2-seed1")]
+    assert by_gpu["2"] == [line(2, "coat", 2, " --adam-eps 1e-05", "gpt-1b-accuracy-coat-eps1e-05-seed2")]
     for gpu in "012":  # three processes packed a part of one name at once, each its own archive
         with tarfile.open(out / f"gpu{gpu}" / f"{part}.tgz") as archive:
             assert "./gpu.txt" in archive.getnames()
@@ -188,18 +194,23 @@ def test_accuracy_next_runs_what_the_screen_says_comes_next_one_run_per_gpu(stan
     (tmp_path / "committed").mkdir()  # no run made yet: the screen's twelve come first, in order
     env["ACCURACY_COMMITTED"] = str(tmp_path / "committed")
     by_gpu, out = each_gpu(tmp_path, env, "accuracy-next 0", "accuracy-next 1", "accuracy-next 12")
-    common = (
-        "--steps 96 --micro-batch 4 --global-batch 128 --lr 0.0001 --lr-warmup-steps 24 --lr-decay linear "
-        "--eval-every 24 --eval-windows 768 --cuda-graphs local"
-    )
     name = "gpt-1b-accuracy-lr1e-4"
     assert by_gpu["0"] == [
-        f"coat-compare --preset gpt-1b-accuracy-pool --modes bf16 --seed 1 --data-seed 1 {common} "
-        f"--out {out}/gpu0/accuracy-next/seed1 --name {name}-bf16-seed1 --no-plots"
+        protocol_run_line(
+            "gpt-1b-accuracy-pool", "bf16", 1, 1, "0.0001", "", f"{out}/gpu0/accuracy-next/seed1", f"{name}-bf16-seed1"
+        )
     ]
     assert by_gpu["1"] == [
-        f"coat-compare --preset gpt-1b-accuracy-pool --modes bf16 --seed 1 --data-seed 1001 {common} "
-        f"--out {out}/gpu1/accuracy-next/seed1 --name {name}-bf16-data2-seed1 --no-plots"
+        protocol_run_line(
+            "gpt-1b-accuracy-pool",
+            "bf16",
+            1,
+            1001,
+            "0.0001",
+            "",
+            f"{out}/gpu1/accuracy-next/seed1",
+            f"{name}-bf16-data2-seed1",
+        )
     ]
     assert by_gpu["2"] == []  # past the end of the twelve: nothing
     assert "accuracy-next 12: nothing to run" in (out / "gpu2.txt").read_text()
