@@ -38,7 +38,7 @@
 #   accuracy-next INDEX                          the INDEX-th run the screen's rule says comes next (one per GPU) -> accuracy-gpt-1b-1gpu
 #   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
-#   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-1gpu
+#   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
 #   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
 #   warmup-spike-llama2-7b                       the same, Llama-2-7B -> warmup-spike-1gpu
 #   spike-batches-llama2-13b                     the 13B spike's batches beside its losses -> warmup-spike-1gpu
@@ -327,31 +327,39 @@ case $part in
   accuracy-llama2-7b-dp4)
     # one run per mode spread over two device commands: HALF 1 trains steps 0 .. STEPS/2 - 1 and saves
     # (--stop-after-save) into $CKPT/MODE on this machine, HALF 2 loads it and trains the rest on the
-    # same schedule and batches, with the last validation; each mode's half takes at most 290 s
+    # same schedule and batches, with the last validation. The modes share the command's 580 s; BF16's
+    # first half (its ~94 GB checkpoint written) needs more than 290 s at 80 steps: one mode per command
     half=${1:?accuracy-llama2-7b-dp4 HALF (1 or 2) [STEPS (80) [MODES (bf16,coat)]]}; steps=${2:-80}
     modes=${3:-bf16,coat}; ckpt=${CKPT:-/root/ckpt-llama2-7b-dp4}
     case $half in 1 | 2) ;; *) echo "accuracy-llama2-7b-dp4: HALF is 1 (train and save) or 2 (load and finish)" >&2; exit 2 ;; esac
-    for mode in ${modes//,/ }; do
+    read -ra each <<<"${modes//,/ }"
+    cap=$((580 / ${#each[@]}))  # coat-compare's own --run-timeout acts 20 s before, so a run past it still writes its row
+    mkdir -p "$ckpt/rows"  # every half's row, kept on the machine for the summary of a later command
+    for mode in "${each[@]}"; do
       name="llama2-7b-dp4-acc-$mode-$half"
       args=(coat-compare --preset llama2-7b --dp 4 --micro-batch 1 --global-batch 64 --steps "$steps"
-        --eval-every $((steps / 4)) --eval-windows 64 --modes "$mode" --step-timeout 150 --run-timeout 280
+        --eval-every $((steps / 4)) --eval-windows 64 --modes "$mode" --step-timeout 150 --run-timeout $((cap - 20))
         --out "$out" --name "$name" --no-plots)
       if [ "$half" = 1 ]; then
         rm -rf "${ckpt:?}/$mode"
-        run 290 "$name" "${big[@]}" "${args[@]}" --save "$ckpt/$mode" --save-step $((steps / 2)) --stop-after-save
+        run "$cap" "$name" "${big[@]}" "${args[@]}" --save "$ckpt/$mode" --save-step $((steps / 2)) --stop-after-save
       else
-        run 290 "$name" "${big[@]}" "${args[@]}" --load "$ckpt/$mode"
+        run "$cap" "$name" "${big[@]}" "${args[@]}" --load "$ckpt/$mode"
       fi
+      cp "$out/$name.jsonl" "$ckpt/rows/" 2>/dev/null
       grep -E "^\| $mode " "$out/$name.md" 2>/dev/null | head -2 | cut -c1-200
     done
-    python3 - "$out" <<'PY'
+    python3 - "$ckpt/rows" "$steps" <<'PY'
 import glob, json, sys
-rows = {r["mode"]: r for f in glob.glob(sys.argv[1] + "/*.jsonl") for r in map(json.loads, open(f)) if r.get("kind") == "train"}
-for mode, r in sorted(rows.items()):
-    print(f"{mode}: steps {r.get('first_step')}..{r.get('last_step')} of {r.get('steps')}, {r.get('status')}, validation {r.get('valid_losses')}")
-if {"bf16", "coat"} <= rows.keys() and rows["bf16"].get("valid_loss") and rows["coat"].get("valid_loss"):
-    b, c = rows["bf16"]["valid_loss"], rows["coat"]["valid_loss"]
-    print(f"last validation: bf16 {b:.4f}, coat {c:.4f}, gap {100 * (c - b) / b:+.2f}% (reported, not judged)")
+rows = [r for f in sorted(glob.glob(sys.argv[1] + "/*.jsonl")) for r in map(json.loads, open(f))]
+rows = [r for r in rows if r.get("kind") == "train" and r.get("steps") == int(sys.argv[2])]
+valid = {}  # mode -> {step: validation loss}, both halves
+for r in rows:
+    print(f"{r['mode']}: steps {r.get('first_step')}..{r.get('last_step')} of {r['steps']}, {r.get('status')}, validation {r.get('valid_losses')}")
+    valid.setdefault(r["mode"], {}).update({s: v for s, v in r.get("valid_losses") or []})
+b, c = valid.get("bf16", {}), valid.get("coat", {})
+for s in sorted(b.keys() & c.keys()):
+    print(f"validation after step {s}: bf16 {b[s]:.4f}, coat {c[s]:.4f}, gap {100 * (c[s] - b[s]) / b[s]:+.2f}% (reported, not judged)")
 PY
     ;;
   warmup-spike-gpt-1b)

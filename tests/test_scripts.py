@@ -243,33 +243,63 @@ def test_wrong_calls_fail_before_any_set_up(stand_ins):
     assert not (tmp_path / "calls").exists()  # nothing installed, nothing run
 
 
+FAKE_7B_RUN = """#!/usr/bin/env python3
+import json, os, sys
+a = sys.argv[1:]
+open(os.environ["CALLS"], "a").write("gpu=" + os.environ.get("CUDA_VISIBLE_DEVICES", "") + " coat-compare " + " ".join(a) + "\\n")
+arg = lambda k: a[a.index(k) + 1] if k in a else None
+steps, mode, half = int(arg("--steps")), arg("--modes"), 2 if "--load" in a else 1
+first, last = (0, steps // 2) if half == 1 else (steps // 2, steps)
+loss = {"bf16": 3.0, "coat": 3.03}[mode]  # validation: loss / step, COAT 1% above
+valid = [[s, loss / s] for s in range(first + 1, last + 1) if s % int(arg("--eval-every")) == 0]
+row = {"kind": "train", "mode": mode, "steps": steps, "first_step": first, "last_step": last, "status": "ok", "valid_losses": valid}
+os.makedirs(arg("--out"), exist_ok=True)
+open(os.path.join(arg("--out"), arg("--name") + ".jsonl"), "w").write(json.dumps(row) + "\\n")
+"""
+
+
 def test_the_7b_accuracy_run_saves_in_one_command_and_finishes_in_the_next(stand_ins):
     """accuracy-llama2-7b-dp4: HALF 1 trains each mode to half of STEPS and stops at its checkpoint
-    (in $CKPT/MODE, which it empties first); HALF 2 loads it and trains the rest, same flags."""
+    (in $CKPT/MODE, which it empties first); HALF 2 loads it and trains the rest, same flags. The
+    modes share the command's time; each half's row is kept beside the checkpoints, so the last
+    command prints the gap at every validation of both halves, whichever commands ran them."""
     tmp_path, env = stand_ins
+    (tmp_path / "bin" / "python3").unlink()  # the summary runs in Python
+    (tmp_path / "bin" / "python3").symlink_to(sys.executable)
+    (tmp_path / "bin" / "coat-compare").write_text(FAKE_7B_RUN.replace("/usr/bin/env python3", sys.executable))
     ckpt = tmp_path / "ckpt"
     (ckpt / "coat").mkdir(parents=True)
     (ckpt / "coat" / "stale").write_text("from an earlier run")
-    env = {**env, "CKPT": str(ckpt)}
-    for half in ("1", "2"):
+    env = {**env, "CKPT": str(ckpt), "COAT_GPU_INSTALLED": "1"}  # the real python3 would install the project
+
+    def part(*args):
         proc = subprocess.run(
-            ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", half, "40"], capture_output=True, text=True, env=env,
+            ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", *args], capture_output=True, text=True, env=env,
             cwd=ROOT, timeout=60,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-    assert not (ckpt / "coat").exists()  # half 1 cleared it for the run's own checkpoint
+        return proc.stdout
+
+    part("1", "40")  # both modes in one command: 290 s each
+    part("2", "40", "bf16")  # one mode a command: the whole 580 s
+    last = part("2", "40", "coat")
+    assert not (ckpt / "coat" / "stale").exists()  # half 1 cleared it for the run's own checkpoint
     calls = [c.split(" ", 1)[1] for c in (tmp_path / "calls").read_text().splitlines() if "coat-compare" in c]
     out = tmp_path / "out" / "accuracy-llama2-7b-dp4"
     common = (
         "--preset llama2-7b --dp 4 --micro-batch 1 --global-batch 64 --steps 40 --eval-every 10 --eval-windows 64 "
-        "--modes {m} --step-timeout 150 --run-timeout 280 --out "
+        "--modes {m} --step-timeout 150 --run-timeout {t} --out "
         + str(out)
         + " --name llama2-7b-dp4-acc-{m}-{h} --no-plots"
     )
     assert calls == [
-        *(f"coat-compare {common.format(m=m, h=1)} --save {ckpt}/{m} --save-step 20 --stop-after-save" for m in ("bf16", "coat")),
-        *(f"coat-compare {common.format(m=m, h=2)} --load {ckpt}/{m}" for m in ("bf16", "coat")),
+        *(f"coat-compare {common.format(m=m, h=1, t=270)} --save {ckpt}/{m} --save-step 20 --stop-after-save" for m in ("bf16", "coat")),
+        *(f"coat-compare {common.format(m=m, h=2, t=560)} --load {ckpt}/{m}" for m in ("bf16", "coat")),
     ]  # fmt: skip
+    assert [line for line in last.splitlines() if line.startswith("validation after")] == [
+        f"validation after step {s}: bf16 {3.0 / s:.4f}, coat {3.03 / s:.4f}, gap +1.00% (reported, not judged)"
+        for s in (10, 20, 30, 40)
+    ]
     proc = subprocess.run(
         ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", "3"], capture_output=True, text=True, env=env, cwd=ROOT
     )
