@@ -333,7 +333,7 @@ case $part in
     modes=${3:-bf16,coat}; ckpt=${CKPT:-/root/ckpt-llama2-7b-dp4}
     case $half in 1 | 2) ;; *) echo "accuracy-llama2-7b-dp4: HALF is 1 (train and save) or 2 (load and finish)" >&2; exit 2 ;; esac
     read -ra each <<<"${modes//,/ }"
-    cap=$((580 / ${#each[@]}))  # coat-compare's own --run-timeout acts 20 s before, so a run past it still writes its row
+    cap=$((580 / ${#each[@]}))  # coat-compare's own --run-timeout acts 20 s before: a run past it ends in a report that says so
     mkdir -p "$ckpt/rows"  # every half's row, kept on the machine for the summary of a later command
     for mode in "${each[@]}"; do
       name="llama2-7b-dp4-acc-$mode-$half"
