@@ -327,6 +327,16 @@ def run_name(protocol: Protocol, seed: int, keys: list[str]) -> str:
 # -- reading the reports --------------------------------------------------------------------------
 
 
+def is_report(name: str) -> bool:
+    """A finished coat-compare report (``NAME.jsonl``); a partial one (``.partial.jsonl``) is not."""
+    return name.endswith(".jsonl") and not name.endswith(".partial.jsonl")
+
+
+def train_rows(lines) -> list[dict]:
+    """The train rows among a report's lines."""
+    return [row for row in map(json.loads, filter(str.strip, lines)) if row.get("kind") == "train"]
+
+
 def read_rows(directory: str | list[str]) -> list[tuple[str, dict]]:
     """(file, row) of every train row in the reports (``*.jsonl``, any depth) under ``directory``
     (or under each of a list of them)."""
@@ -335,10 +345,10 @@ def read_rows(directory: str | list[str]) -> list[tuple[str, dict]]:
     rows = []
     for root, _, files in sorted(os.walk(directory)):
         for name in sorted(files):
-            if name.endswith(".jsonl") and not name.endswith(".partial.jsonl"):
+            if is_report(name):
                 path = os.path.join(root, name)
                 with open(path) as f:
-                    rows += [(path, row) for row in map(json.loads, filter(str.strip, f)) if row.get("kind") == "train"]
+                    rows += [(path, row) for row in train_rows(f)]
     return rows
 
 
@@ -355,20 +365,14 @@ def keep(sources: list[str], into: str) -> list[dict]:
         if os.path.isdir(source):
             return [r for _, r in read_rows(source)]
         if source.endswith((".tgz", ".tar.gz")):
-            out = []
             with tarfile.open(source) as pack:
-                for member in sorted(pack.getmembers(), key=lambda m: m.name):
-                    if (
-                        member.isfile()
-                        and member.name.endswith(".jsonl")
-                        and not member.name.endswith(".partial.jsonl")
-                    ):
-                        text = pack.extractfile(member).read().decode()
-                        out += [json.loads(line) for line in text.splitlines() if line.strip()]
-            return [r for r in out if r.get("kind") == "train"]
+                members = sorted(
+                    (m for m in pack.getmembers() if m.isfile() and is_report(m.name)), key=lambda m: m.name
+                )
+                return [r for m in members for r in train_rows(pack.extractfile(m).read().decode().splitlines())]
         if source.endswith(".jsonl"):
             with open(source) as f:
-                return [r for r in map(json.loads, filter(str.strip, f)) if r.get("kind") == "train"]
+                return train_rows(f)
         raise ValueError(f"{source}: not a folder of reports, a report (.jsonl) or a pack of them (.tgz)")
 
     def text(row: dict) -> str:
