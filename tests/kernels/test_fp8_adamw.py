@@ -204,8 +204,11 @@ def test_fast_math_step_stays_close_to_the_reference(device, seed):
     """The CUDA default (hardware exp2/log2, division and square root per element): states and weights
     stay within the fast functions' error of the exact reference over several steps. A code that
     flips at a rounding midpoint (about 1 in 10^4) moves its value by one FP8 step, hence the
-    bounds: codes one step apart at most and rarely, weights within 10% of one update (lr) at worst
-    and 1e-4 of it on average."""
+    bounds: codes one step apart at most and rarely, and weights on average within 1e-4 of one
+    update (lr). At worst an element's weight drifts by what one flipped code of m can move: one
+    E4M3 step is up to 2^-3 of the value, and the flip lives on in m through the later steps
+    (decayed by beta1), so 2^-3 * (1 + beta1 + beta1^2) * lr over three steps. Seen: 0.103 lr
+    (seed 1308172787, one element of 30000), at most 0.075 lr over 40 other seeds."""
     from test_expanded import code_steps
 
     shapes = [(30000,), (129,)]
@@ -261,6 +264,7 @@ def test_fast_math_step_stays_close_to_the_reference(device, seed):
                 assert steps.max() <= 1 and (steps > 0).float().mean() <= 2e-3, ((steps > 0).sum(), steps.max())
             else:
                 assert (steps > 0).float().mean() <= 0.03, (steps > 0).sum()
+    one_flip = 2**-3 * sum(HYPER["beta1"] ** t for t in range(3)) * HYPER["lr"]
     for p_dut, p_ref in zip(dut[0], ref[0]):
         diff = (p_dut.cpu() - p_ref).abs()
-        assert diff.max() <= 0.1 * HYPER["lr"] and diff.mean() <= 1e-4 * HYPER["lr"], (diff.max(), diff.mean())
+        assert diff.max() <= one_flip and diff.mean() <= 1e-4 * HYPER["lr"], (diff.max(), diff.mean())
