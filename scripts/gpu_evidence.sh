@@ -350,9 +350,10 @@ case $part in
       grep -E "^\| $mode " "$out/$name.md" 2>/dev/null | head -2 | cut -c1-200
     done
     python3 - "$ckpt/rows" "$steps" <<'PY'
-import glob, json, sys
-rows = [r for f in sorted(glob.glob(sys.argv[1] + "/*.jsonl")) for r in map(json.loads, open(f))]
-rows = [r for r in rows if r.get("kind") == "train" and r.get("steps") == int(sys.argv[2])]
+import glob, sys
+from coat_compare.protocol import train_rows
+rows = [r for f in sorted(glob.glob(sys.argv[1] + "/*.jsonl")) for r in train_rows(open(f))]
+rows = [r for r in rows if r.get("steps") == int(sys.argv[2])]
 valid = {}  # mode -> {step: validation loss}, both halves
 for r in rows:
     print(f"{r['mode']}: steps {r.get('first_step')}..{r.get('last_step')} of {r['steps']}, {r.get('status')}, validation {r.get('valid_losses')}")

@@ -265,7 +265,10 @@ def test_the_7b_accuracy_run_saves_in_one_command_and_finishes_in_the_next(stand
     command prints the gap at every validation of both halves, whichever commands ran them."""
     tmp_path, env = stand_ins
     (tmp_path / "bin" / "python3").unlink()  # the summary runs in Python
-    (tmp_path / "bin" / "python3").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a symlinked venv python finds no pyvenv.cfg beside it, loses the
+    # venv's packages and could not import coat_compare's protocol for the summary
+    (tmp_path / "bin" / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (tmp_path / "bin" / "python3").chmod(0o755)
     (tmp_path / "bin" / "coat-compare").write_text(FAKE_7B_RUN.replace("/usr/bin/env python3", sys.executable))
     ckpt = tmp_path / "ckpt"
     (ckpt / "coat").mkdir(parents=True)
