@@ -419,21 +419,34 @@ def lr_warmup_steps(preset: Preset) -> int:
 WEIGHT_DECAY = 0.1
 
 
-LR_DECAYS = ("constant", "cosine", "linear")
+LR_DECAYS = ("constant", "cosine", "linear", "wsd")
 
 
 def learning_rate(preset: Preset, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based) of a ``preset.steps``-step run: a
     linear warm-up over ``lr_warmup_steps`` steps to ``preset.lr``, then ``preset.lr_decay``:
     constant, or cosine / linear down to ``lr_min_ratio`` x the peak at the last step (Megatron's
-    OptimizerParamScheduler, whose decay also starts where the warm-up ends)."""
+    OptimizerParamScheduler, whose decay also starts where the warm-up ends), or "wsd"
+    (warm-up, stable, decay): the peak until the last ``lr_cooldown_steps`` steps, then linear down
+    to ``lr_min_ratio`` x the peak at the last step. Under "wsd" the rate before the cool-down does
+    not depend on ``preset.steps``, so a shorter run loaded from a longer one's checkpoint is a
+    cool-down branch of the same trunk."""
     if preset.lr_decay not in LR_DECAYS:
         raise ValueError(f"lr_decay {preset.lr_decay!r}: use one of {', '.join(LR_DECAYS)}")
     warmup = lr_warmup_steps(preset)
     if step + 1 <= warmup or preset.lr_decay == "constant":
         return preset.lr * min(1.0, (step + 1) / warmup)
-    progress = min(1.0, (step + 1 - warmup) / max(1, preset.steps - warmup))
     floor = preset.lr * preset.lr_min_ratio
+    if preset.lr_decay == "wsd":
+        cooldown = preset.lr_cooldown_steps
+        if cooldown is None or not 0 < cooldown <= preset.steps - warmup:
+            raise ValueError(
+                f"lr_decay wsd needs a cool-down of 1 to {preset.steps - warmup} steps after the {warmup}-step warm-up "
+                f"(--lr-cooldown-steps), not {cooldown}"
+            )
+        progress = max(0.0, (step + 1 - (preset.steps - cooldown)) / cooldown)
+        return preset.lr - (preset.lr - floor) * min(1.0, progress)
+    progress = min(1.0, (step + 1 - warmup) / max(1, preset.steps - warmup))
     if preset.lr_decay == "cosine":
         return floor + (preset.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return preset.lr - (preset.lr - floor) * progress

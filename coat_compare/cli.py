@@ -114,9 +114,24 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lr-decay",
-        choices=("constant", "cosine", "linear"),
-        help="after the warm-up: hold the peak (constant, the default) or decay it, cosine or linear, to 10%% of the "
-        "peak at the last step (Megatron's --lr-decay-style; Llama 2: cosine)",
+        choices=("constant", "cosine", "linear", "wsd"),
+        help="after the warm-up: hold the peak (constant, the default) or decay it, cosine or linear, to "
+        "--lr-min-ratio x the peak at the last step (Megatron's --lr-decay-style; Llama 2: cosine), or wsd: hold the "
+        "peak, then decay linearly over the last --lr-cooldown-steps steps",
+    )
+    p.add_argument(
+        "--lr-cooldown-steps",
+        type=int,
+        metavar="N",
+        help="--lr-decay wsd: the linear cool-down's length in steps (a run loaded from a longer run's checkpoint "
+        "with a shorter --steps is a cool-down branch of its trunk)",
+    )
+    p.add_argument(
+        "--lr-min-ratio",
+        type=float,
+        metavar="R",
+        help="the decayed learning rate at the last step, a fraction of the peak (default: the preset's: 0.1; "
+        "gpt-1b-accuracy 0)",
     )
     p.add_argument(
         "--lr",
@@ -365,6 +380,8 @@ def preset_of(args) -> Preset:
         "seq",
         "lr_warmup_steps",
         "lr_decay",
+        "lr_cooldown_steps",
+        "lr_min_ratio",
         "lr",
         "adam_eps",
         "corpus",
@@ -418,6 +435,7 @@ def check_args(args) -> None:
         "global_batch",
         "seq",
         "lr_warmup_steps",
+        "lr_cooldown_steps",
         "corpus_bytes",
         "eval_windows",
         "search_start",
@@ -429,6 +447,8 @@ def check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
     if args.lr is not None and not args.lr > 0:
         raise ValueError(f"--lr {args.lr}: the peak learning rate must be above 0")
+    if args.lr_min_ratio is not None and not 0 <= args.lr_min_ratio <= 1:
+        raise ValueError(f"--lr-min-ratio {args.lr_min_ratio}: a fraction of the peak, 0 to 1")
     if args.adam_eps is not None and not args.adam_eps > 0:
         raise ValueError(f"--adam-eps {args.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
     for name in ("search_time_limit", "fit_memory", "step_timeout", "run_timeout"):
@@ -444,9 +464,29 @@ def check_args(args) -> None:
         )
     parse_modes(args.modes)
     preset = preset_of(args)
+    check_schedule(preset)
     check_layout(preset, args)
     check_steps(preset, args)
     check_processes(args)
+
+
+def check_schedule(preset: Preset) -> None:
+    """Raise ValueError, naming the fix, where the learning-rate schedule cannot run: a wsd decay
+    without a cool-down that fits after the warm-up, or a cool-down without wsd."""
+    from .build import lr_warmup_steps
+
+    if preset.kind != "train":
+        return
+    if preset.lr_decay != "wsd":
+        if preset.lr_cooldown_steps is not None:
+            raise ValueError("--lr-cooldown-steps is the length of wsd's cool-down: add --lr-decay wsd")
+        return
+    room = preset.steps - lr_warmup_steps(preset)
+    if preset.lr_cooldown_steps is None or not 0 < preset.lr_cooldown_steps <= room:
+        raise ValueError(
+            f"--lr-decay wsd decays over the last --lr-cooldown-steps N steps: give N from 1 to {room} (the "
+            f"{preset.steps} steps after the warm-up)"
+        )
 
 
 def check_layout(preset: Preset, args) -> None:

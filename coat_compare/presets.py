@@ -51,7 +51,9 @@ class Preset:
         "cosine" or "linear" down to ``lr_min_ratio`` x the peak at the last step, as Megatron's
         ``--lr-decay-style`` (Llama 2: cosine to 10%). A decayed run ends in a settled minimum, so its
         final validation loss moves less between runs that differ only in rounding.
+        "wsd" holds the peak until the last ``lr_cooldown_steps`` steps, then decays linearly.
     lr_min_ratio: the decayed learning rate's floor, a fraction of the peak.
+    lr_cooldown_steps: the length of "wsd"'s linear cool-down (None for the other schedules).
     adam_eps: Adam's epsilon, every mode's (``--adam-eps``): Megatron's 1e-8, and Llama 2's 1e-5 for
         the llama2-7b and llama2-13b presets, which damps the steps of weights whose gradients are
         below it. At 1e-8, Llama-2-13B's training loss passed ln(vocab) after step 10 despite the
@@ -78,6 +80,7 @@ class Preset:
     lr_warmup_min_steps: int = 20
     lr_decay: str = "constant"
     lr_min_ratio: float = 0.1
+    lr_cooldown_steps: int | None = None
     adam_eps: float = 1e-8
     corpus: str = "packages"
     corpus_bytes: int | None = None
@@ -116,7 +119,7 @@ class Preset:
 
     def with_overrides(self, **overrides) -> "Preset":
         """A copy with the non-None overrides applied (``--steps``, ``--micro-batch``,
-        ``--global-batch``, ``--seq``, ``--lr``, ``--lr-warmup-steps``, ``--lr-decay``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
+        ``--global-batch``, ``--seq``, ``--lr``, ``--lr-warmup-steps``, ``--lr-decay``, ``--lr-cooldown-steps``, ``--lr-min-ratio``, ``--adam-eps``, ``--corpus``, ``--corpus-bytes``, ``--eval-every``,
         ``--eval-windows``)."""
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 

@@ -248,6 +248,8 @@ def data_args(args, **overrides) -> list[str]:
         "global_batch",
         "lr_warmup_steps",
         "lr_decay",
+        "lr_cooldown_steps",
+        "lr_min_ratio",
         "lr",
         "adam_eps",
         "data_seed",

@@ -173,6 +173,7 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
         "lr_warmup_steps": lr_warmup_steps(preset),
         "lr_decay": preset.lr_decay,
         "lr_min_ratio": preset.lr_min_ratio,
+        "lr_cooldown_steps": preset.lr_cooldown_steps,
         "adam_eps": preset.adam_eps,
         "wgrad_fused_linears": [sum(c) for c in zip(*map(fused_wgrad_linears, chunks))],  # [in-GEMM, linears]
         "losses": log.losses,

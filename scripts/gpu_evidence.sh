@@ -34,8 +34,7 @@
 #   wgrad-accumulate                             the wgrad added by the GEMM, per layer -> wgrad-accumulate-gemm-1gpu
 #   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
 #   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
-#   accuracy-protocol SEED KEY [PROTOCOL]        one run of an accuracy protocol (gpt-1b-accuracy; docs/accuracy.md) -> accuracy-gpt-1b-1gpu
-#   accuracy-next INDEX                          the INDEX-th run the screen's rule says comes next (one per GPU) -> accuracy-gpt-1b-1gpu
+#   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu
 #   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
@@ -123,20 +122,6 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_setup
 big=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)  # 7B and 13B near the memory limit: fewer fragments
 rows() { grep -h -E "^\| ($1) \|" "${@:2}" 2>/dev/null | cut -c1-200; }  # a report's table rows, for the printout
-runs_kept=${ACCURACY_RUNS:-${HOME:-/tmp}/accuracy-runs}  # each accuracy run's row, kept while the machine is warm
-runs_committed=${ACCURACY_COMMITTED:-benchmarks/results/accuracy-gpt-1b-1gpu}  # and those of earlier sessions
-
-accuracy_run() {  # PROTOCOL SEED KEY: one run of an accuracy protocol, every setting from coat_compare/protocol.py
-  local name=$1 seed=$2 key=$3 tag argv flags
-  tag="$name-${key//@/-}-seed$seed"
-  argv=$(python3 -m coat_compare.protocol flags "$name" "$seed" "$key" 2>"$out/$tag-flags.log") ||
-    { tail -3 "$out/$tag-flags.log"; exit 2; }
-  read -ra flags <<<"$argv"
-  run 560 "$tag" coat-compare "${flags[@]}" --out "$out/seed$seed" --name "$tag" --no-plots
-  mkdir -p "$runs_kept" && cp "$out/seed$seed/$tag.jsonl" "$runs_kept/" 2>/dev/null  # what accuracy-next reads
-  grep -E "^\| (${key%%@*}|training loss)" "$out/seed$seed/$tag.md" | cut -c1-260
-}
-
 eight_gpus() {  # train-8gpu and max-batch-8gpu: PRESET LAYOUT ...
   preset=${1:?$part PRESET LAYOUT ...}; layout=${2:?$part PRESET LAYOUT ... (e.g. dp8, tp2xdp4, tp2xpp2xdp2)}
   sizes=$(python3 -c "from coat_compare.layouts import parse_layouts as p; print(*p('$layout')[0])") || exit 2
@@ -290,20 +275,19 @@ case $part in
       --eval-every 46 --cuda-graphs local --modes "$mode" --seed "$seed" "${more[@]}" --out "$out/seed$seed" \
       --name "gpt-1b-acc-$tag" --no-plots
     grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$tag.md" | cut -c1-260 ;;
-  accuracy-next)
-    # the INDEX-th of the runs the screen's rule (coat_compare/protocol.py) says come next
-    index=${1:?accuracy-next INDEX (0, 1, 2, ...: one per GPU under --each-gpu)}
-    next=$(python3 -m coat_compare.protocol next "$runs_committed" "$runs_kept" --index "$index") || exit 2
-    if [ -z "$next" ]; then
-      echo "accuracy-next $index: nothing to run"
-      python3 -m coat_compare.protocol screen "$runs_committed" "$runs_kept" | sed -n '/^Next/,$p'
-      exit 0
-    fi
-    read -r name seed key <<<"$next"
-    accuracy_run "$name" "$seed" "$key" ;;
-  accuracy-protocol)
-    seed=${1:?accuracy-protocol SEED KEY [PROTOCOL] (e.g. 1 bf16, 1 bf16@run2, 1 bf16@data2, 1 coat@eps1e-05)}
-    accuracy_run "${3:-gpt-1b-accuracy}" "$seed" "${2:?accuracy-protocol SEED KEY [PROTOCOL]}" ;;
+  accuracy-runs)
+    # the runs of an accuracy protocol (coat_compare/protocol.py) still missing from the committed rows, PER_DEVICE
+    # at once on each GPU, none started that would end after DEADLINE seconds; reports and checkpoints stay in
+    # $ACCURACY_STATE while the machine is warm, so the next command goes on. No loss is printed: the power
+    # gate's sd is the only figure (read blind, coat_compare.protocol).
+    name=${1:?accuracy-runs PROTOCOL SEEDS [DEADLINE]}; seeds=${2:?accuracy-runs PROTOCOL SEEDS (e.g. 1-8)}
+    state=${ACCURACY_STATE:-$HOME/accuracy-state}
+    earlier=(); [ -f "${ACCURACY_ROWS:-}" ] && earlier=("$ACCURACY_ROWS")  # rows of earlier sessions
+    python3 -m coat_compare.protocol run "$name" --state "$state" --seeds "$seeds" --deadline "${3:-540}" \
+      --per-device "${PER_DEVICE:-8}" --guess-step-s "${GUESS_STEP_S:-0.6}" ${earlier:+--done "${earlier[@]}"} | tee "$out/runs.txt" | tail -4
+    python3 -m coat_compare.protocol keep "$state" --into "$out/rows.jsonl"
+    python3 -m coat_compare.protocol power "$name" "$state" "${earlier[@]}"
+    nvidia-smi --query-gpu=index,memory.used --format=csv,noheader ;;
   accuracy-gpt-125m)
     seeds=${1:?accuracy-gpt-125m SEEDS (e.g. 1,2,3,4)}
     runs=/tmp/coat-accuracy-gpt-125m  # kept while the machine stays warm: a later call goes on from here
