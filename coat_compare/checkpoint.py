@@ -13,6 +13,9 @@ checkpoint writer's worker processes re-import ``__main__``.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 
@@ -92,6 +95,26 @@ def check_checkpoint(directory: str) -> dict:
     return common
 
 
+# TransformerEngine (2.20) stores delayed scaling's amax history as a pickle in each module's extra
+# state and refuses to unpickle it unless this is set, since unpickling can run code. The
+# checkpoints read here are the ones ``save_checkpoint`` wrote for the same job (``check_checkpoint``
+# verifies them first), so the load allows it for its own duration.
+TE_PICKLE_SWITCH = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextlib.contextmanager
+def trusted_extra_state():
+    before = os.environ.get(TE_PICKLE_SWITCH)
+    os.environ[TE_PICKLE_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[TE_PICKLE_SWITCH]
+        else:
+            os.environ[TE_PICKLE_SWITCH] = before
+
+
 def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = "dp_reshardable") -> int | None:
     """Load what ``save_checkpoint`` wrote into the model chunks (or one model) and their distributed optimizer,
     built with the same TP/PP layout (any DP size); returns the saved ``step`` (None if none was
@@ -117,7 +140,10 @@ def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = 
     for opt in megatron_adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
-    state = dist_checkpointing.load(checkpoint_state(chunks, optimizer, sharding_type, is_loading=True), str(directory))
+    with trusted_extra_state():
+        state = dist_checkpointing.load(
+            checkpoint_state(chunks, optimizer, sharding_type, is_loading=True), str(directory)
+        )
     for key, chunk in zip(model_keys(chunks), chunks):
         chunk.module.load_state_dict(state[key])
     # With FP32 params the distributed optimizer's main params are views of the parameters, which

@@ -3,7 +3,7 @@
 One process per GPU. A run of several processes is started by the job under ``torchrun``
 (``probe``); the process group comes from its environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT)
 and ``--tp`` x ``--pp`` x ``--dp`` equals the world size. A run of one process started plainly
-is a world of one (a TCP rendezvous on a port the OS picks). NCCL on a GPU, gloo on a CPU.
+is a world of one (an in-process store). NCCL on a GPU, gloo on a CPU.
 
 On a CPU, Megatron-Core still names CUDA in a few places; ``coat_patches.cpu.megatron_on_cpu()``
 redirects those for the life of the job. (The comparison job is an application of the plugin, so
@@ -16,7 +16,6 @@ import contextlib
 import faulthandler
 import gc
 import os
-import socket
 
 import torch
 
@@ -81,10 +80,10 @@ def initialize(tp: int, dp: int, stack: contextlib.ExitStack, pp: int = 1, vpp: 
         if "RANK" in os.environ:
             torch.distributed.init_process_group(backend)
         else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            torch.distributed.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+            # a world of one needs no rendezvous: an in-process store, not a TCP port that another run
+            # started at the same moment may take between its pick and its bind (EADDRINUSE: seen with
+            # 16 runs packed on one host)
+            torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     _WORLD.update(rank=torch.distributed.get_rank(), size=torch.distributed.get_world_size())
     if backend == "nccl" and _WORLD["size"] > 1:
         # small Python objects (each rank's memory figures) over gloo: no device copy, no

@@ -40,14 +40,15 @@ component at a fixed bound says nothing about the variance the verdict divides b
     python -m coat_compare.protocol judge NAME ROWS... [--json F]
     python -m coat_compare.protocol keep SOURCE... --into FILE   # a session's rows, into one committed file
 
-ROWS and SOURCE: folders of coat-compare reports (any depth), reports (``.jsonl``) or packs of
-them (``.tgz``). A run key is a coat-compare mode, or ``MODE@runN``: the N-th run of the same
+ROWS and SOURCE: folders of coat-compare reports (any depth), reports or rows files (``.jsonl``,
+``.jsonl.gz``) or packs of reports (``.tgz``). A run key is a coat-compare mode, or ``MODE@runN``: the N-th run of the same
 seed, batches and code (coat-compare's ``--repeat N``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import math
@@ -403,27 +404,31 @@ def read_rows(sources: str | list[str]) -> list[tuple[str, dict]]:
                 for m in members:
                     lines = pack.extractfile(m).read().decode().splitlines()
                     rows += [(f"{source}:{m.name}", r) for r in train_rows(lines)]
-        elif source.endswith(".jsonl") and os.path.isfile(source):
-            with open(source) as f:
-                rows += [(source, r) for r in train_rows(f)]
+        elif source.endswith((".jsonl", ".jsonl.gz")) and os.path.isfile(source):
+            rows += [(source, r) for r in train_rows(read_lines(source))]
         else:
             raise ValueError(f"{source}: not a folder of reports, a report (.jsonl) or a pack of them (.tgz)")
     return rows
 
 
+def read_lines(path: str) -> list[str]:
+    """The lines of a JSON-lines file, gzip-compressed where its name ends in ``.gz``."""
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
+        return f.read().splitlines()
+
+
 def keep(sources: list[str], into: str) -> list[dict]:
-    """Append to ``into`` (JSON lines) each train row in ``sources`` (a failed run's too: the judge
-    names it and leaves it out) that it does not hold yet, and return those rows. Each kept row
-    drops its per-step timings (``step_ms_per_step``: the bulk of a row, and no rule reads them); a
-    row met twice is kept once."""
+    """Append to ``into`` (JSON lines; gzip-compressed where it ends in ``.gz``, rewritten whole
+    without a time stamp so that the same rows give the same bytes) each train row in ``sources`` (a
+    failed run's too: the judge names it and leaves it out) that it does not hold yet, and return
+    those rows. Each kept row drops its per-step timings (``step_ms_per_step``: no rule reads them);
+    a row met twice is kept once."""
 
     def text(row: dict) -> str:
         return json.dumps({k: v for k, v in row.items() if k != "step_ms_per_step"}, sort_keys=True)
 
-    seen = set()
-    if os.path.exists(into):
-        with open(into) as f:
-            seen = {text(json.loads(line)) for line in f if line.strip()}
+    held = [line for line in read_lines(into) if line.strip()] if os.path.exists(into) else []
+    seen = {text(json.loads(line)) for line in held}
     added = []
     for source in sources:
         if not os.path.exists(source):
@@ -433,7 +438,11 @@ def keep(sources: list[str], into: str) -> list[dict]:
             if line not in seen:
                 seen.add(line)
                 added.append(json.loads(line))
-    if added:
+    if added and into.endswith(".gz"):
+        lines = [text(json.loads(line)) for line in held] + [text(r) for r in added]
+        with open(into, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            f.write("".join(line + "\n" for line in lines).encode())
+    elif added:
         with open(into, "a") as f:
             f.writelines(text(r) + "\n" for r in added)
     return added

@@ -1,5 +1,5 @@
 """benchmarks/results/ stays the evidence of current claims, small enough to travel with every GPU
-command: at most 150 files and 2 MiB; one folder per claim, named for what it shows and its GPU
+command: at most 150 files and 3 MiB; one folder per claim, named for what it shows and its GPU
 count, each with a commands.txt that names the date, the commit, the GPU (or CPU) and the command;
 each folder indexed in docs/results.md. Superseded runs belong in git history, not here."""
 
@@ -11,7 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MAX_FILES = 150
-MAX_BYTES = 2 * 2**20
+# 3 MiB: the accuracy protocol keeps every run's row (gzip-compressed; about 3 kB a run), the one claim
+# whose figures are recomputed from hundreds of rows; the rest of the tree is about 2 MiB
+MAX_BYTES = 3 * 2**20
 FOLDERS = sorted(p for p in RESULTS.iterdir() if p.is_dir())
 
 
