@@ -287,25 +287,6 @@ PRESETS: dict[str, Preset] = {
     ]
 }
 
-# The accuracy protocols' candidates after gpt-1b-accuracy's floor was missed (coat_compare.protocol):
-# its shape and schedule, one pass over a fixed pool of windows, a lower peak learning rate
-PRESETS["gpt-1b-accuracy-pool"] = replace(
-    PRESETS["gpt-1b-accuracy"],
-    name="gpt-1b-accuracy-pool",
-    lr=1e-4,
-    data_pool=96 * 128,
-    description="gpt-1b-accuracy with a data pool: every data order trains the same 12,288 windows (one pass, 25.2M "
-    "tokens) in another order; peak learning rate 1e-4 (the protocols gpt-1b-accuracy-lr1e-4 and -lr5e-5)",
-)
-PRESETS["gpt-1b-bytes-accuracy"] = replace(
-    PRESETS["gpt-1b-accuracy-pool"],
-    name="gpt-1b-bytes-accuracy",
-    layers=20,
-    vocab=256,
-    description="gpt-1b-accuracy-pool with a 256-row vocabulary (the byte tokens the corpus has, no 31,744 rows that "
-    "only the softmax's normalisation trains) and 20 layers: 1.029B parameters",
-)
-
 
 def get_preset(name: str) -> Preset:
     try:

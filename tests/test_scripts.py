@@ -92,7 +92,6 @@ def stand_ins(tmp_path):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(tmp_path / "out"), "CALLS": str(tmp_path / "calls")}
-    env["ACCURACY_RUNS"] = str(tmp_path / "accuracy-runs")  # accuracy-next's rows of this machine
     return tmp_path, env
 
 
@@ -133,87 +132,28 @@ def test_each_gpu_runs_the_parts_at_once_one_per_gpu_with_their_arguments(stand_
     assert "=== GPU 1: weight-passes + optimizer-step" in proc.stdout
 
 
-def with_the_protocol_module(tmp_path, env):
-    """python3's stand-in runs coat_compare.protocol for real (its flags, its next runs) and records
-    anything else."""
-    (tmp_path / "bin" / "python3").write_text(
-        '#!/bin/sh\n[ "$2" = coat_compare.protocol ] && exec "$REAL_PYTHON" "$@"\n'
-        'echo "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
-    )
-    return {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-
-
-def each_gpu(tmp_path, env, *specs):
-    """Run ``--each-gpu`` with the stand-ins; each GPU's recorded calls and the output folder."""
+def test_accuracy_runs_runs_the_protocol_packed_on_every_gpu_and_keeps_its_rows(stand_ins):
+    """accuracy-runs is one process for the whole host (the runner spreads the runs over the GPUs):
+    the protocol's runner with the state kept on the machine, the committed rows as done, then the
+    rows kept into the part's folder and the blind power gate."""
+    tmp_path, env = stand_ins
+    committed = tmp_path / "rows.jsonl.gz"
+    committed.write_bytes(b"")
+    env = {**env, "ACCURACY_STATE": str(tmp_path / "state"), "ACCURACY_ROWS": str(committed), "PER_DEVICE": "6"}
     proc = subprocess.run(
-        ["bash", str(RUNNER), "--each-gpu", *specs], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
-    )
+        ["bash", str(RUNNER), "accuracy-runs", "gpt-125m-wsd", "9-24", "530"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    calls = (tmp_path / "calls").read_text().splitlines()
-    by_gpu = {gpu: [c.split(" ", 1)[1] for c in calls if c.startswith(f"gpu={gpu} ")] for gpu in "012"}
-    return by_gpu, tmp_path / "out"
-
-
-def protocol_run_line(preset, mode, seed, data_seed, lr, extra, folder, name):
-    """The coat-compare line an accuracy protocol's run gives on a GPU (gpt-1b-accuracy's settings
-    at peak rate ``lr``; ``extra``: the run key's own flags, each with a leading space)."""
-    settings = (
-        f"--steps 96 --micro-batch 4 --global-batch 128 --lr {lr} --lr-warmup-steps 24 --lr-decay linear "
-        "--eval-every 24 --eval-windows 768 --cuda-graphs local"
-    )
-    return (
-        f"coat-compare --preset {preset} --modes {mode} --seed {seed} --data-seed {data_seed} {settings}{extra} "
-        f"--out {folder} --name {name} --no-plots"
-    )
-
-
-def test_each_gpu_runs_the_accuracy_protocol_one_run_per_gpu_with_the_protocols_flags(stand_ins):
-    tmp_path, env = stand_ins
-    env = with_the_protocol_module(tmp_path, env)
-    by_gpu, out = each_gpu(
-        tmp_path, env, "accuracy-protocol 1 bf16", "accuracy-protocol 1 bf16@run2", "accuracy-protocol 2 coat@eps1e-05"
-    )
-    part = "accuracy-protocol"
-
-    def line(gpu, mode, seed, extra, name):
-        return protocol_run_line(
-            "gpt-1b-accuracy", mode, seed, seed, "0.0003", extra, f"{out}/gpu{gpu}/{part}/seed{seed}", name
-        )
-
-    assert by_gpu["0"] == [line(0, "bf16", 1, "", "gpt-1b-accuracy-bf16-seed1")]
-    assert by_gpu["1"] == [line(1, "bf16", 1, " --repeat 2", "gpt-1b-accuracy-bf16-run2-seed1")]
-    assert by_gpu["2"] == [line(2, "coat", 2, " --adam-eps 1e-05", "gpt-1b-accuracy-coat-eps1e-05-seed2")]
-    for gpu in "012":  # three processes packed a part of one name at once, each its own archive
-        with tarfile.open(out / f"gpu{gpu}" / f"{part}.tgz") as archive:
-            assert "./gpu.txt" in archive.getnames()
-
-
-def test_accuracy_next_runs_what_the_screen_says_comes_next_one_run_per_gpu(stand_ins):
-    tmp_path, env = stand_ins
-    env = with_the_protocol_module(tmp_path, env)
-    (tmp_path / "committed").mkdir()  # no run made yet: the screen's twelve come first, in order
-    env["ACCURACY_COMMITTED"] = str(tmp_path / "committed")
-    by_gpu, out = each_gpu(tmp_path, env, "accuracy-next 0", "accuracy-next 1", "accuracy-next 12")
-    name = "gpt-1b-accuracy-lr1e-4"
-    assert by_gpu["0"] == [
-        protocol_run_line(
-            "gpt-1b-accuracy-pool", "bf16", 1, 1, "0.0001", "", f"{out}/gpu0/accuracy-next/seed1", f"{name}-bf16-seed1"
-        )
+    out, state = tmp_path / "out" / "accuracy-runs", tmp_path / "state"
+    calls = [c.split(" ", 1)[1] for c in (tmp_path / "calls").read_text().splitlines()]
+    assert calls[1:] == [
+        f"python3 -m coat_compare.protocol run gpt-125m-wsd --state {state} --seeds 9-24 --deadline 530 "
+        f"--per-device 6 --guess-step-s 0.6 --done {committed}",
+        f"python3 -m coat_compare.protocol keep {state} --into {out}/rows.jsonl",
+        f"python3 -m coat_compare.protocol power gpt-125m-wsd {state} {committed}",
     ]
-    assert by_gpu["1"] == [
-        protocol_run_line(
-            "gpt-1b-accuracy-pool",
-            "bf16",
-            1,
-            1001,
-            "0.0001",
-            "",
-            f"{out}/gpu1/accuracy-next/seed1",
-            f"{name}-bf16-data2-seed1",
-        )
-    ]
-    assert by_gpu["2"] == []  # past the end of the twelve: nothing
-    assert "accuracy-next 12: nothing to run" in (out / "gpu2.txt").read_text()
+    assert (tmp_path / "out" / "accuracy-runs.tgz").exists()
 
 
 def test_a_part_past_the_limit_is_stopped_and_what_it_wrote_comes_back(stand_ins):
