@@ -14,6 +14,7 @@ checkpoint writer's worker processes re-import ``__main__``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 
 import torch
@@ -64,18 +65,58 @@ def save_checkpoint(
         "format": sharding_type,
     }
     dist_checkpointing.save(state, str(directory))
+    torch.distributed.barrier()  # every rank's files written
+    if torch.distributed.get_rank() == 0:
+        write_checksums(directory)
+    torch.distributed.barrier()
+
+
+CHECKSUMS = "coat-compare.sha256"  # beside the checkpoint's files: "DIGEST  NAME" per file
+
+
+def file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: str) -> None:
+    """SHA-256 of every file of the checkpoint (``sha256sum -c`` reads the file too)."""
+    names = sorted(n for n in os.listdir(directory) if n != CHECKSUMS and os.path.isfile(os.path.join(directory, n)))
+    lines = [f"{file_digest(os.path.join(directory, n))}  {n}\n" for n in names]
+    with open(os.path.join(directory, CHECKSUMS), "w") as f:
+        f.writelines(lines)
+
+
+def verify_checksums(directory: str) -> None:
+    """Raise ValueError naming the first file that is missing or whose bytes changed since
+    ``save_checkpoint`` wrote it; a checkpoint without checksums (written before they were kept)
+    passes."""
+    path = os.path.join(directory, CHECKSUMS)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        for line in f:
+            digest, _, name = line.rstrip("\n").partition("  ")
+            if not os.path.isfile(os.path.join(directory, name)):
+                raise ValueError(f"its file {name} is missing")
+            if file_digest(os.path.join(directory, name)) != digest:
+                raise ValueError(f"its file {name} does not match the checksum saved with it: changed or damaged since")
 
 
 def check_checkpoint(directory: str) -> dict:
     """The common state of the checkpoint in ``directory`` (step, layout), after checking that its
-    data files are whole: every byte range the checkpoint's metadata names lies inside a file that
-    exists. Raises ValueError saying what is wrong; reads no tensor and needs no process group."""
-    import os
+    data files are whole (every byte range the checkpoint's metadata names lies inside a file that
+    exists) and, where ``save_checkpoint`` kept checksums, unchanged. Raises ValueError saying what
+    is wrong; reads no tensor and needs no process group."""
     import warnings
 
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
+    verify_checksums(directory)
     metadata = FileSystemReader(directory).read_metadata()
     ends: dict[str, int] = {}
     for info in metadata.storage_data.values():

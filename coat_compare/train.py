@@ -36,7 +36,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
 from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
 from .flops import utilisation
-from .memory import MIB, SavedTensors, fp8_copy_bytes, gradient_bytes, optimizer_parts, weights_bytes
+from .memory import MIB, SavedTensors, static_parts
 from .modes import Mode
 from .presets import Preset
 
@@ -321,7 +321,7 @@ def memory_fields(chunks: list, optimizer, log: StepLog, params: int, o: TrainOp
     the tensors the first timed step saved for backward. A collective (``parallel.per_rank``)."""
     from megatron.core import parallel_state
 
-    parts = held_between_steps(chunks, unwrap_optimizers(optimizer))
+    parts = static_parts(chunks, unwrap_optimizers(optimizer))
     activations = log.activations
     if parallel.device().type == "cuda":
         activations = torch.cuda.max_memory_allocated() - log.static
@@ -356,16 +356,6 @@ def memory_fields(chunks: list, optimizer, log: StepLog, params: int, o: TrainOp
         "optimizer_bytes_per_param": parts["optimizer"] * o.dp / params,
         "bytes_per_param": budget,  # rank 0's parts between steps, per parameter of its model shard
     }
-
-
-def held_between_steps(chunks: list, optimizers: list) -> dict[str, int]:
-    """Bytes this rank holds between steps, by part (``coat_megatron.memory``), summed over its
-    model chunks (the virtual pipeline stages), the optimizer's parts counted once."""
-    parts = Counter()
-    for chunk in chunks:
-        parts.update(weights=weights_bytes(chunk), fp8_copies=fp8_copy_bytes(chunk), grads=gradient_bytes(chunk))
-    parts.update(optimizer_parts(optimizers, torch.nn.ModuleList(chunks)))
-    return dict(parts)
 
 
 def forward_backward_function(graphs: str = "none"):

@@ -125,11 +125,16 @@ def fp8_copy_bytes(model: torch.nn.Module) -> int:
     return sum(m.weight_cache.nbytes for m in model.modules() if hasattr(getattr(m, "weight_cache", None), "nbytes"))
 
 
-def static_parts(model, optimizers: list) -> dict[str, int]:
-    """Bytes held between steps, by part (see the module docstring)."""
-    return {
-        "weights": weights_bytes(model),
-        "fp8_copies": fp8_copy_bytes(model),
-        "grads": gradient_bytes(model),
-        **optimizer_parts(optimizers, model),
+def static_parts(chunks, optimizers: list) -> dict[str, int]:
+    """Bytes held between steps, by part (see the module docstring), of a model or of a rank's
+    list of model chunks (its virtual pipeline stages): the chunks' weights, FP8 copies and
+    gradient buffers summed, the optimizers' parts counted once. A storage the optimizer shares
+    with any chunk's parameters is the weights' (counting against the first chunk alone made the
+    later chunks' BF16 weights master weights)."""
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    parts = {
+        "weights": sum(weights_bytes(c) for c in chunks),
+        "fp8_copies": sum(fp8_copy_bytes(c) for c in chunks),
+        "grads": sum(gradient_bytes(c) for c in chunks),
     }
+    return parts | optimizer_parts(optimizers, torch.nn.ModuleList(chunks))

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from .arguments import CoatArgumentError
 from .parallel_layout import ParallelLayoutError
 from .replacements import Replacements
+from .run_arguments import RunArgumentError
 from .version import require_megatron_core
 
 
@@ -42,7 +43,7 @@ class MegatronArgumentError(AssertionError):
     Megatron's, with the line of the check."""
 
 
-ARGUMENT_ERRORS = (CoatArgumentError, ParallelLayoutError, MegatronArgumentError)
+ARGUMENT_ERRORS = (CoatArgumentError, ParallelLayoutError, MegatronArgumentError, RunArgumentError)
 
 
 class HeldOutput:

@@ -34,6 +34,7 @@ from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
 from coat_megatron.config import GRAD_BUFFERS, MASTER_WEIGHTS, OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
 
 from .replacements import Replacements
+from .run_arguments import check_run_args
 from .version import require_megatron_core
 
 
@@ -414,6 +415,9 @@ def install(replacements: Replacements) -> None:
         return parser
 
     def validate_megatron_and_coat_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        for line in check_run_args(args):
+            if os.environ.get("RANK", "0") == "0":
+                print(f"coat-megatron-run: warning: {line}", flush=True)
         choose_cuda_graphs(args)
         result = validate_args(args, defaults)
         check_coat_args(args)

@@ -13,8 +13,11 @@ world of one (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, a free ``MASTER_PORT``)
 ``coat-megatron-run pretrain_gpt.py ...`` works on its own.
 
 ``coat-megatron-run --coat-help`` lists the ``--coat-*`` flags. A bad command line ends in one
-line on stderr and exit code 2 (``coat_patches.argument_errors``): Megatron's table of arguments
-comes out only once Megatron's and COAT's checks passed.
+line on stderr and exit code 2 (``coat_patches.argument_errors``; the run's own arguments that
+Megatron checks late: ``coat_patches.run_arguments``): Megatron's table of arguments comes out only
+once Megatron's and COAT's checks passed. Without apex's fused weight-gradient extension on a GPU
+it adds ``--no-gradient-accumulation-fusion``, with a line saying so. Ctrl-C ends it with one line
+and exit code 130.
 
 Before anything starts CUDA, the launcher sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` where Megatron
 requires it (tensor or context parallelism before Blackwell: ``coat_patches.device_connections``).
@@ -71,13 +74,18 @@ def run_script(script: str, script_args: list[str], *, cpu: bool | None = None) 
     """Run ``script`` as ``__main__`` with ``script_args`` inside ``coat_megatron_patches(cpu)``;
     a bad argument prints one line (on rank 0) and exits with code 2."""
     from .argument_errors import ARGUMENT_ERRORS, held_output
-    from .device_connections import set_device_max_connections
+    from .device_connections import gpu_compute_capability_major, set_device_max_connections
+    from .run_arguments import gradient_fusion_args
 
     script = os.path.abspath(script)
     if not os.path.isfile(script):
         raise FileNotFoundError(f"no pretrain script at {script}")
     single_process_environment()
     if (notice := set_device_max_connections(script_args, cpu=bool(cpu))) is not None:  # before anything starts CUDA
+        _say(notice)
+    gpu = not cpu and gpu_compute_capability_major() is not None  # NVML: starts no CUDA context
+    script_args, notice = gradient_fusion_args(script_args, gpu)
+    if notice is not None:
         _say(notice)
     sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(script))
@@ -253,7 +261,13 @@ def main(argv: list[str] | None = None) -> None:
         _exit_with_help(coat_help=True)
     if any(arg in HELP_FLAGS for arg in script_args):
         _exit_with_script_help(script)
-    run_script(script, script_args, cpu=cpu)
+    try:
+        run_script(script, script_args, cpu=cpu)
+    except KeyboardInterrupt:
+        # one line, as coat-compare says it, not the traceback of wherever the script was
+        if os.environ.get("RANK", "0") == "0":
+            print("coat-megatron-run: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 def _check_script(script: str) -> None:

@@ -113,11 +113,7 @@ def bytes_per_parameter(model_chunks, optimizer) -> dict[str, float]:
 
     optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     params = sum(p.numel() for chunk in model_chunks for p in chunk.parameters())
-    parts: dict[str, int] = {}
-    for i, chunk in enumerate(model_chunks):
-        for key, value in static_parts(chunk, optimizers if i == 0 else []).items():
-            parts[key] = parts.get(key, 0) + value
-    out = {key: value / params for key, value in parts.items()}
+    out = {key: value / params for key, value in static_parts(list(model_chunks), optimizers).items()}
     out["total"] = sum(out.values())
     return out
 

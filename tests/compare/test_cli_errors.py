@@ -522,10 +522,23 @@ def test_a_cut_checkpoint_is_one_line_before_any_work(saved_checkpoint, tmp_path
     shutil.copytree(saved_checkpoint, cut)
     data = sorted(cut.glob("*.distcp"))
     assert data, list(cut.iterdir())
+    argv = ["--modes", "coat", "--load", str(cut), "--steps", "5", "--out", str(tmp_path / "out")]
+    # one flipped byte: the checksums kept beside the files say so
+    with open(data[0], "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    line = refused(argv, capsys)
+    assert (
+        f"--load {cut}: not a checkpoint this job can read (its file {data[0].name} does not match the checksum" in line
+    )
+    # a checkpoint without checksums (written before they were kept) is still checked whole
+    (cut / "coat-compare.sha256").unlink()
     size = data[0].stat().st_size
     with open(data[0], "r+b") as f:
         f.truncate(size // 2)
-    line = refused(["--modes", "coat", "--load", str(cut), "--steps", "5", "--out", str(tmp_path / "out")], capsys)
+    line = refused(argv, capsys)
     assert f"--load {cut}: not a checkpoint this job can read (its data file {data[0].name} is cut short" in line
     data[0].unlink()
     line = refused(["--modes", "coat", "--load", str(cut), "--steps", "5", "--out", str(tmp_path / "out")], capsys)

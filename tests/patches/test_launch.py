@@ -132,6 +132,12 @@ def test_pretrain_example_trains_under_interleaved_pipeline_parallelism(tmp_path
     logged = [(int(i), float(loss)) for i, loss in LOGGED.findall(done.stdout)]
     assert [i for i, _ in logged] == [1, 2, 3, 4, 5, 6] and losses[0] == pytest.approx(logged[0][1], rel=1e-5)
     assert abs(losses[0] - math.log(256)) < 0.1 and losses[-1] < losses[0] - 0.1
+    # each rank holds two model chunks: both chunks' BF16 weights are weights, and the split masters'
+    # low words (DP 1: every parameter, 2 bytes) the only master weights (the second chunk's weights
+    # were once counted as master weights too: 9.47 bytes per parameter where 8.19 are held)
+    per_param = report["bytes_per_parameter"]
+    assert per_param["master_weights"] == pytest.approx(2.0, abs=0.15), per_param
+    assert per_param["weights"] == pytest.approx(2.0, abs=0.01), per_param
 
 
 def test_overlapped_gradient_reduction_and_parameter_gather_train_the_same(tmp_path):
@@ -326,3 +332,12 @@ def test_a_bad_stacks_after_names_the_fix(monkeypatch, capsys, value):
         launch_module._stacks_after()
     assert stop.value.code == 2
     assert "give the seconds after which each rank writes its stacks, e.g. 90" in capsys.readouterr().err
+
+
+def test_a_load_folder_that_does_not_exist_is_a_warning_and_the_run_trains(tmp_path):
+    """Megatron trains from scratch when --load names no folder; the launcher says so in one line."""
+    missing = tmp_path / "nowhere"
+    done = launch(EXAMPLE, *TINY, "--load", str(missing))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"coat-megatron-run: warning: --load {missing} does not exist: training starts from scratch" in done.stdout
+    assert [int(i) for i, _ in LOGGED.findall(done.stdout)] == [1, 2, 3, 4, 5, 6]

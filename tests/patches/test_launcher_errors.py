@@ -144,9 +144,13 @@ def test_no_script_and_unknown_launcher_options():
             ["--num-attention-heads", "3"],
             ["Megatron's validate_args refuses the arguments", "num_attention_heads", "arguments.py:"],
         ),
+        (["--hidden-size", "-5"], ["--hidden-size -5: must be 1 or more"]),
+        (["--num-layers", "0"], ["--num-layers 0: must be 1 or more"]),
+        (["--save", "/proc/no-such-place"], ["--save /proc/no-such-place: cannot write there", "a directory you can"]),
     ],
-    ids=["coat-check", "knob-without-coat-fp8", "misspelt-flag", "bad-knob-value", "megatron-check"],
-)
+    ids=["coat-check", "knob-without-coat-fp8", "misspelt-flag", "bad-knob-value", "megatron-check",
+         "negative-size", "zero-layers", "unwritable-save"],
+)  # fmt: skip
 def test_bad_arguments_end_in_one_line(argv, words):
     done = run("coat_patches.launch", "--cpu", EXAMPLE, *MOCK_MODEL, *argv)
     assert_one_error(done, *words)
@@ -354,3 +358,50 @@ def test_bad_layouts_end_in_one_line_before_any_work(world, argv, words):
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=environment)
     assert_one_error(done, *words)
     assert done.stdout == ""
+
+
+# coat-megatron-run: what Megatron finds late about a run's own arguments (coat_patches.run_arguments)
+
+
+def test_a_garbage_checkpoint_index_ends_in_one_line_not_a_silent_exit_0(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("garbage\n")
+    done = run("coat_patches.launch", "--cpu", EXAMPLE, *MOCK_MODEL, "--load", str(tmp_path))
+    assert_one_error(done, "latest_checkpointed_iteration.txt holds 'garbage'", "or remove it")
+
+
+def test_checks_of_the_run_arguments_pass_good_values_and_indexes(tmp_path):
+    from coat_patches.run_arguments import RunArgumentError, check_run_args
+
+    good = argparse.Namespace(hidden_size=64, num_layers=2, ffn_hidden_size=None, save=str(tmp_path / "s"), load=None)
+    assert check_run_args(good) == [] and (tmp_path / "s").is_dir()
+    for text in ("12\n", "release"):
+        (tmp_path / "latest_checkpointed_iteration.txt").write_text(text)
+        assert check_run_args(argparse.Namespace(load=str(tmp_path))) == []
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("-3")
+    with pytest.raises(RunArgumentError, match="holds '-3'"):
+        check_run_args(argparse.Namespace(load=str(tmp_path)))
+
+
+def test_without_apex_on_a_gpu_the_launcher_turns_gradient_accumulation_fusion_off(monkeypatch):
+    from coat_patches import run_arguments
+
+    monkeypatch.setattr(run_arguments.importlib.util, "find_spec", lambda name: None)
+    args, notice = run_arguments.gradient_fusion_args(["--bf16"], gpu=True)
+    assert args == ["--bf16", "--no-gradient-accumulation-fusion"] and "fused_weight_gradient_mlp_cuda" in notice
+    assert run_arguments.gradient_fusion_args(["--bf16"], gpu=False) == (["--bf16"], None)  # the CPU loop does it
+    given = ["--no-gradient-accumulation-fusion"]
+    assert run_arguments.gradient_fusion_args(given, gpu=True) == (given, None)
+    monkeypatch.setattr(run_arguments.importlib.util, "find_spec", lambda name: object())  # apex there: left on
+    assert run_arguments.gradient_fusion_args(["--bf16"], gpu=True) == (["--bf16"], None)
+
+
+def test_ctrl_c_ends_the_launcher_with_one_line_and_status_130(monkeypatch, capsys):
+    def interrupted(script, script_args, cpu=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "run_script", interrupted)
+    with pytest.raises(SystemExit) as e:
+        launch.main([EXAMPLE, *MOCK_MODEL])
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    assert err == "coat-megatron-run: interrupted (Ctrl-C)\n"
