@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         "--iters",
         type=iterations,
         default=200,
-        help=f"training iterations per run, at least {MIN_ITERS} (default 200: about 2 minutes on 2 CPU cores)",
+        help=f"training iterations per run, at least {MIN_ITERS} (default 200: about 3.5 minutes on 2 CPU cores)",
     )
     parser.add_argument(
         "--out",
