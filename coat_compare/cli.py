@@ -326,6 +326,14 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
     )
     ckpt.add_argument("--save-step", type=int, help="steps before --save writes (default: half of --steps)")
     ckpt.add_argument(
+        "--save-steps",
+        type=parse_steps,
+        metavar="LIST",
+        help="with --save DIR: write a checkpoint into DIR/stepN after each of these steps (comma-separated) instead "
+        "of one into DIR, and go on: the weights of one run at several points, to measure from "
+        "(python -m coat_compare.fidelity --load DIR/stepN)",
+    )
+    ckpt.add_argument(
         "--stop-after-save",
         action="store_true",
         help="with --save: end the run once the checkpoint is written, and leave the rest of --steps to a later "
@@ -633,7 +641,17 @@ def check_steps(preset: Preset, args) -> None:
             f"--steps {steps} leaves no step to time{after}: {warmup}; "
             f"use --steps {fewest_steps(preset, first)} or more"
         )
-    if args.save:
+    if args.save_steps is not None:
+        if not args.save or args.save_step is not None or args.stop_after_save or args.resume_check:
+            raise ValueError("--save-steps names the steps of --save DIR's checkpoints: give --save DIR, without "
+                             "--save-step, --stop-after-save or --resume-check")  # fmt: skip
+        outside = [s for s in args.save_steps if not first <= s < steps]
+        if outside:
+            raise ValueError(
+                f"--save-steps {','.join(map(str, outside))}: not a step of this run (steps {first} .. {steps - 1}), so "
+                f"nothing would be written there: give steps from {first} to {steps - 1}"
+            )
+    elif args.save:
         save_step = steps // 2 if args.save_step is None else args.save_step
         if not first <= save_step < steps:
             raise ValueError(
@@ -760,6 +778,14 @@ def check_directory(path: str, option: str, create: bool = True) -> None:
         os.remove(probe)
     except OSError as e:
         raise ValueError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}): {fix}") from None
+
+
+def parse_steps(text: str) -> tuple[int, ...]:
+    """``"46,230,459"`` -> (46, 230, 459), sorted, each once."""
+    try:
+        return tuple(sorted({int(x) for x in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give steps as comma-separated numbers, e.g. 46,230,459") from None
 
 
 def parse_graphs(text: str) -> list[str]:

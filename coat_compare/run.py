@@ -228,6 +228,8 @@ def checkpoint_args(args) -> tuple[str, ...]:
     if args.save:
         if args.save_step is not None:
             line += ["--save-step", str(args.save_step)]
+        if args.save_steps is not None:
+            line += ["--save-steps", ",".join(map(str, args.save_steps))]
         if args.stop_after_save:
             line.append("--stop-after-save")
     return tuple(line)
@@ -266,6 +268,7 @@ def run_mode(preset: Preset, mode: Mode, args, graphs: str = "none", release: bo
                 progress=progress,
                 save=args.save,
                 save_step=save_step,
+                save_steps=args.save_steps or (),
                 stop_after_save=args.stop_after_save,
                 load=args.load,
                 graphs=graphs,

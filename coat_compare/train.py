@@ -91,6 +91,8 @@ class TrainOptions:
     ``save``: write a dist checkpoint (``checkpoint_format``) into this directory after ``save_step``
     steps (and go on, unless ``stop_after_save``: then the run ends there, and a later ``load``
     trains the rest of ``preset.steps`` on the same schedule).
+    ``save_steps``: instead, a checkpoint into ``save``/stepN after each of these steps (the weights
+    of one run at several points, to measure from).
     ``load``: start from the checkpoint in this directory, at the step it was written after: the
     learning rate and the batches continue from there, so a resumed run sees what the
     uninterrupted one saw.
@@ -101,6 +103,7 @@ class TrainOptions:
     dp: int = 1
     save: str | None = None
     save_step: int | None = None
+    save_steps: tuple[int, ...] = ()
     stop_after_save: bool = False
     load: str | None = None
     graphs: str = "none"
@@ -274,7 +277,12 @@ def train_steps(
     with AllGatherBytes() as counter, parallel.manual_gc(collect):
         for step in range(first, preset.steps):
             batches = micro(data.batch(step), micro_batches)
-            if o.save is not None and step == o.save_step:
+            if o.save is not None and o.save_steps:
+                if step in o.save_steps:
+                    where = os.path.join(o.save, f"step{step}")
+                    os.makedirs(where, exist_ok=True)
+                    save_checkpoint(where, chunks, optimizer, step=step, sharding_type=o.checkpoint_format)
+            elif o.save is not None and step == o.save_step:
                 save_checkpoint(o.save, chunks, optimizer, step=step, sharding_type=o.checkpoint_format)
                 if o.stop_after_save:
                     break

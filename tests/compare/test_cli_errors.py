@@ -635,3 +635,37 @@ def test_a_run_that_stalls_after_printing_its_row_keeps_the_row(monkeypatch):
     assert result.error == "" and result.row["status"] == "ok" and result.row["tokens_per_s"] == 1.0
     assert result.row["teardown"] == "stalled after the row was printed; stopped at --run-timeout 3 s"
     assert result.seconds < 30
+
+
+def test_save_steps_writes_a_checkpoint_after_each_step_and_each_loads(tmp_path, capsys, no_work):
+    argv = ["--modes", "bf16", "--steps", "6", "--out", str(tmp_path / "out")]
+    for extra, words in [
+        (["--save-steps", "2,4"], "give --save DIR"),
+        (["--save", str(tmp_path / "c"), "--save-steps", "2", "--save-step", "3"], "without --save-step"),
+        (["--save", str(tmp_path / "c"), "--save-steps", "2,9"], "--save-steps 9: not a step of this run"),
+        (["--save", str(tmp_path / "c"), "--save-steps", "2,x"], "comma-separated numbers"),
+    ]:
+        assert words in refused([*argv, *extra], capsys)
+
+
+def test_save_steps_keep_the_weights_of_one_run_at_several_points(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = ["--modes", "bf16", "--no-plots", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "coat_compare", *common, "--steps", "6", "--save", str(ckpt), "--save-steps", "2,4"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step2", "step4"]
+    assert (ckpt / "step4" / "coat-compare.sha256").is_file()
+    loaded = subprocess.run(
+        [sys.executable, "-m", "coat_compare", *common, "--steps", "8", "--load", str(ckpt / "step4"), "--name", "b"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    row = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])
+    assert row["first_step"] == 4 and row["status"] == "ok"
