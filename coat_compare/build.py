@@ -58,8 +58,10 @@ def transformer_config(
     ddp: bool = True,
     graphs: str = "none",
     deterministic: bool = False,
+    fp32: bool = False,
 ):
-    """Megatron's TransformerConfig: BF16 parameters, Llama shape, dropout 0. On a GPU the fusions
+    """Megatron's TransformerConfig: BF16 parameters (``fp32``: FP32 parameters and arithmetic and
+    no fusion, the reference ``coat_compare.fidelity`` measures against), Llama shape, dropout 0. On a GPU the fusions
     the layer benchmark used (bias-SwiGLU, masked softmax), RoPE fused (TE's kernel, where TE is
     installed: the same for every mode, like the attention kernel) and, under DDP (``ddp``:
     parameters have a ``main_grad``), weight-gradient accumulation into main_grad where apex
@@ -114,6 +116,10 @@ def transformer_config(
     )
     if not cuda:
         fields.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
+    if fp32:
+        fields.update(bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32)
+        fields.update(bias_activation_fusion=False, apply_rope_fusion=False, bias_dropout_fusion=False)
+        fields.update(masked_softmax_fusion=False, gradient_accumulation_fusion=False)
     if mode.fp8_recipe is not None:
         fields.update(fp8="hybrid", fp8_recipe=mode.fp8_recipe, activation_func_fp8_input_store=mode.fp8_input_store)
     return TransformerConfig(**fields)
@@ -325,8 +331,10 @@ def build_gpt(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     deterministic: bool = False,
+    fp32: bool = False,
 ):
-    """(model chunks, optimizer) for ``mode``: this rank's pipeline stage as ``vpp`` DDP-wrapped
+    """(model chunks, optimizer) for ``mode`` (``fp32``: FP32 parameters, gradients and optimizer,
+    no Float16Module: the reference of ``coat_compare.fidelity``): this rank's pipeline stage as ``vpp`` DDP-wrapped
     GPTModel chunks (one without virtual stages), and Megatron's distributed optimizer over them
     with Adam (TE FusedAdam or apex where installed, torch's otherwise), its precision-aware variant
     with FP8 states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, the mode's
@@ -342,9 +350,9 @@ def build_gpt(
 
     from coat_megatron.optimizer import coat_param_layout, get_coat_optimizer
 
-    config = transformer_config(preset, mode, tp, pp=pp, vpp=vpp, graphs=graphs, deterministic=deterministic)
+    config = transformer_config(preset, mode, tp, pp=pp, vpp=vpp, graphs=graphs, deterministic=deterministic, fp32=fp32)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=mode.grad_fp32,
+        grad_reduce_in_fp32=mode.grad_fp32 or fp32,
         overlap_grad_reduce=overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather,
         use_distributed_optimizer=True,
@@ -353,7 +361,7 @@ def build_gpt(
     for index, gpt in enumerate(stage_models(preset, mode, config, seed)):
         if torch.cuda.is_available() and mode.resolved_spec() == "te" and mode.wgrad_fusion:
             fuse_te_wgrad_accumulation(gpt)
-        module = Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
+        module = gpt if fp32 else Float16Module(config, gpt)  # as megatron.training wraps a BF16 model
         layout = coat_param_layout(module, ddp_config) if mode.coat_optimizer else None
         with _ddp_stream(graphs):
             chunks.append(
@@ -376,8 +384,8 @@ def build_gpt(
         adam_beta2=0.95,
         adam_eps=preset.adam_eps,
         clip_grad=1.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+        bf16=not fp32,
+        params_dtype=torch.float32 if fp32 else torch.bfloat16,
         use_distributed_optimizer=True,
         fp8_recipe=mode.fp8_recipe,
     )

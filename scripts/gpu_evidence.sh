@@ -35,6 +35,8 @@
 #   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
 #   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
 #   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu
+#   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-cpu
+#   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-cpu
 #   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
@@ -288,6 +290,27 @@ case $part in
     python3 -m coat_compare.protocol keep "$state" --into "$out/rows.jsonl"
     python3 -m coat_compare.protocol power "$name" "$state" "${earlier[@]}"
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader ;;
+  fidelity-gpt-1b)
+    # the weights: a BF16 run of gpt-1b-accuracy (300 steps of 32 x 2048, linear to zero) that saves after steps 30,
+    # 150 and 299 into $FIDELITY_CKPT (about 14 GB each, kept on the machine); then, per checkpoint, every
+    # configuration's gradients and update on the batches that follow it (coat_compare.fidelity)
+    ckpt=${FIDELITY_CKPT:-$HOME/fidelity-ckpt}
+    case ${1:?fidelity-gpt-1b train | measure STEP} in
+      train)
+        run 590 train coat-compare --preset gpt-1b-accuracy --modes bf16 --micro-batch 4 --global-batch 32 --steps 300 \
+          --lr-warmup-steps 30 --lr-decay linear --lr-min-ratio 0 --eval-every 0 --save "$ckpt" --save-steps 30,150,299 \
+          --out "$out" --name train --no-plots
+        ls "$ckpt" ;;
+      measure)
+        step=${2:?fidelity-gpt-1b measure STEP (30, 150 or 299)}
+        run 590 "step$step" python3 -m coat_compare.fidelity --preset gpt-1b-accuracy --micro-batch 4 --seed 1234 \
+          --load "$ckpt/step$step" --first-step "$step" --out "$out/step$step"
+        cat "$out/step$step/fidelity.md" ;;
+      *) echo "fidelity-gpt-1b: train, or measure STEP" >&2; exit 2 ;;
+    esac ;;
+  fidelity-llama2-7b-layer)
+    run 590 layer "${big[@]}" python3 -m coat_compare.fidelity --preset llama2-7b --layers 1 --micro-batch 2 --out "$out"
+    cat "$out/fidelity.md" ;;
   accuracy-gpt-125m)
     seeds=${1:?accuracy-gpt-125m SEEDS (e.g. 1,2,3,4)}
     runs=/tmp/coat-accuracy-gpt-125m  # kept while the machine stays warm: a later call goes on from here
