@@ -466,10 +466,12 @@ def measure(preset: Preset, weights, data: list[dict], warm: list, config: Confi
     """One configuration's input gradients (compared with the reference's as they arrive) and weight gradients."""
     chunks, emulation = build(preset, config)
     set_weights(chunks, weights)
-    if emulation is not None and emulation.scales.delayed:
-        for batch in warm:  # the amax history delayed scaling takes its scales from
+    delayed = emulation.scales.delayed if emulation is not None else MODES[config.mode].fp8_recipe == "delayed"
+    if delayed:
+        for batch in warm:  # the amax history delayed scaling takes its scales from (TE's, or the emulation's)
             forward_backward(chunks, batch, emulation, None)
-        emulation.scales.recording = False
+        if emulation is not None:
+            emulation.scales.recording = False
     dx = InputGradients(chunks, ref.dx)
     forward_backward(chunks, data, emulation, dx)
     dx.close()
