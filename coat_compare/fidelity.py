@@ -9,22 +9,34 @@ error ||x - ref|| / ||ref|| and the cosine of
 - dX: the gradient reaching each of those linears' inputs, and the residual stream's gradient
   where it enters each norm (``norm-in``); where TE fuses a norm into the next linear, that linear's
   input is the norm's, so its own dX is not observable ("-");
-- the update: one AdamW step's direction m_hat / (sqrt(v_hat) + eps) (weight decay, the same in
-  every configuration, left out), from moments accumulated by the reference over ``warm`` earlier
-  batches at the same weights, per linear class and over every parameter ("all"); with the
-  configuration's own gradient, and with the reference's (which isolates the optimizer's states).
+- the update: Δw = new master - old master of one AdamW step at the preset's learning rate, without
+  weight decay (the same term in every configuration), taken by the configuration's own optimizer
+  (torch.optim.AdamW where Adam's states are FP32, as Megatron's Adam keeps them; COAT's
+  ``CoatAdamW``, with its kernel on a GPU, where they are range-expanded FP8) from the moments the
+  reference accumulated over ``warm`` earlier batches at the same weights (a step from fresh states
+  is sign(g) and says nothing), loaded into COAT's states through ``CoatAdamW.load_fp32_state_dict``;
+  per linear class and over every parameter ("all"); with the configuration's own gradient, and
+  with the reference's (which isolates the optimizer's states).
 
-The configurations are real recipes (BF16, the COAT default, COAT's layers with Megatron's Adam,
-COAT with E4M3 gradients, TE FP8 delayed and current), and each COAT component alone, emulated on
-the FP32 reference so that it is the only error there: the norm's input saved as 1x16 E4M3 for
-backward, the SwiGLU's input saved so, per-tensor FP8 GEMM inputs (E4M3 activations and weights,
-E5M2 output gradients) scaled just in time or from the amax of earlier batches (delayed), BF16
-gradient buffers, and COAT's range-expanded FP8 Adam states. Each configuration takes one forward
-and backward of the batch (plus the warm batches for delayed scaling): seconds on a GPU.
+Each class aggregates over the layers: sqrt(sum of squared errors / sum of squared reference
+norms), and the cosine of the concatenated vectors; the JSON rows also name the worst layer.
+
+The configurations are real recipes (BF16, the COAT default, COAT with E4M3 gradients, COAT with
+its norm's or its SwiGLU's input kept in BF16 (``CoatConfig.norm_input_store`` /
+``swiglu_input_store``: that store taken out of the real recipe), COAT's layers with Megatron's Adam,
+BF16 layers with COAT's optimizer, TE FP8 delayed and current), and each COAT component alone,
+emulated on the FP32 reference so that it is the only error there: the norm's input saved as 1x16
+E4M3 for backward, the SwiGLU's input saved so, per-tensor FP8 GEMM inputs (E4M3 activations and
+weights, E5M2 output gradients) scaled just in time or from the amax of earlier batches (delayed
+scaling, which COAT's layers do not implement), BF16 gradient buffers, and COAT's range-expanded FP8
+Adam states. The first row builds the reference again: its errors are the tool's own floor (0 where
+the device computes deterministically). Each configuration takes one forward and backward of the
+batch (plus the warm batches for delayed scaling) and one optimizer step: seconds on a GPU.
 
     python -m coat_compare.fidelity --preset gpt-1b-accuracy --load CKPT/step230 --out OUT
     python -m coat_compare.fidelity --preset llama2-7b --layers 1 --micro-batch 2 --out OUT
     python -m coat_compare.fidelity --preset tiny --out OUT          # a CPU, in a minute (TE rows skipped)
+    python -m coat_compare.fidelity --preset tiny --configs bf16,coat,coat-norm-bf16 --out OUT
 """
 
 from __future__ import annotations
@@ -35,7 +47,9 @@ import gc
 import json
 import math
 import os
+import re
 import sys
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,6 +71,7 @@ FORMAT_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 class Config:
     """Attributes:
     name: the table's row.
+    key: what ``--configs`` takes.
     mode: the coat-compare mode built for real; None: the FP32 reference with ``emulate``.
     coat: the COAT recipe instead of the mode's (a real variant).
     emulate: COAT components added to the FP32 reference: "norm-store", "swiglu-store", "gemm-fwd"
@@ -64,11 +79,12 @@ class Config:
         wgrad and dgrad), "gemm-bwd" (per-tensor E5M2 output gradients in dgrad and wgrad),
         "delayed" (their scales from the amax of the warm batches instead of just in time),
         "bf16-grad-buffers".
-    states: Adam's moments as the recipe keeps them: "fp32", or "coat" (range-expanded FP8 E4M3,
-        groups of 128, the ``coat`` recipe's settings).
+    states: Adam's moments as the recipe keeps them: "fp32" (torch.optim.AdamW), or "coat"
+        (``CoatAdamW``: range-expanded FP8, ``coat``'s settings or the default recipe's).
     """
 
     name: str
+    key: str
     mode: str | None = None
     coat: CoatConfig | None = None
     emulate: tuple[str, ...] = ()
@@ -76,21 +92,42 @@ class Config:
 
 
 CONFIGS = (
-    Config("bf16", mode="bf16"),
-    Config("coat (the default)", mode="coat", states="coat"),
-    Config("coat, E4M3 gradients", mode="coat", coat=CoatConfig(backward_format="e4m3"), states="coat"),
-    Config("coat layers, FP32 Adam (coat-act)", mode="coat-act"),
-    Config("alone: FP8 Adam states", states="coat"),
-    Config("alone: norm input stored 1x16", emulate=("norm-store",)),
-    Config("alone: SwiGLU input stored 1x16", emulate=("swiglu-store",)),
-    Config("emulated: FP8 GEMMs, just-in-time scales", emulate=("gemm-fwd", "gemm-bwd")),
-    Config("alone: FP8 GEMM inputs (E4M3 x, W)", emulate=("gemm-fwd",)),
-    Config("alone: FP8 output gradients (E5M2 dY)", emulate=("gemm-bwd",)),
-    Config("emulated: FP8 GEMMs, delayed scales", emulate=("gemm-fwd", "gemm-bwd", "delayed")),
-    Config("alone: BF16 gradient buffers", emulate=("bf16-grad-buffers",)),
-    Config("te-fp8-delayed", mode="te-fp8-delayed"),
-    Config("te-fp8-current", mode="te-fp8-current"),
+    Config("fp32 (the reference, built again)", "fp32"),
+    Config("bf16", "bf16", mode="bf16"),
+    Config("coat (the default)", "coat", mode="coat", states="coat"),
+    Config(
+        "coat, E4M3 gradients", "coat-e4m3-grads", mode="coat", coat=CoatConfig(backward_format="e4m3"), states="coat"
+    ),
+    Config(
+        "coat, norm input kept BF16",
+        "coat-norm-bf16",
+        mode="coat",
+        coat=CoatConfig(norm_input_store="bf16"),
+        states="coat",
+    ),
+    Config(
+        "coat, SwiGLU input kept BF16",
+        "coat-swiglu-bf16",
+        mode="coat",
+        coat=CoatConfig(swiglu_input_store="bf16"),
+        states="coat",
+    ),
+    Config("coat layers, FP32 Adam (coat-act)", "coat-act", mode="coat-act"),
+    Config("BF16 layers, FP8 Adam states (coat-opt-states)", "coat-opt-states", mode="coat-opt-states", states="coat"),
+    Config("alone: FP8 Adam states", "alone-states", states="coat"),
+    Config("alone: norm input stored 1x16", "alone-norm-store", emulate=("norm-store",)),
+    Config("alone: SwiGLU input stored 1x16", "alone-swiglu-store", emulate=("swiglu-store",)),
+    Config("emulated: FP8 GEMMs, just-in-time scales", "emulated-gemms", emulate=("gemm-fwd", "gemm-bwd")),
+    Config("alone: FP8 GEMM inputs (E4M3 x, W)", "alone-gemm-inputs", emulate=("gemm-fwd",)),
+    Config("alone: FP8 output gradients (E5M2 dY)", "alone-output-grads", emulate=("gemm-bwd",)),
+    Config(
+        "emulated: FP8 GEMMs, delayed scales", "emulated-gemms-delayed", emulate=("gemm-fwd", "gemm-bwd", "delayed")
+    ),
+    Config("alone: BF16 gradient buffers", "alone-bf16-buffers", emulate=("bf16-grad-buffers",)),
+    Config("te-fp8-delayed", "te-fp8-delayed", mode="te-fp8-delayed"),
+    Config("te-fp8-current", "te-fp8-current", mode="te-fp8-current"),
 )
+CONFIG_KEYS = {c.key: c for c in CONFIGS}
 
 
 # -- fake quantization ------------------------------------------------------------------------------
@@ -200,6 +237,12 @@ def weight_class(name: str) -> str | None:
     return None
 
 
+def layer_of(name: str) -> int | None:
+    """The layer index in a parameter's one-GPU name (``decoder.layers.3.``), None outside the layers."""
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
 def named_weights(chunks: list) -> dict[str, torch.nn.Parameter]:
     from .build import global_parameter_names
 
@@ -296,12 +339,12 @@ class Emulation:
 
 class InputGradients:
     """The gradient reaching each site's input, per micro-batch: kept (the reference), or compared
-    with the reference's as it arrives (sums of squares and products per class)."""
+    with the reference's as it arrives (``sums``). An FP8 input (COAT's ``Fp8Tensor``) receives a
+    plain BF16 gradient, the one its producer gets."""
 
     def __init__(self, chunks: list, reference: dict | None):
         self.kept, self.reference, self.micro = {}, reference, 0
-        self.sums = {c: [0.0, 0.0, 0.0] for c in CLASSES if c.startswith("dX")}  # |x-r|^2, |r|^2, <x,r>; |x|^2 below
-        self.norms = {c: 0.0 for c in self.sums}
+        self.sums = ErrorSums()
         self.handles = []
         for i, layer in enumerate(layers_of(chunks)):
             for site, module in sites(layer).items():
@@ -324,13 +367,8 @@ class InputGradients:
         ref = self.reference.get((key, micro))
         if ref is None:
             return
-        ref = ref.to(g.device)
-        c = class_of(key.split("/", 1)[1])
-        s = self.sums[c]
-        s[0] += float((g - ref).pow(2).sum())
-        s[1] += float(ref.pow(2).sum())
-        s[2] += float((g * ref).sum())
-        self.norms[c] += float(g.pow(2).sum())
+        layer, site = key.split("/", 1)
+        self.sums.add(class_of(site), int(layer), g, ref.to(g.device))
 
     def close(self) -> None:
         for h in self.handles:
@@ -354,27 +392,25 @@ def forward_backward(chunks: list, micro_batches: list[dict], emulation: Emulati
 # -- the update --------------------------------------------------------------------------------------
 
 
-def adam_direction(m, v, g, step: int, eps: float) -> torch.Tensor:
-    """AdamW's step direction (weight decay left out) from the moments before the step and ``g``."""
-    b1, b2 = BETAS
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
-    return (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+def adamw_update(weight, grad, m, v, step: int, lr: float, eps: float, coat: CoatConfig | None = None):
+    """Δw = new master - old master (FP32, ``weight``'s shape) of one AdamW step without weight
+    decay from the FP32 master ``weight``, the FP32 moments ``m`` and ``v`` after ``step`` - 1 steps,
+    and ``grad``: torch.optim.AdamW's, or with ``coat`` COAT's FP8 AdamW (``CoatAdamW``, its states
+    loaded from the FP32 ones through ``load_fp32_state_dict``, i.e. quantized as it stores them)."""
+    from coat_megatron.optimizer import CoatAdamW
 
-
-def coat_states(m: torch.Tensor, v: torch.Tensor, coat: CoatConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """m and v through COAT's range-expanded FP8 (one parameter's flattened groups) and back."""
-    from coat_kernels.expanded import dequantize_expanded, quantize_expanded
-
-    out = []
-    for x, fmt, expansion, signed in (
-        (m, coat.m_format, coat.m_expansion, True),
-        (v, coat.v_format, coat.v_expansion, False),
-    ):
-        state = quantize_expanded(x.contiguous(), coat.optimizer_group_size, fmt, signed, expansion=expansion,
-                                  k_min=coat.k_min, k_max=coat.k_max)  # fmt: skip
-        out.append(dequantize_expanded(state).view_as(x))
-    return out[0], out[1]
+    master = torch.nn.Parameter(weight.detach().float().clone())
+    hyper = dict(lr=lr, betas=BETAS, eps=eps, weight_decay=0.0)
+    optimizer = torch.optim.AdamW([master], **hyper)
+    states = {"step": torch.tensor(float(step - 1)), "exp_avg": m.float().clone(), "exp_avg_sq": v.float().clone()}
+    optimizer.state[master] = states
+    if coat is not None:
+        fp32_states = optimizer.state_dict()
+        optimizer = CoatAdamW([master], config=replace(coat, master_weights="fp32"), **hyper)
+        optimizer.load_fp32_state_dict(fp32_states)
+    master.grad = grad.detach().float().clone()
+    optimizer.step()
+    return master.detach() - weight
 
 
 def compare(x: torch.Tensor, ref: torch.Tensor) -> list[float]:
@@ -390,11 +426,43 @@ def summary(sums: list[float]) -> dict:
     }
 
 
+class ErrorSums:
+    """|x - ref|^2, |ref|^2, <x, ref> and |x|^2 summed per class and per (class, layer), in float64:
+    a class's relative error and cosine over all its layers, and its worst layer."""
+
+    def __init__(self):
+        self.total = defaultdict(lambda: [0.0] * 4)
+        self.by_layer = defaultdict(lambda: [0.0] * 4)
+
+    def add(self, cls: str, layer: int | None, x: torch.Tensor, ref: torch.Tensor) -> None:
+        stats = compare(x, ref)
+        for sums in [self.total[cls]] + ([self.by_layer[(cls, layer)]] if layer is not None else []):
+            for i, value in enumerate(stats):
+                sums[i] += value
+
+    def classes(self) -> dict[str, dict]:
+        return {c: summary(s) for c, s in self.total.items()}
+
+    def worst_layers(self) -> dict[str, dict]:
+        """Per class, the layer whose own relative error is largest: {"layer", "rel_error"}."""
+        worst = {}
+        for (cls, layer), sums in sorted(self.by_layer.items()):
+            err = summary(sums)["rel_error"]
+            if err is not None and err > worst.get(cls, {"rel_error": -1.0})["rel_error"]:
+                worst[cls] = {"layer": layer, "rel_error": err}
+        return worst
+
+
 # -- the job -----------------------------------------------------------------------------------------
 
 
 @dataclass
 class Reference:
+    """The FP32 reference, per parameter (one-GPU names, FP32, on the device): the weights, the
+    measured batch's gradients, Adam's moments after the warm batches and the update from them;
+    and the input gradients per (site, micro-batch) (``InputGradients.kept``, on the CPU)."""
+
+    weights: dict[str, torch.Tensor]
     grads: dict[str, torch.Tensor]
     m: dict[str, torch.Tensor]
     v: dict[str, torch.Tensor]
@@ -437,29 +505,27 @@ def release(chunks: list) -> None:
         torch.cuda.empty_cache()
 
 
-def reference(preset: Preset, weights, data: list[dict], warm: list, eps: float) -> Reference:
-    """The FP32 reference: Adam's moments from the warm batches' gradients at these weights, then
-    the measured batch's gradients, input gradients and update."""
+def reference(preset: Preset, weights, data: list[dict], warm: list) -> Reference:
+    """The FP32 reference: Adam's moments from the warm batches' gradients at these weights (FP32
+    AdamW's, without stepping), then the measured batch's gradients, input gradients and update."""
     chunks, _ = build(preset, None)
     set_weights(chunks, weights)
-    m = v = None
+    (b1, b2), m, v = BETAS, {}, {}
     for batch in warm:
         forward_backward(chunks, batch, None, None)
         for name, g in main_grads(chunks).items():
-            m = m or {}
-            v = v or {}
-            m[name] = (1 - BETAS[0]) * g if name not in m else BETAS[0] * m[name] + (1 - BETAS[0]) * g
-            v[name] = (1 - BETAS[1]) * g * g if name not in v else BETAS[1] * v[name] + (1 - BETAS[1]) * g * g
+            m[name] = b1 * m.get(name, torch.zeros_like(g)) + (1 - b1) * g
+            v[name] = b2 * v.get(name, torch.zeros_like(g)) + (1 - b2) * g * g
     dx = InputGradients(chunks, None)
     forward_backward(chunks, data, None, dx)
     dx.close()
     grads = main_grads(chunks)
     release(chunks)
-    m = m or {n: torch.zeros_like(g) for n, g in grads.items()}
-    v = v or {n: torch.zeros_like(g) for n, g in grads.items()}
+    m = {n: m.get(n, torch.zeros_like(g)) for n, g in grads.items()}
+    v = {n: v.get(n, torch.zeros_like(g)) for n, g in grads.items()}
     step = len(warm) + 1
-    updates = {n: adam_direction(m[n], v[n], grads[n], step, eps) for n in grads}
-    return Reference(grads, m, v, dx.kept, updates)
+    updates = {n: adamw_update(weights[n], grads[n], m[n], v[n], step, preset.lr, preset.adam_eps) for n in grads}
+    return Reference(weights, grads, m, v, dx.kept, updates)
 
 
 def measure(preset: Preset, weights, data: list[dict], warm: list, config: Config, ref: Reference):
@@ -487,22 +553,19 @@ def run(preset: Preset, configs: list[Config], seed: int, warm_steps: int, first
 
     weights = source_weights(preset, seed, load)
     *warm, data = batches(preset, seed, warm_steps + 1, first)
-    eps = preset.adam_eps
-    ref = reference(preset, weights, data, warm, eps)
+    ref = reference(preset, weights, data, warm)
     rows = []
     for config in configs:
         why = skipped(config)
         if why:
-            rows.append({"config": config.name, "status": "skipped", "reason": why})
+            rows.append({"config": config.name, "key": config.key, "status": "skipped", "reason": why})
             continue
-        if config.mode is None and not config.emulate:  # the optimizer's states alone: the reference's gradients
-            dx, grads = None, ref.grads
-        else:
-            dx, grads = measure(preset, weights, data, warm, config, ref)
-        rows.append(config_row(config, dx, grads, ref, warm_steps + 1, eps))
+        dx, grads = measure(preset, weights, data, warm, config, ref)
+        rows.append(config_row(config, dx, grads, ref, warm_steps + 1, preset))
         print(f"fidelity: {config.name}", file=sys.stderr, flush=True)
     return {"preset": preset.name, "layers": preset.layers, "seed": seed, "warm_steps": warm_steps, "first_step": first,
-            "load": load, "device": parallel.device_name(), "micro_batches": len(data), "rows": rows}  # fmt: skip
+            "load": load, "device": parallel.device_name(), "micro_batches": len(data), "lr": preset.lr,
+            "rows": rows}  # fmt: skip
 
 
 def skipped(config: Config) -> str | None:
@@ -511,37 +574,32 @@ def skipped(config: Config) -> str | None:
     return unavailable_reason(MODES[config.mode], "train")
 
 
-def config_row(config: Config, dx: InputGradients | None, own: dict, ref: Reference, step: int, eps: float) -> dict:
-    coat = config.coat or CoatConfig()
-    grad_sums = {c: [0.0] * 4 for c in CLASSES if c.startswith("dW")}
-    update_sums = {c: [0.0] * 4 for c in UPDATE_CLASSES}
-    update_ref_sums = {c: [0.0] * 4 for c in UPDATE_CLASSES}
+def config_row(config: Config, dx: InputGradients, own: dict, ref: Reference, step: int, preset: Preset) -> dict:
+    """One configuration's JSON row: per class its relative error and cosine against the reference
+    (``gradients``, ``update``, ``update_reference_gradient``) and its worst layer."""
+    fp8_states = (config.coat or CoatConfig()) if config.states == "coat" else None
+    grads, update, update_ref = ErrorSums(), ErrorSums(), ErrorSums()
     for name, g in own.items():
-        r = ref.grads[name]
-        cls = weight_class(name)
+        r, cls = ref.grads[name], weight_class(name)
         if cls:
-            grad_sums[f"dW {cls}"] = [a + b for a, b in zip(grad_sums[f"dW {cls}"], compare(g, r))]
-        m, v = ref.m[name], ref.v[name]
-        if config.states == "coat":
-            m, v = coat_states(m, v, coat)
-        target = ref.updates[name]
-        for sums, grad in ((update_sums, g), (update_ref_sums, r)):
-            stats = compare(adam_direction(m, v, grad, step, eps), target)
+            grads.add(f"dW {cls}", layer_of(name), g, r)
+        args = (ref.weights[name], ref.m[name], ref.v[name], step, preset.lr, preset.adam_eps, fp8_states)
+        with_ref = ref.updates[name] if fp8_states is None else adamw_update(args[0], r, *args[1:])
+        mine = adamw_update(args[0], g, *args[1:])
+        for sums, delta in ((update, mine), (update_ref, with_ref)):
             for c in ("all", cls) if cls else ("all",):
-                sums[c] = [a + b for a, b in zip(sums[c], stats)]
-    classes = {c: summary(s) for c, s in grad_sums.items()}
-    if dx is None:  # the reference's own gradient: exact
-        classes |= {c: {"rel_error": 0.0, "cosine": 1.0} for c in CLASSES if c.startswith("dX")}
-    else:
-        for c, (err, r, dot) in dx.sums.items():
-            classes[c] = summary([err, r, dot, dx.norms[c]]) if r > 0 else {"rel_error": None, "cosine": None}
+                sums.add(c, None, delta, ref.updates[name])
+    # a class none of whose sites was observable (TE's fused norm + linear) is None
+    classes = {c: summary([0.0] * 4) for c in CLASSES} | grads.classes() | dx.sums.classes()
     return {
         "config": config.name,
+        "key": config.key,
         "status": "ok",
         "states": config.states,
-        "gradients": classes,
-        "update": {c: summary(s) for c, s in update_sums.items()},
-        "update_reference_gradient": {c: summary(s) for c, s in update_ref_sums.items()},
+        "gradients": {c: classes[c] for c in CLASSES},
+        "update": update.classes(),
+        "update_reference_gradient": update_ref.classes(),
+        "worst_layer": grads.worst_layers() | dx.sums.worst_layers(),
     }
 
 
@@ -565,21 +623,25 @@ def source_weights(preset: Preset, seed: int, load: str | None) -> dict[str, tor
 
 
 def table(result: dict) -> list[str]:
+    """The report: relative errors in %, then cosines, one row per configuration (from the JSON
+    rows' numbers), then the verdict lines."""
     head = [*CLASSES, "update", "update, ref. gradient"]
     lines = [
         f"Relative error against the FP32 reference, % (preset {result['preset']}, {result['micro_batches']} "
-        f"micro-batch(es), moments from {result['warm_steps']} earlier batches, {result['device']}):",
-        "",
-        "| configuration | " + " | ".join(head) + " |",
-        "|---|" + "---:|" * len(head),
+        f"micro-batch(es), moments from {result['warm_steps']} earlier batches, update: one AdamW step at lr "
+        f"{result['lr']:g} without weight decay, {result['device']}):",
     ]
-    for row in result["rows"]:
-        if row["status"] != "ok":
-            lines.append(f"| {row['config']} | " + " | ".join(["-"] * len(head)) + f" |  ({row['reason']})")
-            continue
-        cells = [row["gradients"].get(c, {}).get("rel_error") for c in CLASSES]
-        cells += [row["update"]["all"]["rel_error"], row["update_reference_gradient"]["all"]["rel_error"]]
-        lines.append(f"| {row['config']} | " + " | ".join("-" if x is None else f"{100 * x:.3g}" for x in cells) + " |")
+    for metric, form in (("rel_error", lambda x: f"{100 * x:.3g}"), ("cosine", lambda x: f"{x:.6f}")):
+        lines += ["", "| configuration | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+        for row in result["rows"]:
+            if row["status"] != "ok":
+                lines.append(f"| {row['config']} | " + " | ".join(["-"] * len(head)) + f" |  ({row['reason']})")
+                continue
+            cells = [row["gradients"][c][metric] for c in CLASSES]
+            cells += [row["update"]["all"][metric], row["update_reference_gradient"]["all"][metric]]
+            lines.append(f"| {row['config']} | " + " | ".join("-" if x is None else form(x) for x in cells) + " |")
+        if metric == "rel_error":
+            lines += ["", "Cosine similarity with the FP32 reference:"]
     lines += ["", *verdict_lines(result)]
     return lines
 
@@ -587,9 +649,9 @@ def table(result: dict) -> list[str]:
 def verdict_lines(result: dict) -> list[str]:
     """Per class: the COAT component that errs most alone, and whether the COAT default errs no more
     than TE FP8 delayed."""
-    rows = {r["config"]: r for r in result["rows"] if r["status"] == "ok"}
-    coat, te = rows.get("coat (the default)"), rows.get("te-fp8-delayed")
-    alone = {n: r for n, r in rows.items() if n.startswith("alone:")}
+    rows = {r["key"]: r for r in result["rows"] if r["status"] == "ok"}
+    coat, te = rows.get("coat"), rows.get("te-fp8-delayed")
+    alone = {r["config"]: r for r in rows.values() if r["config"].startswith("alone:")}
     lines = []
     for c in (*CLASSES, "update"):
 
@@ -614,14 +676,17 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=1, help="weights (without --load) and the batches")
     p.add_argument("--first-step", type=int, default=0, help="the data step the warm batches start at")
     p.add_argument("--warm-steps", type=int, default=8, help="earlier batches the reference's moments come from")
-    p.add_argument("--configs", help=f"comma-separated row numbers (default all: {len(CONFIGS)})")
+    p.add_argument("--configs", help=f"comma-separated configurations (default all): {', '.join(CONFIG_KEYS)}")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     args = p.parse_args(argv)
     preset = get_preset(args.preset)
     overrides = {"layers": args.layers, "micro_batch": args.micro_batch}
     preset = replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     preset = replace(preset, global_batch=preset.micro_batch * args.micro_batches, eval_every=0)
-    configs = list(CONFIGS) if not args.configs else [CONFIGS[int(i)] for i in args.configs.split(",")]
+    configs = list(CONFIGS) if not args.configs else [CONFIG_KEYS.get(k.strip()) for k in args.configs.split(",")]
+    if None in configs:
+        unknown = [k for k in args.configs.split(",") if k.strip() not in CONFIG_KEYS]
+        p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIG_KEYS)}")
     os.makedirs(args.out, exist_ok=True)
     from . import parallel
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Literal
 
 from coat_kernels.expanded import K_RESOLUTION
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
@@ -27,6 +28,7 @@ K_LIMITS = (1 / K_RESOLUTION, 64.0)
 OPTIMIZER_GROUP_SIZES = (32, 64, 128, 256)
 MASTER_WEIGHTS = ("fp32", "split")
 GRAD_BUFFERS = ("bf16", "fp32")
+INPUT_STORES = ("fp8", "bf16")
 
 
 def parse_switch(value: bool | str, name: str) -> bool:
@@ -66,6 +68,18 @@ class CoatConfig:
             from the norm's saved 1xG input copy. The forward stays exact, but the wgrad operand
             then carries the 1xG rounding of the norm input as well, which costs accuracy
             (tests/megatron/test_coat_training.py measures it), so it is off by default.
+        norm_input_store: what the input norms (input_layernorm, pre_mlp_layernorm) save of their
+            input for backward: "fp8" (the default: the 1xG copy in ``forward_format`` with its
+            scales, about 1.25 bytes per element) or "bf16" (the input itself, 2 bytes per element;
+            the backward, and a recomputed norm output, then come from the exact input). "bf16" is
+            an accuracy ablation, what the 1xG copy costs in gradient error
+            (``coat_compare.fidelity``); its backward runs in torch arithmetic, not a fused kernel.
+        swiglu_input_store: what SwiGLU saves of its input (fc1's output) for backward: "fp8" (the
+            default: fc1 writes its output as 1xG FP8, which SwiGLU reads and saves, about 1.25
+            bytes per element) or "bf16" (fc1 writes BF16, SwiGLU computes from it exactly and saves
+            it: 2 bytes per element, as Megatron's ``activation_func_fp8_input_store`` off). An
+            accuracy ablation like ``norm_input_store``; its forward and backward run in torch
+            arithmetic.
         cache_weight: keep each weight's FP8 codes between micro-batches (1 byte per linear
             parameter), made once per optimizer step. False (the default, part of COAT's memory
             mode) keeps each weight's amax only and quantizes W in every forward and W^T in every
@@ -148,6 +162,8 @@ class CoatConfig:
     optimizer_group_size: int = 128
     fprop_fast_accumulation: bool = True
     recompute_norm_output: bool = False
+    norm_input_store: Literal["fp8", "bf16"] = "fp8"
+    swiglu_input_store: Literal["fp8", "bf16"] = "fp8"
     cache_weight: bool | None = None
     cache_weight_transpose: bool = False
     master_weights: str | None = None
@@ -196,6 +212,8 @@ class CoatConfig:
             "wgrad_accumulate", self.wgrad_accumulate, ACCUMULATE_BACKENDS, "'auto' adds in the GEMM where cuBLASLt can"
         )
         _check_choice("group_size", self.group_size, GROUP_SIZES, "the hidden and FFN sizes must be multiples of it")
+        for name in ("norm_input_store", "swiglu_input_store"):
+            _check_choice(name, getattr(self, name), INPUT_STORES, "'fp8' is COAT's 1xG copy, 'bf16' the exact input")
         _check_choice("optimizer_group_size", self.optimizer_group_size, OPTIMIZER_GROUP_SIZES, "128 is COAT's")
         for name in ("k_min", "k_max"):
             value = getattr(self, name)

@@ -485,8 +485,26 @@ def norm_backward_reference(
     has_bias: bool,
     dx_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    x = dequantize_per_group_reference(x_q, x_scales, group_size, torch.float32)
+    return norm_backward_from_input(dy, x, weight, mean, rstd, has_bias=has_bias, dx_dtype=dx_dtype)
+
+
+def norm_backward_from_input(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    *,
+    has_bias: bool,
+    dx_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Backward of ``norm_to_fp8`` from its exact input x (..., H) (BF16 or FP32, not the 1xG copy),
+    in FP32 torch arithmetic on any device; the other arguments and the returns as ``norm_backward``.
+    The path of ``CoatConfig.norm_input_store="bf16"``, an accuracy ablation, so it has no kernel of
+    its own; ``norm_backward_reference`` is this after dequantizing the 1xG copy."""
     n = dy.shape[-1]
-    x = dequantize_per_group_reference(x_q, x_scales, group_size, torch.float32).view(-1, n)
+    x = x.reshape(-1, n).float()
     dy2 = dy.reshape(-1, n).float()
     if mean is not None:
         x = x - mean[:, None]

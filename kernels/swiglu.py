@@ -213,12 +213,6 @@ def _check(h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int) -> int:
     return two_f // 2
 
 
-def _gate_up_reference(h_q, h_scales, group_size):
-    h = dequantize_per_group_reference(h_q, h_scales, group_size, torch.float32)
-    h = h.view(-1, h.shape[-1])
-    return h.chunk(2, dim=-1)
-
-
 def swiglu_to_fp8_reference(
     h_q: torch.Tensor,
     h_scales: torch.Tensor,
@@ -230,8 +224,7 @@ def swiglu_to_fp8_reference(
     store_q: bool = True,
 ) -> SwigluFp8:
     n_ffn = _check(h_q, h_scales, group_size)
-    gate, up = _gate_up_reference(h_q, h_scales, group_size)
-    a = gate * torch.sigmoid(gate) * up
+    a = swiglu_from_input(dequantize_per_group_reference(h_q, h_scales, group_size, torch.float32))
     if amax is None:
         amax = abs_or_inf_reference(a).amax() if a.numel() else torch.zeros((), dtype=torch.float32)
     out = quantize_per_tensor_reference(a, fmt, transpose=transpose, amax=amax)
@@ -289,8 +282,7 @@ def swiglu_to_fp8(
 def quantize_swiglu_input_reference(h: torch.Tensor, group_size: int, fmt: str = "e4m3") -> tuple[torch.Tensor, ...]:
     h_q, h_scales = quantize_per_group_reference(h, group_size, fmt)
     _check(h_q, h_scales, group_size)
-    gate, up = _gate_up_reference(h_q, h_scales, group_size)
-    a = gate * torch.sigmoid(gate) * up
+    a = swiglu_from_input(dequantize_per_group_reference(h_q, h_scales, group_size, torch.float32))
     amax = abs_or_inf_reference(a).amax() if a.numel() else torch.zeros((), dtype=torch.float32)
     return h_q, h_scales, amax
 
@@ -329,12 +321,30 @@ def swiglu_backward_reference(
     da: torch.Tensor, h_q: torch.Tensor, h_scales: torch.Tensor, group_size: int, dh_dtype: torch.dtype = torch.bfloat16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _check(h_q, h_scales, group_size)
-    gate, up = _gate_up_reference(h_q, h_scales, group_size)
+    dh = swiglu_backward_from_input(
+        da, dequantize_per_group_reference(h_q, h_scales, group_size, torch.float32), dh_dtype
+    )
+    amax = abs_or_inf_reference(dh.float()).amax() if dh.numel() else torch.zeros((), dtype=torch.float32)
+    return dh, amax
+
+
+def swiglu_from_input(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of an exact h = [gate | up] (..., 2F) (BF16 or FP32, not a 1xG copy): FP32
+    (R, F), R the rows of h, in torch arithmetic on any device. The forward of
+    ``CoatConfig.swiglu_input_store="bf16"`` (an accuracy ablation: no kernel of its own), and of the
+    references after dequantizing."""
+    gate, up = h.reshape(-1, h.shape[-1]).float().chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def swiglu_backward_from_input(da: torch.Tensor, h: torch.Tensor, dh_dtype: torch.dtype) -> torch.Tensor:
+    """dh (h's shape, ``dh_dtype``, [d_gate | d_up]) from da (..., F) and the exact h = [gate | up]
+    (..., 2F), in FP32 torch arithmetic: the backward of ``swiglu_from_input``."""
+    gate, up = h.reshape(-1, h.shape[-1]).float().chunk(2, dim=-1)
     da = da.reshape(gate.shape).float()
     sig = torch.sigmoid(gate)
     dh = torch.cat([da * up * sig * (1.0 + gate * (1.0 - sig)), da * (gate * sig)], dim=-1).to(dh_dtype)
-    amax = abs_or_inf_reference(dh.float()).amax() if dh.numel() else torch.zeros((), dtype=torch.float32)
-    return dh.view(h_q.shape), amax
+    return dh.view(h.shape)
 
 
 def swiglu_backward(

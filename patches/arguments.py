@@ -31,7 +31,14 @@ import torch
 
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
 from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
-from coat_megatron.config import GRAD_BUFFERS, MASTER_WEIGHTS, OPTIMIZER_GROUP_SIZES, CoatConfig, parse_switch
+from coat_megatron.config import (
+    GRAD_BUFFERS,
+    INPUT_STORES,
+    MASTER_WEIGHTS,
+    OPTIMIZER_GROUP_SIZES,
+    CoatConfig,
+    parse_switch,
+)
 
 from .replacements import Replacements
 from .run_arguments import check_run_args
@@ -80,6 +87,16 @@ KNOBS: dict[str, tuple[dict, str]] = {
     "recompute_norm_output": (
         dict(type=_switch, metavar="on|off"),
         "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)",
+    ),
+    "norm_input_store": (
+        dict(choices=INPUT_STORES),
+        "what the input norms save of their input for backward (default fp8: the 1xG FP8 copy, about 1.25 bytes "
+        "per element); bf16: the input itself (2 bytes), for an exact norm backward: an accuracy ablation",
+    ),
+    "swiglu_input_store": (
+        dict(choices=INPUT_STORES),
+        "what SwiGLU saves of its input, fc1's output (default fp8: fc1 writes it as 1xG FP8, about 1.25 bytes per "
+        "element); bf16: fc1 writes BF16, which SwiGLU reads exactly and saves (2 bytes): an accuracy ablation",
     ),
     "cache_weight": (
         dict(type=_switch, metavar="on|off"),

@@ -4,7 +4,8 @@ Forward (exact, from the BF16 input): the normalised output, quantized per tenso
 transposed copy for the next linear's wgrad. Saved for backward: the 1xG FP8 copy of the input
 with its scales, and mean/rstd (FP32, one per row): about 1.25 bytes per input element instead
 of BF16's 2 (plus the output the next GEMM would save in BF16). Backward: BF16 input gradient,
-weight (and bias) gradients.
+weight (and bias) gradients. ``input_store="bf16"`` saves the input itself instead of its 1xG
+copy (``CoatConfig.norm_input_store``, an accuracy ablation): the backward is then the exact one.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from coat_kernels import dequantize_per_group
-from coat_kernels.norm import norm_backward, norm_quantize, norm_to_fp8
+from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8
 
+from ..config import INPUT_STORES
 from .tensor import Fp8Tensor
 
 
@@ -26,9 +28,13 @@ def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor
 
 class _NormToFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose):
+    def forward(
+        ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, input_store
+    ):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
-        # from the saved 1xG input copy)
+        # from the saved input); input_store: "fp8" (the 1xG copy is saved) or "bf16" (x itself)
+        if input_store not in INPUT_STORES:
+            raise ValueError(f"input_store={input_store!r}: use one of {', '.join(INPUT_STORES)}")
         w = _multiplier(weight, zero_centered_gamma)
         b = bias.detach().contiguous() if bias is not None else None
         r = norm_to_fp8(
@@ -42,17 +48,23 @@ class _NormToFp8(torch.autograd.Function):
             saved_fmt=saved_fmt,
             transpose=transpose == "store",
         )
-        ctx.save_for_backward(r.x_q, r.x_scales, r.mean, r.rstd, weight)
+        exact = input_store == "bf16"
+        # exact: x in the slots of the codes, no scales (the kernel wrote the 1xG copy anyway; it is dropped)
+        ctx.save_for_backward(x if exact else r.x_q, None if exact else r.x_scales, r.mean, r.rstd, weight)
         ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype)
         transposed_fn = None
         if transpose == "recompute":
             x_q, x_scales, mean, rstd, amax, dtype = r.x_q, r.x_scales, r.mean, r.rstd, r.amax, x.dtype
+            x_exact = x.detach() if exact else None
 
             def transposed_fn(rows=slice(None)):
                 h = x_q.shape[-1]
-                x_saved = dequantize_per_group(
-                    x_q.view(-1, h)[rows], x_scales.view(-1, h // group_size)[rows], group_size, dtype
-                )
+                if x_exact is not None:
+                    x_saved = x_exact.reshape(-1, h)[rows]
+                else:
+                    x_saved = dequantize_per_group(
+                        x_q.view(-1, h)[rows], x_scales.view(-1, h // group_size)[rows], group_size, dtype
+                    )
                 mean_rows = mean[rows] if mean is not None else None
                 return norm_quantize(x_saved, w, b, mean_rows, rstd[rows], amax, out_fmt=out_fmt, transpose=True)[2]
 
@@ -60,20 +72,26 @@ class _NormToFp8(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x_q, x_scales, mean, rstd, weight = ctx.saved_tensors
+        x_saved, x_scales, mean, rstd, weight = ctx.saved_tensors
         group_size, zero_centered_gamma, has_bias, dtype = ctx.meta
-        dx, dw, db = norm_backward(
-            grad.contiguous(),
-            x_q,
-            x_scales,
-            _multiplier(weight, zero_centered_gamma),
-            mean,
-            rstd,
-            group_size=group_size,
-            has_bias=has_bias,
-            dx_dtype=dtype,
-        )
-        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 8)
+        multiplier = _multiplier(weight, zero_centered_gamma)
+        if x_scales is None:  # input_store="bf16": x itself
+            dx, dw, db = norm_backward_from_input(
+                grad, x_saved, multiplier, mean, rstd, has_bias=has_bias, dx_dtype=dtype
+            )
+        else:
+            dx, dw, db = norm_backward(
+                grad.contiguous(),
+                x_saved,
+                x_scales,
+                multiplier,
+                mean,
+                rstd,
+                group_size=group_size,
+                has_bias=has_bias,
+                dx_dtype=dtype,
+            )
+        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 9)
 
 
 def rmsnorm_to_fp8(
@@ -86,16 +104,19 @@ def rmsnorm_to_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     transpose: str | None = "store",
+    input_store: str = "fp8",
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
     H must be a multiple of ``group_size`` (the 1xG FP8 copy of x saved for backward).
     ``transpose``: "store" writes the transposed copy (the next linear's wgrad operand) now;
-    "recompute" makes it in backward from the saved 1xG copy (nothing more is kept); None makes
+    "recompute" makes it in backward from the saved input (nothing more is kept); None makes
     none (a consumer that all-gathers its input makes its own).
+    ``input_store``: "fp8" saves the 1xG copy of x (``saved_fmt``) for backward; "bf16" saves x
+    itself, and the backward is the exact one (``CoatConfig.norm_input_store``).
     """
     return _NormToFp8.apply(
-        x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose
+        x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, input_store
     )
 
 
@@ -110,8 +131,9 @@ def layernorm_to_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     transpose: str | None = "store",
+    input_store: str = "fp8",
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
     return _NormToFp8.apply(
-        x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose
+        x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, input_store
     )

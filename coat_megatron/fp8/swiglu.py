@@ -6,14 +6,25 @@ The output's transposed copy, which fc2's wgrad needs, is not kept either: it is
 backward from the same saved input, bit-identical to what the forward would have written. So the
 SwiGLU input (1 byte + scales per element) is all the FFN's intermediate activations cost, instead
 of BF16's 2 bytes for the input plus 2 for the output.
+
+``input_store="bf16"`` (``CoatConfig.swiglu_input_store``, an accuracy ablation) takes a plain BF16
+h, computes from it exactly and saves it (2 bytes per element); the output is still per-tensor FP8.
 """
 
 from __future__ import annotations
 
 import torch
 
-from coat_kernels.swiglu import quantize_swiglu_input, swiglu_backward, swiglu_to_fp8
+from coat_kernels import quantize_per_tensor, tensor_amax
+from coat_kernels.swiglu import (
+    quantize_swiglu_input,
+    swiglu_backward,
+    swiglu_backward_from_input,
+    swiglu_from_input,
+    swiglu_to_fp8,
+)
 
+from ..config import INPUT_STORES
 from .tensor import Fp8Tensor
 
 
@@ -50,10 +61,50 @@ class _SwigluFp8(torch.autograd.Function):
         return dh, None, None, None
 
 
-def swiglu_fp8(h: torch.Tensor, *, group_size: int = 16, out_fmt: str = "e4m3", saved_fmt: str = "e4m3") -> Fp8Tensor:
+class _SwigluFromInput(torch.autograd.Function):
+    """SwiGLU from the exact h, which it saves (``input_store="bf16"``)."""
+
+    @staticmethod
+    def forward(ctx, h, out_fmt):
+        a = swiglu_from_input(h)  # FP32 (R, F)
+        out_amax = tensor_amax(a)
+        q, scale = quantize_per_tensor(a, out_fmt, amax=out_amax, check_finite=False)
+        ctx.save_for_backward(h)
+        h_exact = h.detach()
+
+        def transposed(rows=slice(None)):  # recomputed from h with the forward's amax: the same codes
+            a_rows = swiglu_from_input(h_exact.reshape(-1, h_exact.shape[-1])[rows])
+            return quantize_per_tensor(a_rows, out_fmt, transpose=True, amax=out_amax, check_finite=False)[2]
+
+        return Fp8Tensor(q.view(*h.shape[:-1], a.shape[-1]), scale, transposed_fn=transposed, dtype=h.dtype)
+
+    @staticmethod
+    def backward(ctx, da):
+        (h,) = ctx.saved_tensors
+        return swiglu_backward_from_input(da, h, h.dtype), None
+
+
+def swiglu_fp8(
+    h: torch.Tensor,
+    *,
+    group_size: int = 16,
+    out_fmt: str = "e4m3",
+    saved_fmt: str = "e4m3",
+    input_store: str = "fp8",
+) -> Fp8Tensor:
     """silu(gate) * up of h = [gate | up] (..., 2F), Megatron's order, as a per-tensor FP8 ``Fp8Tensor``.
 
     h is normally fc1's 1xG ``Fp8Tensor`` output; a plain tensor is quantized to 1xG first. F must be
-    a multiple of ``group_size``.
+    a multiple of ``group_size``. ``input_store="bf16"`` (``CoatConfig.swiglu_input_store``) takes a
+    plain h (BF16), computes the output from it exactly and saves it for an exact backward.
     """
+    if input_store not in INPUT_STORES:
+        raise ValueError(f"input_store={input_store!r}: use one of {', '.join(INPUT_STORES)}")
+    if input_store == "bf16":
+        if isinstance(h, Fp8Tensor):
+            raise ValueError(
+                "input_store='bf16' computes SwiGLU from the exact input, and this h is FP8: give fc1 "
+                "OutputForm.BF16 (CoatMLP does with CoatConfig(swiglu_input_store='bf16'))"
+            )
+        return _SwigluFromInput.apply(h, out_fmt)
     return _SwigluFp8.apply(h, group_size, out_fmt, saved_fmt)

@@ -4,6 +4,8 @@ fc1 writes its output as 1x16 FP8 (``OutputForm.SWIGLU_INPUT``: finding SwiGLU's
 same pass), SwiGLU reads that and writes per-tensor FP8 for fc2, and fc2 writes BF16 for Megatron's
 bias-dropout-add. Backward, SwiGLU hands fc1 the amax of dh through the ``AmaxHandoff`` that fc1's
 output carried.
+With ``CoatConfig.swiglu_input_store="bf16"`` (an accuracy ablation) fc1 writes BF16 instead, which
+SwiGLU reads exactly and saves.
 Construction (and so parameters, TP split of the gated fc1, checkpoints) is Megatron's MLP.
 """
 
@@ -42,7 +44,8 @@ class CoatMLP(MLP):
                 f"{self.coat.group_size}; choose ffn_hidden_size / tensor_model_parallel_size divisible by "
                 f"{self.coat.group_size} or set --coat-group-size"
             )
-        self.linear_fc1.output_form = OutputForm.SWIGLU_INPUT
+        exact_input = self.coat.swiglu_input_store == "bf16"
+        self.linear_fc1.output_form = OutputForm.BF16 if exact_input else OutputForm.SWIGLU_INPUT
         if self.linear_fc1.skip_bias_add and self.linear_fc1.bias is not None:
             self.linear_fc1.skip_bias_add = False  # the bias goes into the GEMM epilogue, before quantizing
 
@@ -51,6 +54,10 @@ class CoatMLP(MLP):
             raise ValueError("per_token_scale (MoE) is not supported by COAT's MLP")
         h, _ = self.linear_fc1(hidden_states)
         a = swiglu_fp8(
-            h, group_size=self.coat.group_size, out_fmt=self.coat.forward_format, saved_fmt=self.coat.forward_format
+            h,
+            group_size=self.coat.group_size,
+            out_fmt=self.coat.forward_format,
+            saved_fmt=self.coat.forward_format,
+            input_store=self.coat.swiglu_input_store,
         )
         return self.linear_fc2(a)

@@ -71,6 +71,7 @@ class CoatNorm(MegatronModule):
             # under SP the consumer gathers the codes (each rank's chunk with its own scale: no amax
             # is shared over the group) and makes its own transposed copies
             transpose=None if self.sequence_parallel else "recompute" if self.coat.recompute_norm_output else "store",
+            input_store=self.coat.norm_input_store,
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

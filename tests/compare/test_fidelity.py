@@ -1,8 +1,8 @@
-"""coat_compare.fidelity: the fake quantizers are COAT's arithmetic, the update is AdamW's, and on the
-tiny preset the table orders the configurations as their numerics say (deterministic on a CPU)."""
+"""coat_compare.fidelity: the fake quantizers are COAT's arithmetic, the update is each optimizer's
+own step from the same FP32 states, and on the tiny preset the table orders the configurations as
+their numerics say (deterministic on a CPU)."""
 
 import json
-import math
 import subprocess
 import sys
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from coat_compare import fidelity as F
+from coat_megatron import CoatConfig
 
 
 def test_per_tensor_fake_quantization_is_exact_on_codes_and_saturates_when_delayed():
@@ -33,28 +34,51 @@ def test_group_fake_quantization_is_coats_quantizer():
     assert torch.equal(F.fake_quantize_groups(torch.zeros(2, 16)), torch.zeros(2, 16))
 
 
-def test_the_update_direction_is_adamws():
+def test_the_fp32_update_is_adamws_step_with_its_signs():
+    # one element by hand: fresh states, g = +2: m_hat = 2, v_hat = 4, so w moves by -lr * 2 / (2 + eps)
+    # (from w = 0, where the FP32 master rounds nothing away)
+    lr, eps = 1e-3, 1e-8
+    step = F.adamw_update(torch.zeros(1), torch.tensor([2.0]), torch.zeros(1), torch.zeros(1), 1, lr, eps)
+    assert step.item() == pytest.approx(-lr * 2 / (2 + eps), rel=1e-6)  # new - old: a positive gradient lowers w
+    # from populated moments after 4 steps: AdamW's closed form (bias-corrected, eps outside the root),
+    # up to the FP32 master's rounding (half a unit of |w| <= 0.1: 4e-9)
     gen = torch.Generator().manual_seed(7)
-    w, g, m, v = (torch.randn(40, generator=gen) for _ in range(4))
-    v = v.abs()
-    step, eps = 5, 1e-8
-    p = torch.nn.Parameter(w.clone())
-    opt = torch.optim.AdamW([p], lr=1.0, betas=F.BETAS, eps=eps, weight_decay=0.0)
-    p.grad = g.clone()
-    opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-    opt.step()
-    assert torch.allclose(w - p.detach(), F.adam_direction(m, v, g, step, eps), rtol=1e-5, atol=1e-6)
+    w, g, m = (torch.randn(40, generator=gen) for _ in range(3))
+    w = (w * 0.02).clamp(-0.1, 0.1)
+    v = torch.rand(40, generator=gen) * 2
+    (b1, b2), n = F.BETAS, 5
+    m_hat = (b1 * m + (1 - b1) * g) / (1 - b1**n)
+    v_hat = (b2 * v + (1 - b2) * g * g) / (1 - b2**n)
+    expected = -lr * m_hat / (v_hat.sqrt() + eps)
+    assert torch.allclose(F.adamw_update(w, g, m, v, n, lr, eps), expected, rtol=1e-5, atol=4e-9)
 
 
-def test_coats_states_round_trip_within_their_format():
+def test_the_fp8_update_is_coats_step_from_the_fp32_states_quantized():
+    """COAT's optimizer from the FP32 moments: within its state format's error of FP32 AdamW's
+    step, and FP32 AdamW's step from the moments its states hold (their dequantized values)."""
+    from coat_megatron.optimizer import CoatAdamW
+
     gen = torch.Generator().manual_seed(9)
-    m = torch.randn(3, 200, generator=gen) * 1e-3
-    v = torch.rand(3, 200, generator=gen) * 1e-6
-    from coat_megatron import CoatConfig
+    w, g = torch.randn(3, 200, generator=gen) * 0.02, torch.randn(3, 200, generator=gen) * 1e-3
+    m, v = torch.randn(3, 200, generator=gen) * 1e-3, torch.rand(3, 200, generator=gen) * 1e-6
+    lr, eps, n = 1e-3, 1e-8, 9
+    fp32 = F.adamw_update(w, g, m, v, n, lr, eps)
+    fp8 = F.adamw_update(w, g, m, v, n, lr, eps, CoatConfig())
+    assert 0 < (fp8 - fp32).norm() / fp32.norm() < 0.03
+    held = CoatAdamW([torch.nn.Parameter(w.clone())])  # what the states hold, read back as FP32
+    for moment, value in (("exp_avg", m), ("exp_avg_sq", v)):
+        held.set_moment(held.param_groups[0]["params"][0], moment, value)
+    states = held.fp32_state_dict()["state"][0]
+    from_held = F.adamw_update(w, g, states["exp_avg"], states["exp_avg_sq"], n, lr, eps)
+    assert torch.allclose(fp8, from_held, rtol=1e-5, atol=1e-10)
 
-    dm, dv = F.coat_states(m, v, CoatConfig())
-    assert dm.shape == m.shape and (dv >= 0).all()
-    assert 0 < (dm - m).norm() / m.norm() < 0.02 and 0 < (dv - v).norm() / v.norm() < 0.02
+
+def test_configs_are_picked_by_key_and_an_unknown_one_names_the_keys(capsys):
+    assert len(F.CONFIG_KEYS) == len(F.CONFIGS) and F.CONFIG_KEYS["coat"].name == "coat (the default)"
+    with pytest.raises(SystemExit):
+        F.main(["--configs", "bf16,coat-fast"])
+    err = capsys.readouterr().err
+    assert "unknown coat-fast" in err and "coat-norm-bf16" in err
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +91,7 @@ def tiny(tmp_path_factory):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["config"]: r for r in map(json.loads, (out / "fidelity.jsonl").read_text().splitlines())}
+    rows = {r["key"]: r for r in map(json.loads, (out / "fidelity.jsonl").read_text().splitlines())}
     return rows, (out / "fidelity.md").read_text(), done.stdout
 
 
@@ -75,53 +99,80 @@ def errors(row, key="gradients"):
     return {c: s["rel_error"] for c, s in row[key].items()}
 
 
-def test_every_configuration_is_a_row_and_te_is_a_skip_without_it(tiny):
+def test_every_configuration_and_class_is_there_and_te_is_a_skip_without_it(tiny):
     rows, text, stdout = tiny
-    assert list(rows) == [c.name for c in F.CONFIGS]
-    te = rows["te-fp8-delayed"]
-    assert te["status"] == "skipped" and "TransformerEngine" in te["reason"]
+    assert list(rows) == [c.key for c in F.CONFIGS]
+    for key in ("te-fp8-delayed", "te-fp8-current"):
+        assert rows[key]["status"] == "skipped" and "TransformerEngine" in rows[key]["reason"]
     assert text.strip() in stdout
     ok = [r for r in rows.values() if r["status"] == "ok"]
-    assert all(set(r["gradients"]) == set(F.CLASSES) and set(r["update"]) == set(F.UPDATE_CLASSES) for r in ok)
+    assert len(ok) == len(F.CONFIGS) - 2
+    for r in ok:
+        assert list(r["gradients"]) == list(F.CLASSES) and set(r["update"]) == set(F.UPDATE_CLASSES)
+        assert all(s["rel_error"] is not None and s["cosine"] is not None for s in r["gradients"].values())
+    worst = rows["coat"]["worst_layer"]  # the tiny preset's 2 layers
+    assert set(worst) == set(F.CLASSES) and all(w["layer"] in (0, 1) for w in worst.values())
+    assert all(w["rel_error"] >= rows["coat"]["gradients"][c]["rel_error"] for c, w in worst.items())
 
 
-def test_the_reference_is_exact_and_bf16_errs_at_bf16s_scale(tiny):
+def test_the_reference_against_itself_is_exact_and_bf16_errs_at_bf16s_scale(tiny):
     rows, _, _ = tiny
-    states = rows["alone: FP8 Adam states"]  # the reference's own gradients: no error
-    assert all(e == 0 for e in errors(states).values())
+    again = rows["fp32"]  # the FP32 reference built and measured again
+    for key in ("gradients", "update", "update_reference_gradient"):
+        assert all(s == {"rel_error": 0.0, "cosine": 1.0} for s in again[key].values()), again[key]
     bf16 = errors(rows["bf16"])
     assert all(1e-4 < e < 1e-2 for e in bf16.values()), bf16
-    assert rows["bf16"]["update_reference_gradient"]["all"]["rel_error"] == 0  # FP32 states: exact
-    assert 0 < states["update"]["all"]["rel_error"] == states["update_reference_gradient"]["all"]["rel_error"]
+    assert rows["bf16"]["update_reference_gradient"]["all"]["rel_error"] == 0  # FP32 states: the reference's step
+    states = rows["alone-states"]  # the reference's gradients, COAT's FP8 states
+    assert all(e == 0 for e in errors(states).values())
+    assert 0 < states["update"]["all"]["rel_error"] == states["update_reference_gradient"]["all"]["rel_error"] < 0.05
+    # BF16 layers with COAT's optimizer: bf16's gradients, the same states' error with the exact gradient
+    opt = rows["coat-opt-states"]
+    assert opt["gradients"] == rows["bf16"]["gradients"]
+    assert opt["update_reference_gradient"] == states["update_reference_gradient"]
 
 
 def test_coat_errs_more_than_bf16_and_its_emulated_gemms_account_for_it(tiny):
     rows, _, _ = tiny
-    coat, bf16 = errors(rows["coat (the default)"]), errors(rows["bf16"])
-    emulated = errors(rows["emulated: FP8 GEMMs, just-in-time scales"])
+    coat, bf16 = errors(rows["coat"]), errors(rows["bf16"])
+    emulated = errors(rows["emulated-gemms"])
     for c in F.CLASSES:
-        assert coat[c] > 3 * bf16[c], c
+        assert 3 * bf16[c] < coat[c] < 0.2, c
         # the per-tensor FP8 GEMMs alone, emulated on the FP32 reference, reproduce the real recipe
         assert 0.8 < emulated[c] / coat[c] < 1.2, (c, emulated[c], coat[c])
-    # the storage parts alone err far less than the GEMMs
-    for part in ("alone: norm input stored 1x16", "alone: SwiGLU input stored 1x16"):
-        assert all(errors(rows[part])[c] < 0.2 * emulated[c] for c in F.CLASSES), part
+        # taking a 1x16 store out of the real recipe leaves its error about as it is
+        for key in ("coat-norm-bf16", "coat-swiglu-bf16"):
+            assert 0.9 < errors(rows[key])[c] / coat[c] < 1.1, (key, c)
+        # the storage parts alone err far less than the GEMMs
+        for part in ("alone-norm-store", "alone-swiglu-store"):
+            assert errors(rows[part])[c] < 0.1 * emulated[c], (part, c)
     # BF16 gradient buffers touch the weight gradients only
-    buffers = errors(rows["alone: BF16 gradient buffers"])
+    buffers = errors(rows["alone-bf16-buffers"])
     assert all(buffers[c] == 0 for c in F.CLASSES if c.startswith("dX")) and buffers["dW fc1"] > 0
 
 
-def test_the_cosines_and_the_verdict_lines_follow_the_errors(tiny):
+def test_the_tables_are_the_json_numbers_and_the_verdict_follows_them(tiny):
     rows, text, _ = tiny
     for row in (r for r in rows.values() if r["status"] == "ok"):
         for s in row["gradients"].values():
             if s["rel_error"]:
                 assert s["cosine"] <= 1 + 1e-12 and s["cosine"] > 1 - s["rel_error"] ** 2
     assert "- dX fc1: largest alone FP8 output gradients (E5M2 dY)" in text
-    # each table cell is a JSON figure in percent
-    line = next(li for li in text.splitlines() if li.startswith("| coat (the default) |"))
-    cells = [c.strip() for c in line.strip("|").split("|")][1:]
-    assert float(cells[0]) == pytest.approx(
-        100 * rows["coat (the default)"]["gradients"]["dW qkv"]["rel_error"], rel=1e-2
-    )
-    assert math.isclose(float(cells[-2]), 100 * rows["coat (the default)"]["update"]["all"]["rel_error"], rel_tol=1e-2)
+    # every cell of both tables is a JSON figure: the errors in percent, then the cosines
+    by_name = {r["config"]: r for r in rows.values()}
+    tables = [[], []]
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| configuration"):
+            name = line.strip("|").split("|")[0].strip()
+            tables[len(tables[0]) >= len(rows)].append((name, line))
+    assert [n for n, _ in tables[0]] == [n for n, _ in tables[1]] == list(by_name)
+    for (name, line), (_, cos_line), in zip(*tables):  # fmt: skip
+        row = by_name[name]
+        if row["status"] != "ok":
+            continue
+        for metric, cells, scale in (("rel_error", line, 100), ("cosine", cos_line, 1)):
+            shown = [c.strip() for c in cells.strip().strip("|").split("|")][1:]
+            numbers = [row["gradients"][c][metric] for c in F.CLASSES]
+            numbers += [row["update"]["all"][metric], row["update_reference_gradient"]["all"][metric]]
+            for cell, number in zip(shown, numbers, strict=True):
+                assert float(cell) == pytest.approx(scale * number, rel=1e-2, abs=1e-6), (name, metric)

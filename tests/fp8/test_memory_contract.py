@@ -10,6 +10,8 @@ Per token, with hidden H, FFN F and 1xG groups:
     fc2        nothing: its input's transposed copy is recomputed from SwiGLU's saved input
     proj       nothing new when the BF16 input is saved anyway (attention saves its output)
 Parameters are excluded (they are not activations); the FP8 weight copies are per-weight caches.
+With the accuracy ablations ``norm_input_store="bf16"`` and ``swiglu_input_store="bf16"`` the norm
+saves its BF16 input (2H) + rstd and SwiGLU its BF16 input (4F) instead of the 1xG copies.
 """
 
 import torch
@@ -76,6 +78,20 @@ def test_each_op_saves_its_contract():
     attn_out = torch.randn(T, H).to(torch.bfloat16).requires_grad_()
     _, s = saved_by(lambda: fp8_linear(attn_out, w1, save_original_input=True), params + [attn_out])
     assert nbytes(s) == 8  # amax and scale: the input itself is the caller's
+
+
+def test_the_bf16_input_stores_save_the_input_itself():
+    x, wn, w1, w2 = make()
+    params = [wn, w1, w2]
+    n, s = saved_by(lambda: rmsnorm_to_fp8(x, wn, input_store="bf16"), params)
+    assert nbytes(s) == T * H * 2 + T * 4  # x (BF16) and rstd
+    assert any(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in s)
+    h, s = saved_by(lambda: fp8_linear(n, w1), params)  # fc1 writes BF16 for an exact SwiGLU
+    assert nbytes(s) == T * H + 4 and not isinstance(h, type(n))
+    a, s = saved_by(lambda: swiglu_fp8(h, input_store="bf16"), params)
+    assert nbytes(s) == 2 * T * FFN * 2 and s[0].dtype == torch.bfloat16  # h itself
+    _, s = saved_by(lambda: fp8_linear(a, w2), params)
+    assert nbytes(s) == 4  # its transposed input recomputed from SwiGLU's saved h, as by default
 
 
 def test_mlp_block_saves_about_a_third_of_bf16():

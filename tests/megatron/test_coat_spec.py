@@ -88,6 +88,19 @@ def test_coat_spec_matches_the_local_spec(world_size, tp, pp, sequence_parallel)
     assert_close_grads(assemble_all([r["grads"] for r in ranks], atol=1e-6), assemble_all([ref["grads"]]))
 
 
+@pytest.mark.parametrize("world_size, tp, sequence_parallel", [(1, 1, False), (2, 2, True)], ids=["tp1", "tp2-sp"])
+def test_the_bf16_input_stores_run_in_the_spec(world_size, tp, sequence_parallel):
+    """CoatConfig(norm_input_store="bf16", swiglu_input_store="bf16") (the accuracy ablations: the
+    norms and SwiGLU keep their BF16 inputs, fc1 writes BF16) trains under TP + SP as the default does."""
+    ref = local_reference()
+    exact = CoatConfig(norm_input_store="bf16", swiglu_input_store="bf16")
+    ranks = run_distributed(_run, world_size, args=("coat", sequence_parallel, False, torch.float32, exact),
+                            tensor_parallel=tp)  # fmt: skip
+    for r in ranks:
+        assert r["loss"] == pytest.approx(ref["loss"], rel=5e-3)
+    assert_close_grads(assemble_all([r["grads"] for r in ranks], atol=1e-6), assemble_all([ref["grads"]]))
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["ring", "collectives"])
 def test_sequence_parallel_gathers_move_half_the_bytes(overlap):
     """The same gathers happen in both runs (linear inputs, forward and again for wgrad; dY of the
