@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .protocol import Protocol, collect, read_rows, run_name
+from .protocol import Protocol, collect, flags, read_rows, run_name
 
 STARTUP_GUESS_S = 60.0  # a run's start-up (imports, model, corpus, first step) before any was measured
 POLL_S = 2.0
@@ -65,8 +65,6 @@ def plan(protocol: Protocol, state: str, seeds: list[int], devices: list[int | N
     """The runs ``seeds`` still need, in the order they should start: (seed, key, segment) in
     ``done`` are made. A key whose loading runs are all made needs no trunk; one that needs its
     trunk's checkpoint but has none in ``state`` makes the trunk again."""
-    from .protocol import flags
-
     jobs = []
     for seed in seeds:
         for key in protocol.keys(seed):

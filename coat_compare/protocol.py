@@ -693,7 +693,10 @@ def epsilon(protocol: Protocol, runs: Runs, seeds, d: dict[int, float]) -> dict[
 
 
 def _cells(stats: dict) -> list[str]:
-    pct = ["-" if stats[f] is None else f"{stats[f]:+.3%}" for f in ("mean", "se")]
+    pct = [
+        "-" if stats["mean"] is None else f"{stats['mean']:+.3%}",
+        "-" if stats["se"] is None else f"{stats['se']:.3%}",
+    ]
     interval = "-" if stats["low"] is None else f"{stats['low']:+.3%} .. {stats['high']:+.3%}"
     bounds = "-" if stats["lower"] is None else f"{stats['lower']:+.3%} / {stats['upper']:+.3%}"
     return [str(stats["n"]), *pct, interval, bounds]
