@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .protocol import Protocol, collect, flags, read_rows, run_name
+from .protocol import Protocol, flags, mismatch, read_rows, row_key, run_name, segment_of
 
 STARTUP_GUESS_S = 60.0  # a run's start-up (imports, model, corpus, first step) before any was measured
 POLL_S = 2.0
@@ -59,6 +59,19 @@ def segment_steps(protocol: Protocol, segment: str) -> int:
         return steps
     step, cooldown = protocol.branch
     return {"trunk": step, "main": steps - step, "branch": cooldown}[segment]
+
+
+def made_runs(protocol: Protocol, rows: list[tuple[str, dict]]) -> set[tuple[int, str, str]]:
+    """(seed, key, segment) of every run that ``rows`` hold finished. Unlike the judge's ``collect``,
+    a run with two finished rows counts as made: a trunk made again in a later session, after the
+    machine that held its checkpoint went back, is made; neither of its rows enters a figure, and
+    counting it missing would make it a third time."""
+    made = set()
+    for _, row in rows:
+        if mismatch(protocol, row) is None and 1 <= row["seed"] <= protocol.cap:
+            if row_key(row) in protocol.keys(row["seed"]):
+                made.add((row["seed"], row_key(row), segment_of(protocol, row)))
+    return made
 
 
 def plan(protocol: Protocol, state: str, seeds: list[int], devices: list[int | None], done: set) -> list[Job]:
@@ -169,8 +182,7 @@ def run_protocol(
     began = time.monotonic()
     devices = gpu_devices() if devices is None else devices
     os.makedirs(state, exist_ok=True)
-    runs, _ = collect(protocol, read_rows([state, *done]))
-    made = {(s, k, g) for s, keys in runs.items() for k, segs in keys.items() for g in segs}
+    made = made_runs(protocol, read_rows([state, *done]))
     pending = plan(protocol, state, seeds, devices, made)
     rates = Rates(guess_step_s)
     running: list[Job] = []
