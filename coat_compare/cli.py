@@ -150,7 +150,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         "--repeat",
         type=int,
         metavar="N",
-        help="a label kept in each row: the N-th run of the same seed, data and modes (benchmarks/accuracy.py's "
+        help="a label kept in each row: the N-th run of the same seed, data and modes (an accuracy protocol's "
         "MODE@runN, a noise floor); it changes nothing in the run",
     )
 

@@ -152,7 +152,7 @@ RETIRED = {
     "coat-lean": "coat-lean (the weight's transposed FP8 copy made per backward) is part of the default now: use coat "
     "(BF16 gradient buffers) or coat-fp32-grads (the former coat-lean: FP32 gradient buffers)",
 }
-# What each COAT part costs or saves on its own (accuracy studies: benchmarks/accuracy.py --modes).
+# What each COAT part costs or saves on its own (ablations of an accuracy gap: coat-compare --modes).
 # Not in "all": for one layer coat-act is coat and the others are bf16. coat-opt's parts: its FP8
 # states (coat-opt-states), its BF16 gradient sum (bf16-grads) and its split masters (the rest).
 ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")

@@ -37,7 +37,6 @@
 #   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu
 #   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-cpu
 #   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-cpu
-#   accuracy-gpt-125m SEEDS                      bf16, coat, te-fp8-delayed at 1000 steps (call until "all runs done") -> accuracy-gpt-125m-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
 #   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
@@ -311,21 +310,6 @@ case $part in
   fidelity-llama2-7b-layer)
     run 590 layer "${big[@]}" python3 -m coat_compare.fidelity --preset llama2-7b --layers 1 --micro-batch 2 --out "$out"
     cat "$out/fidelity.md" ;;
-  accuracy-gpt-125m)
-    seeds=${1:?accuracy-gpt-125m SEEDS (e.g. 1,2,3,4)}
-    runs=/tmp/coat-accuracy-gpt-125m  # kept while the machine stays warm: a later call goes on from here
-    mkdir -p "$runs" "$out"
-    last=0; rc=75
-    while [ "$rc" -eq 75 ] && [ $((SECONDS + last)) -le 480 ]; do  # six runs at once per round, while one more fits
-      start=$SECONDS
-      python3 benchmarks/accuracy.py --preset gpt-125m --steps 1000 --seeds "$seeds" --modes bf16,coat,te-fp8-delayed \
-        --micro-batch 4 --global-batch 16 --jobs 6 --max-runs 6 --out "$runs" >>"$out/accuracy.log" 2>&1
-      rc=$?; last=$((SECONDS - start))
-    done
-    cp -r "$runs"/. "$out"/
-    if [ "$rc" -eq 0 ]; then echo "all runs done: $out/accuracy.md"; tail -8 "$out/accuracy.md"
-    elif [ "$rc" -eq 75 ]; then tail -1 "$out/accuracy.log"
-    else echo "accuracy.py failed ($rc):"; tail -15 "$out/accuracy.log"; fi ;;
   accuracy-llama2-7b)
     mode=${1:?accuracy-llama2-7b MODE (bf16, coat or te-fp8-current)}
     run 590 "llama2-7b-acc-$mode" "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
