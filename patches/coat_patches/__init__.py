@@ -1,6 +1,6 @@
 """coat_patches: what makes COAT work inside Megatron-LM's training loop without editing it.
 
-Installed as the package ``coat_patches`` (the folder is ``patches/``). ``coat-megatron-run``
+The package ``coat_patches`` (``patches/coat_patches/``). ``coat-megatron-run``
 (``launch``) runs a pretrain script inside ``install.coat_megatron_patches()``, which applies one
 module per patch: ``arguments`` (``--coat-fp8`` and the ``--coat-*`` knobs), ``model`` (the COAT
 layer spec), ``optimizer`` (the FP8 distributed optimizer), ``report`` (``--coat-report``),

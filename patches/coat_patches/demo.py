@@ -104,7 +104,7 @@ ITERATION_LINE = re.compile(
 
 
 def example_script() -> Path:
-    script = Path(__file__).resolve().parents[1] / "examples" / "pretrain_gpt.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "pretrain_gpt.py"
     if not script.is_file():
         raise FileNotFoundError(
             f"the demo runs examples/pretrain_gpt.py from the coat-megatron source tree, which is not at {script}: "
