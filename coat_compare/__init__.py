@@ -24,8 +24,8 @@ One module per concept, in the order the ``coat-compare`` command uses them:
 
 Beside the command, each its own ``python -m``:
 
-    protocol.py  the accuracy protocols and their rule (paired seeds, a one-sided t bound, the blind power gate)
-    packing.py   a protocol's runs packed several per GPU within a command's deadline
+    protocol/    the accuracy protocols and their rule (paired seeds, a one-sided t bound, the blind power
+                 gate); runner.py packs a protocol's runs several per GPU within a command's deadline
     fidelity.py  where a recipe's error comes from: gradients and one update against FP32, same weights and batch
     plan.py      how a large model splits over GPUs, projected on a CPU
 """

@@ -277,7 +277,7 @@ case $part in
       --name "gpt-1b-acc-$tag" --no-plots
     grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$tag.md" | cut -c1-260 ;;
   accuracy-runs)
-    # the runs of an accuracy protocol (coat_compare/protocol.py) still missing from the committed rows, PER_DEVICE
+    # the runs of an accuracy protocol (coat_compare/protocol/) still missing from the committed rows, PER_DEVICE
     # at once on each GPU, none started that would end after DEADLINE seconds; reports and checkpoints stay in
     # $ACCURACY_STATE while the machine is warm, so the next command goes on. No loss is printed: the power
     # gate's sd is the only figure (read blind, coat_compare.protocol).

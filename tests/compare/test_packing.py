@@ -5,7 +5,7 @@ import os
 
 from test_protocol import PROTOCOL, row
 
-from coat_compare import packing
+from coat_compare.protocol import runner as packing
 
 
 def places(jobs):

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .protocol import Protocol, flags, mismatch, read_rows, row_key, run_name, segment_of
+from . import Protocol, flags, mismatch, read_rows, row_key, run_name, segment_of
 
 STARTUP_GUESS_S = 60.0  # a run's start-up (imports, model, corpus, first step) before any was measured
 POLL_S = 2.0
