@@ -6,8 +6,8 @@ and ``--tp`` x ``--pp`` x ``--dp`` equals the world size. A run of one process s
 is a world of one (an in-process store). NCCL on a GPU, gloo on a CPU.
 
 On a CPU, Megatron-Core still names CUDA in a few places; ``coat_patches.cpu.megatron_on_cpu()``
-redirects those for the life of the job. (The comparison job is an application of the plugin, so
-this is the one place ``coat_megatron`` reaches into ``coat_patches``, and only without CUDA.)
+redirects those for the life of the job; on a GPU, ``coat_patches.cuda_graphs`` releases a finished
+mode's CUDA graphs. (The comparison job is an application of the plugin and its patches.)
 """
 
 from __future__ import annotations
@@ -146,8 +146,11 @@ def release_cuda_graphs() -> None:
     from megatron.core.transformer import cuda_graphs
 
     from coat_megatron.optional import transformer_engine_available
+    from coat_patches.cuda_graphs import release_cuda_graphs as release_every_graph
 
-    cuda_graphs.delete_cuda_graphs()
+    # every graph reset, not only those Megatron's delete_cuda_graphs() still lists (it forgets the
+    # per-layer training graphs): a graph left alive pins its NCCL communicator at tear-down
+    release_every_graph()
     # a capture that failed half-way leaves these process-wide flags set (and TE's attention then
     # refuses to run eagerly)
     cuda_graphs._set_capture_end()

@@ -43,6 +43,8 @@ import sys
 import threading
 import time
 
+from .cuda_graphs import release_cuda_graphs
+
 USAGE = (
     "usage: coat-megatron-run [--cpu] SCRIPT.py [Megatron arguments ...] [--coat-fp8 --coat-* ...]\n"
     "       coat-megatron-run --coat-help | --help"
@@ -150,18 +152,19 @@ def _close_process_groups(timeout_s: float) -> None:
     threads still running can abort in their destructors ("terminate called without an active
     exception", seen once in CI after training had finished, exit code -6).
 
-    In order: Megatron's per-layer CUDA graphs are released; the ranks meet at a barrier kept by
-    the rendezvous store, on the host (no NCCL kernel that a stuck stream could hold), which waits
-    at most ``timeout_s`` seconds (``PeersLostError`` if the other ranks do not come); then the
-    process groups are destroyed. After per-layer graphs at TP 2 that destruction never returned on
-    H200s, BF16 and COAT alike, even with the graphs released first (cause not found), so one that
-    takes more than ``TEARDOWN_S`` leaves the process with a line saying so and exit status 0:
-    every rank finished the script, so the training's work is done and saved."""
+    In order: every CUDA graph is released (``cuda_graphs.release_cuda_graphs``: NCCL's destroy waits
+    for each graph that captured one of its kernels, and Megatron's own clean-up leaves the per-layer
+    graphs alive, the cause of the destroy that never returned after graphed TP runs); the ranks
+    meet at a barrier kept by the rendezvous store, on the host (no NCCL kernel that a stuck stream
+    could hold), which waits at most ``timeout_s`` seconds (``PeersLostError`` if the other ranks do
+    not come); then the process groups are destroyed. A destroy that still takes more than
+    ``TEARDOWN_S`` leaves the process with a line saying so and exit status 0: every rank finished
+    the script, so the training's work is done and saved."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    _release_cuda_graphs()
+    release_cuda_graphs()
     _store_barrier(timeout_s)
     rank = os.environ.get("RANK", "0")
     timer = threading.Timer(TEARDOWN_S, _leave_without_closing, args=(rank,))
@@ -175,18 +178,6 @@ def _close_process_groups(timeout_s: float) -> None:
 
 TEARDOWN_S = 15.0  # destroying the process groups takes well under a second when nothing is stuck
 _ARRIVED, _LEFT = "coat-megatron-run/arrived", "coat-megatron-run/left"
-
-
-def _release_cuda_graphs() -> None:
-    """Delete Megatron's per-layer CUDA graphs (``--cuda-graph-impl local``) and wait for the GPU."""
-    import torch
-
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return
-    from megatron.core.transformer import cuda_graphs
-
-    cuda_graphs.delete_cuda_graphs()
-    torch.cuda.synchronize()
 
 
 def _store_barrier(timeout_s: float) -> None:
