@@ -7,8 +7,7 @@ layer spec, the fused ops and the optimizer read it, nothing threads flags throu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, field, fields
 
 from coat_kernels.expanded import K_RESOLUTION
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
@@ -44,134 +43,140 @@ def parse_switch(value: bool | str, name: str) -> bool:
     raise ValueError(f"{name}={value!r} is not a switch value: use one of {', '.join(SWITCH_VALUES)}")
 
 
+def knob(default, help: str, choices: tuple | None = None):
+    """A ``CoatConfig`` field with its one description (``help``), which the ``--coat-*`` flag's
+    help, ``coat-megatron-run --help`` and docs/flags.md print; ``choices``: the values it takes."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def knob_help(name: str) -> str:
+    """The description of ``CoatConfig`` field ``name``."""
+    return CoatConfig.__dataclass_fields__[name].metadata["help"]
+
+
+def knob_choices(name: str) -> tuple | None:
+    """The values ``CoatConfig`` field ``name`` takes, where they are a fixed set."""
+    return CoatConfig.__dataclass_fields__[name].metadata["choices"]
+
+
 @dataclass(frozen=True)
 class CoatConfig:
-    """The COAT recipe.
-
-    Attributes:
-        activations: FP8 activation flow in the COAT layer spec (1xG FP8 for what non-linear ops
-            read or save, per-tensor FP8 GEMM inputs). False gives BF16 layers.
-        optimizer: FP8 AdamW states. False keeps Megatron's own optimizer.
-        group_size: G of the 1xG activation groups (16, 32, 64 or 128).
-        forward_format: FP8 format of forward activations ("e4m3" or "e5m2").
-        backward_format: FP8 format of activation gradients.
-        weight_format: FP8 format of the per-tensor weight copies.
-        m_format, v_format: FP8 formats of Adam's first and second moments.
-        m_expansion, v_expansion: dynamic range expansion of m and v.
-        k_min, k_max: limits of the expansion exponent k (multiples of 1/16).
-        optimizer_group_size: consecutive elements of a parameter sharing one optimizer-state scale.
-        fprop_fast_accumulation: Hopper's fast FP8 accumulation (no periodic promotion to full
-            FP32) in the forward GEMMs, as TE's current-scaling recipe does; dgrad and wgrad
-            always promote.
-        recompute_norm_output: do not keep a norm's per-tensor FP8 output for the next linear's
-            wgrad (its transposed copy, 1 byte per element per norm); recompute it in backward
-            from the norm's saved 1xG input copy. The forward stays exact, but the wgrad operand
-            then carries the 1xG rounding of the norm input as well, which costs accuracy
-            (tests/megatron/test_coat_training.py measures it), so it is off by default.
-        norm_input_store: what the input norms (input_layernorm, pre_mlp_layernorm) save of their
-            input for backward: "fp8" (the default: the 1xG copy in ``forward_format`` with its
-            scales, about 1.25 bytes per element) or "bf16" (the input itself, 2 bytes per element;
-            the backward, and a recomputed norm output, then come from the exact input). "bf16" is
-            an accuracy ablation, what the 1xG copy costs in gradient error
-            (``coat_compare.fidelity``); its backward runs in torch arithmetic, not a fused kernel.
-        swiglu_input_store: what SwiGLU saves of its input (fc1's output) for backward: "fp8" (the
-            default: fc1 writes its output as 1xG FP8, which SwiGLU reads and saves, about 1.25
-            bytes per element) or "bf16" (fc1 writes BF16, SwiGLU computes from it exactly and saves
-            it: 2 bytes per element, as Megatron's ``activation_func_fp8_input_store`` off). An
-            accuracy ablation like ``norm_input_store``; its forward and backward run in torch
-            arithmetic.
-        cache_weight: keep each weight's FP8 codes between micro-batches (1 byte per linear
-            parameter), made once per optimizer step. False (the default, part of COAT's memory
-            mode) keeps each weight's amax only and quantizes W in every forward and W^T in every
-            backward from the weight with it: bit-identical results, 1 byte per parameter less,
-            one more pass over each weight per micro-batch's forward and backward (its cost in
-            speed: docs/results.md). Left unset (None) it
-            resolves at construction: True with ``cache_weight_transpose`` on (W^T's codes are
-            kept, so W's are), else False; False with ``cache_weight_transpose`` on is an error.
-        cache_weight_transpose: keep each weight's transposed FP8 copy (for the dgrad GEMM) beside
-            its FP8 copy between micro-batches: 2 bytes per parameter. False (the default, part of
-            COAT's memory mode) keeps 1 and transposes the codes in every backward (bit-identical
-            gradients: one per-tensor scale serves both layouts), a byte-transpose of each weight
-            per micro-batch. True is the faster configuration where memory allows; it keeps W's
-            codes too (``cache_weight`` resolves to True).
-        master_weights: how COAT's optimizer keeps the FP32 master weights. "split" (the default
-            with ``optimizer`` on): the BF16 model weight is the master's high half and the
-            optimizer keeps an int16 low word beside it (``coat_kernels.master``): the same FP32
-            master bit for bit, 2 bytes per parameter instead of 4, at the FP32 masters' speed
-            (docs/results.md). The BF16 weights are
-            then rounded to nearest with ties away from zero (not to even: they differ from the
-            FP32 path's at exact ties, 1 in 65536 values, by one BF16 unit). Under Megatron it
-            steps the BF16 shards in DDP's parameter buffer and reads DDP's gradient buffer in
-            place, FP32 or BF16; with BF16 buffers (``grad_reduce_in_fp32=False``,
-            ``--grad-reduce-in-bf16``) those halve too (COAT's memory mode). "fp32": an FP32 copy
-            (Megatron's main params, 4 bytes per parameter): what a dp_zero_gather_scatter
-            checkpoint loads into, and coat-compare's ``coat-fp32`` mode.
-            Left unset (None) it resolves at construction: "split" with ``optimizer`` on, "fp32"
-            with it off (Megatron's own optimizer keeps FP32 masters); an explicit "split" with
-            ``optimizer`` off is an error (so ``dataclasses.replace(c, optimizer=False)`` needs
-            ``master_weights=None`` too).
-        grad_buffers: the dtype of Megatron DDP's gradient buffers, into which every micro-batch's
-            weight gradient is summed and which the data-parallel reduction reads: "bf16" (2 bytes
-            per parameter; Megatron's ``grad_reduce_in_fp32=False``) or "fp32" (4). Left unset
-            (None) it resolves to "bf16" with ``optimizer`` on (COAT's memory mode: the step reads
-            the BF16 buffer in place and accumulates in FP32 from there) and "fp32" with it off
-            (Megatron's own default for BF16 training). A setting for whoever builds the DDP
-            wrapper (``ddp_grad_reduce_in_fp32``): the COAT modules and optimizer read either.
-        fuse_wgrad_accumulation: COAT's linears add each micro-batch's weight gradient into the
-            weight's ``main_grad`` (Megatron DDP's gradient buffer) themselves, in the wgrad GEMM's
-            output, whenever DDP gave the weight one: no BF16 wgrad tensor for Megatron to add
-            afterwards. Megatron ties its own ``gradient_accumulation_fusion`` to apex's fused wgrad
-            kernel; COAT's linears need no apex, so they fuse with that flag on or off. False
-            leaves the addition to Megatron (the flag's behaviour).
-        tp_comm_overlap: under sequence parallelism, exchange the sequence chunks of the
-            column-parallel inputs, the row-parallel outputs and their gradients in a ring of
-            point-to-point transfers, each overlapped with the GEMM of the chunk already in hand
-            (``coat_megatron.layers.chunk_exchange``). False (the default) does the same
-            arithmetic with one all-gather or reduce-scatter per exchange, which NCCL runs faster
-            than its point-to-point ring on an NVLink host (docs/multi-gpu.md). Either way each
-            chunk keeps its producer's per-tensor scale, so no amax is all-reduced over the
-            tensor-parallel group.
-        wgrad_accumulate: how a wgrad is added into a ``main_grad`` that already holds a sum (later
-            micro-batches, and every micro-batch under per-layer CUDA graphs): "auto" (the GEMM
-            adds it itself where cuBLASLt can, beta = 1 with no temporary; else "add"), "cublaslt"
-            (always in the GEMM; an error where cuBLASLt cannot take the shape) or "add" (the
-            product in an FP32 temporary, then an add: the path before the fused one, kept for
-            comparisons). The CPU always adds.
-        fp8_param_gather: the distributed optimizer's parameter all-gather moves each COAT
-            linear's weight as FP8 codes with one per-tensor scale (1 byte per element instead of
-            BF16's 2; the other parameters stay BF16), received in the idle gradient buffer, so
-            no memory is added (``coat_megatron.optimizer.param_gather``). Each replica then holds
-            the other ranks' shards as dequantized codes, from which the layers make the same FP8
-            weight as from the exact values. Off by default (on a one-host NVLink link the BF16
-            gather is cheap; docs/multi-gpu.md has the measurement). Needs COAT's optimizer and
-            layers.
+    """The COAT recipe: each field below is one knob, with one description (``knob_help(name)``),
+    and the command-line flag ``--coat-<field with dashes>`` (docs/flags.md lists them all with
+    their defaults). Switches take True/False or on/off, yes/no, 1/0. The defaults are COAT's
+    memory recipe; ``CoatConfig`` checks every combination when it is made and names the fix.
     """
 
-    activations: bool = True
-    optimizer: bool = True
-    group_size: int = 16
-    forward_format: str = "e4m3"
-    backward_format: str = "e5m2"
-    weight_format: str = "e4m3"
-    m_format: str = "e4m3"
-    v_format: str = "e4m3"
-    m_expansion: bool = True
-    v_expansion: bool = True
-    k_min: float = 1 / 16
-    k_max: float = 16.0
-    optimizer_group_size: int = 128
-    fprop_fast_accumulation: bool = True
-    recompute_norm_output: bool = False
-    norm_input_store: Literal["fp8", "bf16"] = "fp8"
-    swiglu_input_store: Literal["fp8", "bf16"] = "fp8"
-    cache_weight: bool | None = None
-    cache_weight_transpose: bool = False
-    master_weights: str | None = None
-    grad_buffers: str | None = None
-    fuse_wgrad_accumulation: bool = True
-    tp_comm_overlap: bool = False
-    wgrad_accumulate: str = "auto"
-    fp8_param_gather: bool = False
+    activations: bool = knob(
+        True,
+        "FP8 activations: the COAT layer spec (1xG FP8 for what non-linear ops read or save, per-tensor FP8 GEMM "
+        "inputs); off keeps BF16 layers (default on)",
+    )
+    optimizer: bool = knob(
+        True,
+        "FP8 AdamW states on the distributed optimizer's shards; off keeps Megatron's own optimizer (default on)",
+    )
+    group_size: int = knob(
+        16, "G of the 1xG FP8 groups of what non-linear ops read or save (default 16)", choices=GROUP_SIZES
+    )
+    forward_format: str = knob("e4m3", "FP8 format of forward activations (default e4m3)", choices=tuple(FP8_FORMATS))
+    backward_format: str = knob("e5m2", "FP8 format of activation gradients (default e5m2)", choices=tuple(FP8_FORMATS))
+    weight_format: str = knob(
+        "e4m3", "FP8 format of the per-tensor weight copies (default e4m3)", choices=tuple(FP8_FORMATS)
+    )
+    m_format: str = knob("e4m3", "FP8 format of Adam's first moment (default e4m3)", choices=tuple(FP8_FORMATS))
+    v_format: str = knob("e4m3", "FP8 format of Adam's second moment (default e4m3)", choices=tuple(FP8_FORMATS))
+    m_expansion: bool = knob(True, "dynamic range expansion of m (default on)")
+    v_expansion: bool = knob(True, "dynamic range expansion of v (default on)")
+    k_min: float = knob(1 / 16, "smallest expansion exponent k, a multiple of 1/16 (default 1/16)")
+    k_max: float = knob(16.0, "largest expansion exponent k, a multiple of 1/16, at most 64 (default 16)")
+    optimizer_group_size: int = knob(
+        128,
+        "consecutive elements of a parameter sharing one optimizer-state scale (default 128)",
+        choices=OPTIMIZER_GROUP_SIZES,
+    )
+    fprop_fast_accumulation: bool = knob(
+        True,
+        "Hopper's fast FP8 accumulation (no periodic promotion to full FP32) in forward GEMMs, as TE's current-scaling "
+        "recipe does; dgrad and wgrad always promote (default on)",
+    )
+    recompute_norm_output: bool = knob(
+        False,
+        "recompute the norms' per-tensor FP8 outputs for the next linear's wgrad from the norm's saved 1xG input "
+        "instead of keeping them (1 byte per element per norm less); the wgrad operand then carries the 1xG rounding "
+        "too (default off; costs accuracy: tests/megatron/test_coat_training.py)",
+    )
+    norm_input_store: str = knob(
+        "fp8",
+        "what the input norms save of their input for backward (default fp8: the 1xG FP8 copy, about 1.25 bytes per "
+        "element); bf16: the input itself (2 bytes), for an exact norm backward in torch arithmetic: an accuracy "
+        "ablation (coat_compare.fidelity)",
+        choices=INPUT_STORES,
+    )
+    swiglu_input_store: str = knob(
+        "fp8",
+        "what SwiGLU saves of its input, fc1's output (default fp8: fc1 writes it as 1xG FP8, about 1.25 bytes per "
+        "element); bf16: fc1 writes BF16, which SwiGLU reads exactly and saves (2 bytes, as Megatron's "
+        "activation_func_fp8_input_store off), in torch arithmetic: an accuracy ablation",
+        choices=INPUT_STORES,
+    )
+    cache_weight: bool | None = knob(
+        None,
+        "keep each weight's FP8 codes between micro-batches (on: 1 byte per parameter more, W quantized once per "
+        "step). Default off (on with cache_weight_transpose on, which keeps W's codes too; off beside it is an "
+        "error): keep only each weight's amax and quantize W in every forward and W^T in every backward from the "
+        "weight (bit-identical results, one more pass over each weight per micro-batch)",
+    )
+    cache_weight_transpose: bool = knob(
+        False,
+        "keep each weight's transposed FP8 copy between micro-batches (default off: W^T made from the codes in every "
+        "backward, bit-identical, one scale serving both layouts; on: the fastest configuration, W's and W^T's "
+        "codes kept, 2 bytes per parameter more than the default)",
+    )
+    master_weights: str | None = knob(
+        None,
+        "how COAT's optimizer keeps the FP32 master weights: as the BF16 weight plus an int16 low word (split, the "
+        "default with COAT's optimizer: the same FP32 master bit for bit in 2 bytes per parameter less; the BF16 "
+        "weights round to nearest with ties away from zero) or as an FP32 copy (fp32: what dp_zero_gather_scatter "
+        "checkpoints load into; the default with optimizer off, where Megatron's optimizer keeps FP32 masters and "
+        "split is an error)",
+        choices=MASTER_WEIGHTS,
+    )
+    grad_buffers: str | None = knob(
+        None,
+        "dtype of DDP's gradient buffers, where micro-batch gradients are summed and reduced: bf16 (the default with "
+        "COAT's optimizer: 2 bytes per parameter; the step accumulates in FP32 from there) or fp32 (4; Megatron's "
+        "default, and the default with optimizer off). Sets Megatron's --accumulate-allreduce-grads-in-fp32 / "
+        "--grad-reduce-in-bf16",
+        choices=GRAD_BUFFERS,
+    )
+    fuse_wgrad_accumulation: bool = knob(
+        True,
+        "COAT's linears add each micro-batch's weight gradient into DDP's gradient buffer inside the wgrad GEMM, with "
+        "or without apex (--no-gradient-accumulation-fusion governs Megatron's own linears only). Default on; off "
+        "leaves the addition to Megatron",
+    )
+    tp_comm_overlap: bool = knob(
+        False,
+        "with sequence parallelism, pass the sequence chunks between tensor-parallel ranks in a ring of "
+        "point-to-point transfers, each behind the GEMM of the chunk in hand (coat_megatron.layers.chunk_exchange); "
+        "off (the default): the same arithmetic with one all-gather or reduce-scatter per exchange, which ran "
+        "faster on an NVLink host (docs/multi-gpu.md). Either way each chunk keeps its producer's per-tensor scale",
+    )
+    wgrad_accumulate: str = knob(
+        "auto",
+        "how COAT's linears add a weight gradient into a gradient buffer that already holds a sum, in later "
+        "micro-batches and in every micro-batch under per-layer CUDA graphs (default auto: inside the GEMM where "
+        "cuBLASLt can, else through an FP32 temporary and an add); cublaslt: always inside the GEMM; add: always the "
+        "temporary and the add, for comparisons. The CPU always adds",
+        choices=ACCUMULATE_BACKENDS,
+    )
+    fp8_param_gather: bool = knob(
+        False,
+        "the distributed optimizer's parameter all-gather sends COAT linears' weights as FP8 codes with one scale per "
+        "weight (1 byte per element instead of 2; other parameters stay BF16), received in the idle gradient buffer "
+        "(no memory added; coat_megatron.optimizer.param_gather). Needs COAT's optimizer and layers. Default off",
+    )
 
     def __post_init__(self) -> None:
         for name in (

@@ -3,10 +3,11 @@
     python scripts/flags_reference.py           # rewrite docs/flags.md
     python scripts/flags_reference.py --check   # exit 1, naming the fix, when docs/flags.md is stale
 
-Everything in the table comes from ``coat_patches.arguments`` (the argument group Megatron's
-parser gets: ``add_coat_arguments``, ``KNOBS``, ``flag``, ``EXPANSION_HELP``) and from
-``CoatConfig``'s fields (the defaults), so a new knob or a changed default shows up as a stale
-file, which ``tests/test_docs.py`` reports.
+Everything in the table comes from ``CoatConfig``'s fields (each knob's values, default and one
+description, ``coat_megatron.config.knob``) through ``coat_patches.arguments`` (the argument group
+Megatron's parser gets: ``add_coat_arguments``, ``KNOBS``, ``flag``, ``EXPANSION_HELP``), so a new
+knob, a changed default or a changed description shows up as a stale file, which
+``tests/test_docs.py`` reports.
 """
 
 from __future__ import annotations

@@ -8,8 +8,10 @@ up ``validate_args`` the same way. ``install`` wraps both: the first adds the CO
 the second runs COAT's checks after Megatron's own (so that derived values such as
 ``ffn_hidden_size`` are final) and fails with every problem found and the flag that fixes it.
 
-The knobs map one to one onto ``CoatConfig`` fields (``--coat-group-size`` -> ``group_size``) and
-are read by ``CoatConfig.from_args``; each defaults to None, meaning "CoatConfig's default".
+The knobs are made from ``CoatConfig``'s fields, one flag per field (``--coat-group-size`` ->
+``group_size``) with the field's one description as its help; each defaults to None, meaning
+"CoatConfig's default". The run's ``CoatConfig`` is built once, by ``check_coat_args`` where
+Megatron validates the arguments, and read by everything else through ``coat_config_from_args``.
 
 Two options are the launcher's, not ``CoatConfig``'s: ``--coat-report`` and ``--coat-cuda-graphs``.
 With ``--coat-fp8`` on a GPU, Megatron's per-layer CUDA graphs (``--cuda-graph-impl local``) are on
@@ -29,16 +31,8 @@ from dataclasses import fields
 
 import torch
 
-from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
-from coat_kernels.gemm_accumulate import ACCUMULATE_BACKENDS
-from coat_megatron.config import (
-    GRAD_BUFFERS,
-    INPUT_STORES,
-    MASTER_WEIGHTS,
-    OPTIMIZER_GROUP_SIZES,
-    CoatConfig,
-    parse_switch,
-)
+from coat_kernels.formats import GROUP_SIZES
+from coat_megatron.config import CoatConfig, parse_switch
 
 from .replacements import Replacements
 from .run_arguments import check_run_args
@@ -56,81 +50,19 @@ def _switch(value: str) -> bool:
         raise argparse.ArgumentTypeError(str(e).removeprefix("switch=")) from None
 
 
-# CoatConfig field -> (argparse keywords, help). The flag is --coat-<field with dashes>.
-KNOBS: dict[str, tuple[dict, str]] = {
-    "activations": (dict(type=_switch, metavar="on|off"), "FP8 activations: the COAT layer spec (default on)"),
-    "optimizer": (
-        dict(type=_switch, metavar="on|off"),
-        "FP8 AdamW states on the distributed optimizer's shards (default on)",
-    ),
-    "group_size": (
-        dict(type=int, choices=GROUP_SIZES),
-        "G of the 1xG FP8 groups of what non-linear ops read or save (default 16)",
-    ),
-    "forward_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of forward activations (default e4m3)"),
-    "backward_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of activation gradients (default e5m2)"),
-    "weight_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of the per-tensor weight copies (default e4m3)"),
-    "m_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of Adam's first moment (default e4m3)"),
-    "v_format": (dict(choices=tuple(FP8_FORMATS)), "FP8 format of Adam's second moment (default e4m3)"),
-    "m_expansion": (dict(type=_switch, metavar="on|off"), "dynamic range expansion of m (default on)"),
-    "v_expansion": (dict(type=_switch, metavar="on|off"), "dynamic range expansion of v (default on)"),
-    "k_min": (dict(type=float), "smallest expansion exponent k, a multiple of 1/16 (default 1/16)"),
-    "k_max": (dict(type=float), "largest expansion exponent k (default 16)"),
-    "optimizer_group_size": (
-        dict(type=int, choices=OPTIMIZER_GROUP_SIZES),
-        "consecutive elements of a parameter sharing one optimizer-state scale (default 128)",
-    ),
-    "fprop_fast_accumulation": (
-        dict(type=_switch, metavar="on|off"),
-        "Hopper's fast FP8 accumulation in forward GEMMs (default on)",
-    ),
-    "recompute_norm_output": (
-        dict(type=_switch, metavar="on|off"),
-        "recompute the norms' FP8 outputs for wgrad instead of keeping them (default off; costs accuracy)",
-    ),
-    "norm_input_store": (
-        dict(choices=INPUT_STORES),
-        "what the input norms save of their input for backward (default fp8: the 1xG FP8 copy, about 1.25 bytes "
-        "per element); bf16: the input itself (2 bytes), for an exact norm backward: an accuracy ablation",
-    ),
-    "swiglu_input_store": (
-        dict(choices=INPUT_STORES),
-        "what SwiGLU saves of its input, fc1's output (default fp8: fc1 writes it as 1xG FP8, about 1.25 bytes per "
-        "element); bf16: fc1 writes BF16, which SwiGLU reads exactly and saves (2 bytes): an accuracy ablation",
-    ),
-    "cache_weight": (
-        dict(type=_switch, metavar="on|off"),
-        "keep each weight's FP8 codes between micro-batches (on: 1 byte per parameter more, W quantized once per step). Default off (on with --coat-cache-weight-transpose on): keep only each weight's amax and quantize W in every forward and W^T in every backward from the weight (bit-identical results, one more pass over each weight per micro-batch)",
-    ),
-    "cache_weight_transpose": (
-        dict(type=_switch, metavar="on|off"),
-        "keep each weight's transposed FP8 copy between micro-batches (default off: W^T made in every backward; on: the fastest configuration, W's and W^T's codes kept, 2 bytes per parameter more than the default)",
-    ),
-    "master_weights": (
-        dict(choices=MASTER_WEIGHTS),
-        "how COAT's optimizer keeps the FP32 master weights: as the BF16 weight plus an int16 low word (split, default: 2 bytes per parameter less than fp32, bit-exact) or as an FP32 copy (fp32: what dp_zero_gather_scatter checkpoints load into). Does not apply with --coat-optimizer off (Megatron's optimizer keeps FP32 masters)",
-    ),
-    "grad_buffers": (
-        dict(choices=GRAD_BUFFERS),
-        "dtype of DDP's gradient buffers, where micro-batch gradients are summed and reduced: bf16 (default with COAT's optimizer: 2 bytes per parameter) or fp32 (4; Megatron's default, and the default with --coat-optimizer off). Sets Megatron's --accumulate-allreduce-grads-in-fp32 / --grad-reduce-in-bf16",
-    ),
-    "fuse_wgrad_accumulation": (
-        dict(type=_switch, metavar="on|off"),
-        "COAT's linears add each micro-batch's weight gradient into DDP's gradient buffer inside the wgrad GEMM, with or without apex (--no-gradient-accumulation-fusion governs Megatron's own linears only). Default on; off leaves the addition to Megatron",
-    ),
-    "tp_comm_overlap": (
-        dict(type=_switch, metavar="on|off"),
-        "with --sequence-parallel, pass the sequence chunks between tensor-parallel ranks in a ring of point-to-point transfers, each behind the GEMM of the chunk in hand; off (the default): the same arithmetic with one all-gather or reduce-scatter per exchange, which ran faster on an NVLink host (docs/multi-gpu.md)",
-    ),
-    "wgrad_accumulate": (
-        dict(choices=ACCUMULATE_BACKENDS),
-        "how COAT's linears add a weight gradient into a gradient buffer that already holds a sum, in later micro-batches and in every micro-batch under per-layer CUDA graphs (default auto: inside the GEMM where cuBLASLt can, else through an FP32 temporary and an add); cublaslt: always inside the GEMM; add: always the temporary and the add, for comparisons",
-    ),
-    "fp8_param_gather": (
-        dict(type=_switch, metavar="on|off"),
-        "the distributed optimizer's parameter all-gather sends COAT linears' weights as FP8 codes with one scale per weight (1 byte per element instead of 2; other parameters stay BF16), received in the idle gradient buffer (no memory added): COAT's --fp8-param-gather. Default off",
-    ),
-}
+def _knob_kwargs(field) -> dict:
+    """The argparse keywords of a CoatConfig field's flag, from its type and its choices."""
+    choices = field.metadata["choices"]
+    if field.type in ("bool", "bool | None"):
+        return dict(type=_switch, metavar="on|off")
+    if choices is not None:
+        return dict(choices=choices, **({"type": int} if field.type == "int" else {}))
+    return {"int": dict(type=int), "float": dict(type=float)}.get(field.type, {})
+
+
+# CoatConfig field -> (argparse keywords, help), made from the fields themselves: the flag of a field
+# is --coat-<field with dashes>, its help the field's one description (coat_megatron.config.knob).
+KNOBS: dict[str, tuple[dict, str]] = {f.name: (_knob_kwargs(f), f.metadata["help"]) for f in fields(CoatConfig)}
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 CUDA_GRAPHS_CHOICES = ("auto", "off")
@@ -192,24 +124,41 @@ def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+# The run's recipe, built once where Megatron validates its arguments (check_coat_args): the namespace
+# it was built from and the CoatConfig (None without --coat-fp8). The layer spec, the optimizer, the
+# report and the telemetry read it through coat_config_from_args; none builds its own.
+_RUN: tuple[argparse.Namespace | None, CoatConfig | None] = (None, None)
+
+
 def coat_config_from_args(args: argparse.Namespace) -> CoatConfig | None:
-    """The run's CoatConfig, or None without ``--coat-fp8``."""
+    """The run's CoatConfig, built when Megatron validated ``args``, or None without ``--coat-fp8``."""
+    validated, coat = _RUN
+    if validated is args:
+        return coat
     if not getattr(args, "coat_fp8", False):
         return None
-    return CoatConfig.from_args(args)
+    raise CoatArgumentError(
+        "--coat-fp8: these arguments did not pass Megatron's validate_args with coat-megatron's patches installed, so "
+        "no COAT recipe was built for them: start the script with coat-megatron-run (or inside "
+        "coat_patches.install.coat_megatron_patches())"
+    )
 
 
 def check_coat_args(args: argparse.Namespace) -> None:
     """Raise ``CoatArgumentError`` listing every COAT problem of a parsed and Megatron-validated
-    argument namespace, each with the flag that fixes it."""
+    argument namespace, each with the flag that fixes it; else keep the run's CoatConfig, built here
+    once (``coat_config_from_args``)."""
     knobs = [name for name in (*KNOBS, "expansion") if getattr(args, f"coat_{name}", None) is not None]
     knobs += ["cuda_graphs"] if getattr(args, "coat_cuda_graphs", "auto") != "auto" else []
+    global _RUN
+    _RUN = (None, None)
     if not getattr(args, "coat_fp8", False):
         if knobs:
             set_flags = ", ".join(flag(n) for n in knobs)
             raise CoatArgumentError(
                 f"{set_flags} {'has' if len(knobs) == 1 else 'have'} no effect without --coat-fp8: add --coat-fp8, or drop {set_flags}"
             )
+        _RUN = (args, None)
         return
     try:
         coat = CoatConfig.from_args(args)
@@ -230,6 +179,7 @@ def check_coat_args(args: argparse.Namespace) -> None:
     problems += _memory_problems(args, coat)
     if problems:
         raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
+    _RUN = (args, coat)
 
 
 def apply_coat_args(args: argparse.Namespace) -> None:

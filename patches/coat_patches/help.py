@@ -1,7 +1,7 @@
 """The help of ``coat-megatron-run``: the ``--coat-*`` flags, and why ``SCRIPT.py --help`` cannot show them.
 
 Both texts are generated from the code: the flags from ``arguments.add_coat_arguments`` (so a new
-knob in ``arguments.KNOBS`` is listed by itself) with each default read from ``CoatConfig``; the
+``CoatConfig`` field is listed by itself, with its description) with each default read from ``CoatConfig``; the
 reason Megatron's ``--help`` fails from Megatron's own parser, so that the launcher stops saying
 so once a megatron-core release formats its help again.
 """

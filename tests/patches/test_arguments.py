@@ -1,5 +1,6 @@
 """--coat-fp8 and the --coat-* knobs through Megatron's real parse_args and validate_args."""
 
+import argparse
 import sys
 from dataclasses import fields
 
@@ -379,3 +380,27 @@ def test_the_pipeline_graph_refusal_can_be_lifted_to_try_the_rope_copy(monkeypat
     monkeypatch.setenv("COAT_PIPELINE_GRAPHS", "1")
     args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--pipeline-model-parallel-size", "2", "--cuda-graph-impl", "local")
     assert args.cuda_graph_impl == "local" and args.pipeline_model_parallel_size == 2
+
+
+def test_the_run_config_is_built_once_when_megatron_validates(monkeypatch):
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-group-size", "32")
+    built = coat_config_from_args(args)
+
+    def rebuilt(*_):
+        raise AssertionError("CoatConfig built again after validation")
+
+    monkeypatch.setattr(CoatConfig, "from_args", classmethod(rebuilt))
+    assert coat_config_from_args(args) is built and built.group_size == 32
+    # a namespace Megatron never validated with the patches has no recipe: one line naming the launcher
+    unvalidated = argparse.Namespace(**{**vars(args)})
+    with pytest.raises(CoatArgumentError, match="coat-megatron-run"):
+        coat_config_from_args(unvalidated)
+    assert coat_config_from_args(argparse.Namespace(coat_fp8=False)) is None
+
+
+def test_each_flag_is_its_fields_description_and_values():
+    for f in fields(CoatConfig):
+        kwargs, help_text = KNOBS[f.name]
+        assert help_text == f.metadata["help"] and help_text.strip(), f.name
+        if f.metadata["choices"] is not None:
+            assert kwargs["choices"] == f.metadata["choices"], f.name
