@@ -57,7 +57,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from coat_megatron.config import CoatConfig
+from coat_megatron.config import DEFAULT_RECIPE, RECIPES, CoatConfig
 from coat_megatron.optional import transformer_engine_available
 
 
@@ -127,17 +127,11 @@ MODES: dict[str, Mode] = {
         Mode("te-fp8-block", "te", "te-fp8", fp8_recipe="blockwise"),
         Mode("te-fp8-store", "te", "te-fp8", fp8_recipe="tensorwise", fp8_input_store=True),
         Mode("te-fp8-pa", "te", "te-fp8", fp8_recipe="tensorwise", precision_aware=True),
-        Mode("coat", "coat", "coat", coat=CoatConfig()),
-        Mode("coat-codes", "coat", "coat", coat=CoatConfig(cache_weight=True)),
-        Mode("coat-cached", "coat", "coat", coat=CoatConfig(cache_weight_transpose=True)),
-        Mode("coat-fp32-grads", "coat", "coat", coat=CoatConfig(grad_buffers="fp32")),
-        Mode(
-            "coat-fp32",
-            "coat",
-            "coat",
-            coat=CoatConfig(master_weights="fp32", grad_buffers="fp32", cache_weight_transpose=True),
+        # the product's named recipes (coat_megatron.config.RECIPES): coat is memory, the default
+        *(
+            Mode("coat" if name == DEFAULT_RECIPE else f"coat-{name}", "coat", "coat", coat=CoatConfig.recipe(name))
+            for name in RECIPES
         ),
-        Mode("coat-recompute", "coat", "coat", coat=CoatConfig(recompute_norm_output=True)),
         Mode("coat-tp-ring", "coat", "coat", coat=CoatConfig(tp_comm_overlap=True)),
         Mode("coat-fp8-gather", "coat", "coat", coat=CoatConfig(fp8_param_gather=True)),
         Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),

@@ -5,7 +5,7 @@ per-tensor scales for GEMM inputs) and FP8 AdamW states with dynamic range expan
 Megatron-Core layer spec and optimizer. The Triton kernels live in ``coat_kernels``.
 """
 
-from .config import CoatConfig
+from .config import RECIPES, CoatConfig
 
-__all__ = ["CoatConfig"]
+__all__ = ["CoatConfig", "RECIPES"]
 __version__ = "0.1.0"

@@ -267,8 +267,17 @@ class CoatConfig:
         return self.activations or self.optimizer
 
     @classmethod
+    def recipe(cls, name: str, **changes) -> "CoatConfig":
+        """The named recipe (``RECIPES``: memory, the default; codes; cached; fp32-grads; fp32;
+        recompute), with ``changes`` to any field on top."""
+        if name not in RECIPES:
+            raise ValueError(f"recipe={name!r} is not a COAT recipe: use one of {', '.join(RECIPES)}")
+        return cls(**{**RECIPES[name][0], **changes})
+
+    @classmethod
     def from_args(cls, args) -> "CoatConfig":
-        """Build from parsed ``--coat-*`` arguments (an argparse namespace); absent ones keep their defaults."""
+        """Build from parsed ``--coat-*`` arguments (an argparse namespace): ``--coat-recipe``'s
+        recipe (memory when absent), each ``--coat-<field>`` given on top of it."""
         values = {}
         for f in fields(cls):
             attr = f"coat_{f.name}"
@@ -278,7 +287,38 @@ class CoatConfig:
             both = parse_switch(args.coat_expansion, "--coat-expansion")
             values.setdefault("m_expansion", both)
             values.setdefault("v_expansion", both)
-        return cls(**values)
+        return cls.recipe(getattr(args, "coat_recipe", None) or DEFAULT_RECIPE, **values)
+
+
+# The named recipes: name -> (the fields that differ from CoatConfig(), what it is for). Each is one
+# --coat-recipe NAME (coat-megatron-run), CoatConfig.recipe(NAME) (Python) and the comparison tool's
+# mode coat-NAME (coat for memory); bytes per parameter are between steps, as --coat-report counts them.
+DEFAULT_RECIPE = "memory"
+RECIPES: dict[str, tuple[dict, str]] = {
+    "memory": (
+        {},
+        "the default: split master weights (the BF16 weight + an int16 low word), BF16 gradient buffers, no FP8 "
+        "weight codes kept between micro-batches (8.19 bytes per parameter on gpt-1b)",
+    ),
+    "codes": (
+        {"cache_weight": True},
+        "memory, keeping each weight's FP8 codes between micro-batches: +1 byte per linear weight",
+    ),
+    "cached": (
+        {"cache_weight_transpose": True},
+        "memory, keeping W's and W^T's FP8 codes between micro-batches: +2 bytes per linear weight, the fastest",
+    ),
+    "fp32-grads": ({"grad_buffers": "fp32"}, "memory with FP32 gradient buffers: +2 bytes"),
+    "fp32": (
+        {"master_weights": "fp32", "grad_buffers": "fp32", "cache_weight_transpose": True},
+        "every byte back: an FP32 master copy and FP32 gradient buffers (+4 bytes), W's and W^T's codes cached (+2 per linear weight)",
+    ),
+    "recompute": (
+        {"recompute_norm_output": True},
+        "memory, recomputing the norms' FP8 outputs in backward instead of keeping them: less activation memory, "
+        "less accuracy",
+    ),
+}
 
 
 def _check_choice(name: str, value, choices, why: str) -> None:

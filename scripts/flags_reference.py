@@ -18,7 +18,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from coat_megatron.config import SWITCH_VALUES, CoatConfig
+from coat_megatron.config import DEFAULT_RECIPE, RECIPES, SWITCH_VALUES, CoatConfig
 from coat_patches.arguments import EXPANSION_HELP, KNOBS, add_coat_arguments
 from coat_patches.help import field_default, flag_default
 
@@ -73,6 +73,9 @@ def build() -> tuple[str, list[str]]:
                 warnings.append(f"{option}: {warning}")
         elif name == "fp8":
             field, default, text = "", "off", action.help
+        elif name == "recipe":
+            field, default = "every field", DEFAULT_RECIPE
+            text = "a named recipe (below); each `--coat-<field>` given changes that field on top of it"
         elif name == "expansion":
             field, text, default = "`m_expansion`, `v_expansion`", EXPANSION_HELP, flag_default(action)
         else:
@@ -97,6 +100,18 @@ def build() -> tuple[str, list[str]]:
         "| flag | values | default | CoatConfig field | meaning |",
         "|---|---|---|---|---|",
         *rows,
+        "",
+    ]
+    lines += [
+        "Recipes (`--coat-recipe NAME`, `CoatConfig.recipe(NAME)`, the comparison tool's mode `coat-NAME`, "
+        "`coat` for memory); bytes per parameter are those held between steps:",
+        "",
+        "| recipe | fields changed from `CoatConfig()` | what it is for |",
+        "|---|---|---|",
+        *(
+            f"| `{name}` | {', '.join(f'`{k}={v!r}`' for k, v in changes.items()) or '(none)'} | {why} |"
+            for name, (changes, why) in RECIPES.items()
+        ),
         "",
     ]
     if python_only:

@@ -104,3 +104,19 @@ def test_optional_packages_are_detected_not_required():
     if not transformer_engine_available():
         with pytest.raises(ImportError, match=r"pip install coat-megatron\[te\]"):
             require_transformer_engine("mode te-fp8")
+
+
+def test_recipes_are_named_configs_with_changes_on_top():
+    from coat_megatron import RECIPES
+
+    assert CoatConfig.recipe("memory") == CoatConfig()
+    assert CoatConfig.recipe("cached") == CoatConfig(cache_weight_transpose=True)
+    assert CoatConfig.recipe("fp32").master_weights == "fp32" and CoatConfig.recipe("fp32").grad_buffers == "fp32"
+    assert CoatConfig.recipe("codes", group_size=32) == CoatConfig(cache_weight=True, group_size=32)
+    for name, (changes, why) in RECIPES.items():
+        config = CoatConfig.recipe(name)
+        assert why and all(getattr(config, k) == v for k, v in changes.items()), name
+    with pytest.raises(ValueError, match="not a COAT recipe: use one of memory, codes"):
+        CoatConfig.recipe("fast")
+    args = argparse.Namespace(coat_recipe="fp32-grads", coat_cache_weight_transpose="on")
+    assert CoatConfig.from_args(args) == CoatConfig(grad_buffers="fp32", cache_weight_transpose=True)

@@ -32,7 +32,7 @@ from dataclasses import fields
 import torch
 
 from coat_kernels.formats import GROUP_SIZES
-from coat_megatron.config import CoatConfig, parse_switch
+from coat_megatron.config import DEFAULT_RECIPE, RECIPES, CoatConfig, parse_switch
 
 from .replacements import Replacements
 from .run_arguments import check_run_args
@@ -63,6 +63,10 @@ def _knob_kwargs(field) -> dict:
 # CoatConfig field -> (argparse keywords, help), made from the fields themselves: the flag of a field
 # is --coat-<field with dashes>, its help the field's one description (coat_megatron.config.knob).
 KNOBS: dict[str, tuple[dict, str]] = {f.name: (_knob_kwargs(f), f.metadata["help"]) for f in fields(CoatConfig)}
+RECIPE_HELP = (
+    f"a named COAT recipe (default {DEFAULT_RECIPE}); each --coat-<field> given changes that field on top of it: "
+    + "; ".join(f"{name}: {why}" for name, (_, why) in RECIPES.items())
+)
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 CUDA_GRAPHS_CHOICES = ("auto", "off")
@@ -100,6 +104,13 @@ def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         action="store_true",
         help="train with COAT: the FP8 layer spec (FP8 activations, 1xG groups for non-linear ops) and the "
         "FP8 AdamW optimizer with range-expanded states. Needs --bf16, --swiglu and --use-distributed-optimizer",
+    )
+    group.add_argument(
+        "--coat-recipe",
+        dest="coat_recipe",
+        choices=tuple(RECIPES),
+        default=None,
+        help=RECIPE_HELP,
     )
     for name, (kwargs, help_text) in KNOBS.items():
         group.add_argument(flag(name), dest=f"coat_{name}", default=None, help=help_text, **kwargs)
@@ -148,7 +159,7 @@ def check_coat_args(args: argparse.Namespace) -> None:
     """Raise ``CoatArgumentError`` listing every COAT problem of a parsed and Megatron-validated
     argument namespace, each with the flag that fixes it; else keep the run's CoatConfig, built here
     once (``coat_config_from_args``)."""
-    knobs = [name for name in (*KNOBS, "expansion") if getattr(args, f"coat_{name}", None) is not None]
+    knobs = [name for name in ("recipe", *KNOBS, "expansion") if getattr(args, f"coat_{name}", None) is not None]
     knobs += ["cuda_graphs"] if getattr(args, "coat_cuda_graphs", "auto") != "auto" else []
     global _RUN
     _RUN = (None, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from fractions import Fraction
 
-from coat_megatron.config import CoatConfig
+from coat_megatron.config import DEFAULT_RECIPE, CoatConfig
 
 from .arguments import add_coat_arguments, flag
 
@@ -30,6 +30,8 @@ def flag_default(action: argparse.Action) -> str:
     """The value a run gets without the flag, as it is typed: the CoatConfig default for a knob
     (``None`` on the command line means "CoatConfig's default"), else the flag's own default."""
     name = action.dest.removeprefix("coat_")
+    if name == "recipe":
+        return DEFAULT_RECIPE
     if name == "expansion":  # sets m_expansion and v_expansion together
         m, v = field_default("m_expansion"), field_default("v_expansion")
         return m if m == v else f"m {m}, v {v}"

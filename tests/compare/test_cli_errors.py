@@ -610,6 +610,8 @@ def test_a_tensor_parallel_run_gets_megatrons_one_device_connection(monkeypatch)
     from coat_compare import probe
     from coat_patches import device_connections
 
+    # a job's own setting is kept as given; Megatron on a CPU sets it in-process (an earlier test's parse)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(device_connections, "gpu_compute_capability_major", lambda: 9)  # Hopper
     assert probe.run_environment(["--tp", "2", "--dp", "2"]) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

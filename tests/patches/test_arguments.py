@@ -404,3 +404,9 @@ def test_each_flag_is_its_fields_description_and_values():
         assert help_text == f.metadata["help"] and help_text.strip(), f.name
         if f.metadata["choices"] is not None:
             assert kwargs["choices"] == f.metadata["choices"], f.name
+
+
+def test_a_recipe_by_name_with_knobs_on_top(monkeypatch):
+    args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-recipe", "cached", "--coat-group-size", "32")
+    assert coat_config_from_args(args) == CoatConfig.recipe("cached", group_size=32)
+    assert "--coat-recipe has no effect without --coat-fp8" in problems(monkeypatch, *LLAMA, "--coat-recipe", "codes")
