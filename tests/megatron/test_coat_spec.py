@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 import torch
 from distributed import run_distributed
+from gather_bytes import all_gather_bytes
 from tiny_gpt import (
     assemble_all,
     forward_backward,
@@ -27,7 +28,6 @@ from tiny_gpt import (
     train_step,
 )
 
-from coat_compare.comm import AllGatherBytes
 from coat_megatron.config import CoatConfig
 from coat_megatron.layers import CoatNorm
 from coat_megatron.spec import get_gpt_layer_coat_spec
@@ -56,9 +56,9 @@ def _run(
         else tiny_gpt(config, local_layer_spec(sequence_parallel))
     )
     model = tiny_ddp(model, distributed_optimizer=False)
-    with AllGatherBytes() if count_gathers else contextlib.nullcontext() as gathered:
+    with all_gather_bytes() if count_gathers else contextlib.nullcontext() as sent:
         loss = forward_backward(model, synthetic_batches(MICROBATCHES))
-    return dict(loss=loss, grads=local_shards(model, "main_grad"), gathered=gathered and gathered.snapshot())
+    return dict(loss=loss, grads=local_shards(model, "main_grad"), gathered=sent if sent is None else dict(sent))
 
 
 @functools.cache

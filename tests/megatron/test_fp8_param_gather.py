@@ -6,13 +6,13 @@ exact values; the bytes on the wire; exact weights for checkpoints; the refusals
 import pytest
 import torch
 from distributed import run_distributed
+from gather_bytes import all_gather_bytes
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig
 from test_coat_spec import coat_gpt
 from tiny_gpt import checkpoint_state, synthetic_batches, tiny_config, train_step
 
-from coat_compare.comm import AllGatherBytes
 from coat_kernels import quantize_per_tensor
 from coat_megatron import CoatConfig
 from coat_megatron.optimizer import coat_param_layout, get_coat_optimizer
@@ -65,11 +65,11 @@ def _train(fp8_gather: bool, overlap: bool, sequence_parallel: bool = False) -> 
     rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     batches = synthetic_batches(2 * size)[rank::size]
     tagged = {n for n, p in model.named_parameters() if getattr(p, "coat_fp8_format", None)}
-    with AllGatherBytes() as gathered:
+    with all_gather_bytes() as gathered:
         losses = [train_step(model, optimizer, batches) for _ in range(STEPS)]
         if overlap:  # the last step's gathers wait for the next forward: finish them as Megatron does before eval
             model.start_param_sync(force_sync=True)
-    out = dict(losses=losses, weights=_weights(model), tagged=tagged, dp_bytes=gathered.snapshot())
+    out = dict(losses=losses, weights=_weights(model), tagged=tagged, dp_bytes=dict(gathered))
     out["codes"] = _codes(out["weights"], tagged)
     out["numel"] = {n: p.numel() for n, p in model.named_parameters()}
     out["bf16_stream_bytes"] = sum(b.param_data.numel() * 2 // size for g in model.bucket_groups for b in g.buckets)

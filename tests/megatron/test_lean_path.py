@@ -1,38 +1,54 @@
-"""The lean hot path: what a COAT layer's fwd+bwd costs the host.
-
-- CPU (real Megatron-Core on gloo): FP8 activations pass between COAT's ops without one call of
-  ``Fp8Tensor.__torch_dispatch__`` (no tensor-subclass dispatch on the hot path: the ops unpack the
-  codes and scales themselves), at TP 1 and at TP 2 with sequence parallel (FP8 all-gathers).
-- GPU: one fwd+bwd of a COAT layer launches no more kernels than the same layer with
-  TransformerEngine's FP8 (current scaling), and copies nothing from the device to the host.
+"""The lean hot path, on the CPU (real Megatron-Core on gloo): FP8 activations pass between COAT's
+ops without one call of ``Fp8Tensor.__torch_dispatch__`` (no tensor-subclass dispatch on the hot
+path: the ops unpack the codes and scales themselves), at TP 1 and at TP 2 with sequence parallel
+(FP8 all-gathers). (On a GPU, COAT's kernel launches against TE's: tests/compare/test_lean_layer.py.)
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
+import torch
 from distributed import run_distributed
+from tiny_gpt import MICRO_BATCH, SEQ, tiny_config
 
-from coat_compare.modes import MODES, unavailable_reason
-from coat_compare.presets import Preset
+from coat_megatron.config import CoatConfig
 
-# a small Llama-shaped layer: 256 tokens, so that on a GPU the kernels are short and the counts,
-# not the times, are what the test reads
-SMALL = Preset("lean-layer", "layer", layers=1, hidden=256, ffn=704, heads=4, seq=128, micro_batch=2)
+WEIGHT_CODES = ["memory", "codes", "cached"]  # the recipes by the FP8 weight codes they keep: none, W, W and W^T
 
 
-def _count_dispatch(mode: str, tp: int) -> dict:
+def _layer_step(coat_config: CoatConfig, tp: int):
+    """fwd+bwd of one COAT TransformerLayer of the tiny GPT (BF16, sequence parallel at TP > 1) on
+    this rank's (SEQ / tp, MICRO_BATCH, hidden) input, with RoPE as in GPTModel."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
 
-    from coat_compare.layer import LayerStep
-    from coat_megatron.fp8.tensor import Fp8Tensor
+    from coat_megatron.spec import get_gpt_layer_coat_spec
 
     model_parallel_cuda_manual_seed(1234)
-    run = LayerStep(SMALL, MODES[mode], 1234, tp=tp)
-    run.step()  # the first step builds the FP8 weight copies
-    run.clear_grads()
+    config = tiny_config(num_layers=1, params_dtype=torch.bfloat16, sequence_parallel=tp > 1)
+    layer = build_module(get_gpt_layer_coat_spec(coat_config), config=config, layer_number=1)
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(SEQ)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(SEQ // tp, MICRO_BATCH, config.hidden_size, generator=g).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(x.shape, generator=g).to(torch.bfloat16)
+
+    def step():
+        out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+        out.backward(dy)
+        for t in [x, *layer.parameters()]:
+            t.grad = None
+
+    return step
+
+
+def _count_dispatch(recipe: str, tp: int) -> dict:
+    from coat_megatron.fp8.tensor import Fp8Tensor
+
+    step = _layer_step(CoatConfig.recipe(recipe), tp)
+    step()  # the first step builds the FP8 weight copies
     calls: Counter = Counter()
     made = [0]
     saved = {name: Fp8Tensor.__dict__[name] for name in ("__torch_dispatch__", "__new__")}
@@ -48,17 +64,16 @@ def _count_dispatch(mode: str, tp: int) -> dict:
     Fp8Tensor.__torch_dispatch__ = classmethod(counting_dispatch)
     Fp8Tensor.__new__ = staticmethod(counting_new)
     try:
-        run.step()
-        run.clear_grads()
+        step()
     finally:
         for name, attribute in saved.items():
             setattr(Fp8Tensor, name, attribute)
     return {"dispatch": dict(calls), "made": made[0]}
 
 
-@pytest.mark.parametrize("mode", ["coat", "coat-codes", "coat-cached"])
-def test_a_coat_layer_step_makes_no_tensor_subclass_dispatch(mode):
-    got = run_distributed(_count_dispatch, 1, args=(mode, 1), tensor_parallel=1)[0]
+@pytest.mark.parametrize("recipe", WEIGHT_CODES)
+def test_a_coat_layer_step_makes_no_tensor_subclass_dispatch(recipe):
+    got = run_distributed(_count_dispatch, 1, args=(recipe, 1), tensor_parallel=1)[0]
     # FP8 activations do travel between the ops (else this test would check nothing) ...
     assert got["made"] >= 2, got
     # ... and none of them ever reaches torch's dispatcher as a subclass
@@ -66,40 +81,6 @@ def test_a_coat_layer_step_makes_no_tensor_subclass_dispatch(mode):
 
 
 def test_a_sequence_parallel_coat_layer_step_makes_no_tensor_subclass_dispatch():
-    ranks = run_distributed(_count_dispatch, 2, args=("coat", 2), tensor_parallel=2)
+    ranks = run_distributed(_count_dispatch, 2, args=("memory", 2), tensor_parallel=2)
     for got in ranks:
         assert got["made"] >= 3 and got["dispatch"] == {}, got
-
-
-@pytest.fixture
-def megatron_on_one_gpu():
-    from coat_compare import parallel
-
-    with contextlib.ExitStack() as stack:
-        parallel.initialize(1, 1, stack)
-        parallel.seed_everything(1234)
-        yield
-
-
-@pytest.mark.gpu
-def test_a_coat_layer_launches_no_more_kernels_than_te_fp8(megatron_on_one_gpu):
-    from coat_compare.layer import LayerStep, kernel_launches
-
-    reason = unavailable_reason(MODES["te-fp8-current"], "layer")
-    if reason:
-        pytest.skip(reason)
-    counts = {}
-    for mode in ("coat", "te-fp8-current"):
-        run = LayerStep(SMALL, MODES[mode], 1234)
-
-        def step(run=run):
-            run.step()
-            run.clear_grads()
-
-        counts[mode] = kernel_launches(step)
-    coat, te = (sum(counts[m].values()) for m in ("coat", "te-fp8-current"))
-    print(f"kernel launches per fwd+bwd: coat {coat}, te-fp8-current {te}")
-    print("coat:", dict(counts["coat"].most_common()))
-    assert coat <= te, (coat, te, counts["coat"].most_common())
-    copies_to_host = {k: n for k, n in counts["coat"].items() if "DtoH" in k or "Device -> Host" in k}
-    assert not copies_to_host, copies_to_host

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -30,10 +30,9 @@ from megatron.core.transformer.module import Float16Module, MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from stdlib_text import stdlib_docstrings
 
-from coat_compare.build import SequenceParallelRMSNorm
-from coat_compare.checkpoint import checkpoint_state, load_checkpoint, save_checkpoint  # noqa: F401 (the tests' helpers)
-from coat_compare.train import forward_step
+from coat_megatron.optimizer import CoatDistributedOptimizer
 
 VOCAB = 128
 SEQ = 32
@@ -78,6 +77,16 @@ def tiny_config(
     )
     fields.update(overrides)
     return TransformerConfig(**fields)
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm behind Megatron's norm constructor, usable under sequence parallel (Megatron's
+    own torch norm refuses it): each TP rank sees a slice of the sequence, so the weight's gradient is
+    partial, and marking it ``sequence_parallel`` makes ``finalize_model_grads`` all-reduce it over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def local_layer_spec(sequence_parallel_norms: bool = False) -> ModuleSpec:
@@ -249,6 +258,20 @@ def synthetic_batches(
     return batches
 
 
+def forward_step(data_iterator, model):
+    """Megatron's ``forward_step_func`` for these batches: the summed token loss and the token count
+    (the schedule divides by it, as for pretrain_gpt's), and both for the report."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = per_token_loss.float().sum()
+        tokens = torch.full((), per_token_loss.numel(), dtype=torch.int, device=per_token_loss.device)
+        return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.float()])}
+
+    return output, loss_func
+
+
 def forward_backward(model: torch.nn.Module, batches: list[dict], *, forward_only: bool = False) -> float:
     """Run ``batches`` as the micro-batches of one global batch through Megatron's schedule
     (``get_forward_backward_func``: 1F1B under PP) and return the mean loss per token, averaged
@@ -314,6 +337,50 @@ def train_step(model: DistributedDataParallel, optimizer, batches: list[dict]) -
     return loss
 
 
+def checkpoint_state(model: DistributedDataParallel, optimizer, sharding_type: str, is_loading: bool) -> dict:
+    """The sharded state dict of ``model`` (DDP-wrapped) and its optimizer, as megatron.training
+    builds it for a dist checkpoint."""
+    metadata = dict(
+        distrib_optim_sharding_type=sharding_type,
+        distrib_optim_fully_reshardable_mem_efficient=True,  # gathers over gloo (the default: CUDA tensors)
+        singleton_local_shards=False,
+        chained_optim_avoid_prefix=True,
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+    )
+    state = {"model": model.module.sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=metadata)
+    return state
+
+
+def save_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable") -> None:
+    """A dist checkpoint of ``model`` and its optimizer in ``directory`` (existing, one path for all ranks)."""
+    dist_checkpointing.save(checkpoint_state(model, optimizer, sharding_type, is_loading=False), str(directory))
+
+
+def load_checkpoint(directory, model, optimizer, *, sharding_type: str = "dp_reshardable") -> None:
+    """Load what ``save_checkpoint`` wrote into ``model`` and its optimizer (the same TP/PP layout,
+    any DP size). COAT's optimizer needs nothing more. Megatron's own with torch's Adam (a ``step``
+    tensor per parameter) needs three fixes in megatron-core 0.19: ``state_dict()`` asserts on a new
+    optimizer, which has no states yet; ``load_state_dict`` gives every parameter one shared step
+    tensor, which Adam's foreach step increments once per parameter; and the ``dp_reshardable`` load
+    then overwrites the step with the one from before the load. The saved step does reach the param
+    groups: each parameter gets its own step tensor from there."""
+    adam = [
+        o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if not isinstance(o, CoatDistributedOptimizer)
+    ]
+    for opt in adam:
+        if not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
+    state = dist_checkpointing.load(checkpoint_state(model, optimizer, sharding_type, is_loading=True), str(directory))
+    model.module.load_state_dict(state["model"])
+    with torch.no_grad():  # FP32 params: the main params are views of them, copied into in place
+        optimizer.load_state_dict(state["optimizer"])
+    for opt in (o for o in adam if isinstance(o.optimizer, torch.optim.Adam)):  # AdamW too: a step per param
+        for group in opt.optimizer.param_groups:
+            for param in group["params"]:
+                opt.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
 def train_on_text(
     model: torch.nn.Module,
     steps: int,
@@ -323,17 +390,20 @@ def train_on_text(
     weight_decay: float = 0.0,
     corpus_bytes: int = 256 << 10,
 ) -> list[float]:
-    """Train ``model`` (no DDP) with torch's AdamW on byte batches of the standard library's
-    docstrings, batches drawn from a fixed generator: the per-step losses."""
-    from coat_compare.corpus import ByteBatches, stdlib_docstrings
-
-    data = ByteBatches(stdlib_docstrings(corpus_bytes), SEQ, batch_size, vocab_size=VOCAB)
+    """Train ``model`` (no DDP) with torch's AdamW on random windows (they may overlap) of the first
+    95% of ``corpus_bytes`` of the standard library's docstrings as byte tokens, drawn from a fixed
+    generator: the per-step losses."""
+    text = torch.frombuffer(bytearray(stdlib_docstrings(corpus_bytes)), dtype=torch.uint8).long().clamp_(max=VOCAB - 1)
+    text = text[: int(len(text) * 0.95)]  # the windows these tests were tuned on
+    positions = torch.arange(SEQ).expand(batch_size, SEQ).contiguous()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        b = data.batch(g)
-        loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"]).float().mean()
+        starts = torch.randint(0, len(text) - SEQ - 1, (batch_size,), generator=g)
+        windows = torch.stack([text[s : s + SEQ + 1] for s in starts.tolist()])
+        tokens, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        loss = model(tokens, positions, None, labels=labels).float().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -6,9 +6,8 @@ The text is docstrings of the Python standard library: real prose, present where
 from __future__ import annotations
 
 import torch
+from stdlib_text import stdlib_docstrings
 from torch import nn
-
-from coat_compare.corpus import stdlib_docstrings
 
 
 def text_tokens(max_bytes: int = 64 << 10) -> torch.Tensor:
