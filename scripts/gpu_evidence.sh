@@ -30,7 +30,6 @@
 #   layer-llama2-7b                              one layer's time, activations and kernel classes -> layer-llama2-7b-1gpu
 #   quantize-kernels                             the quantizers against a device copy -> kernel-bandwidth-1gpu
 #   swiglu-norm-tiles                            SwiGLU and norm kernel tiles at two shapes -> kernel-bandwidth-1gpu
-#   swiglu-fusion-study                          2-D layouts of a fused SwiGLU backward -> kernel-bandwidth-1gpu
 #   wgrad-accumulate                             the wgrad added by the GEMM, per layer -> wgrad-accumulate-gemm-1gpu
 #   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
 #   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
@@ -41,8 +40,6 @@
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
 #   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
 #   warmup-spike-llama2-7b                       the same, Llama-2-7B -> warmup-spike-1gpu
-#   spike-batches-llama2-13b                     the 13B spike's batches beside its losses -> warmup-spike-1gpu
-#   outlier-stress                               a growing outlier channel, 400 steps -> outlier-stress-gpt-125m-1gpu
 #   te-fp8-pa-divergence                         Megatron's FP8-moment Adam through pretrain() -> te-fp8-pa-divergence-1gpu
 #   interconnect                                 NCCL all-gather, reduce-scatter and ring bandwidth -> interconnect-4gpu
 #   tp-gpu-tests                                 the sequence-parallel path's GPU tests on 2 GPUs -> layer-llama2-7b-tp2-2gpu
@@ -252,10 +249,6 @@ case $part in
     run 270 ops-llama2-7b python3 benchmarks/ops.py --sweep --out "$out/llama2-7b"
     run 270 ops-gpt-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/gpt-1b"
     grep -h -E "^\| (norm|quantize_swiglu|swiglu)" "$out"/*/ops.md | cut -c1-120 ;;
-  swiglu-fusion-study)
-    mkdir -p "$out"
-    { timeout 270 python3 benchmarks/swiglu_fusion_study.py; timeout 270 python3 benchmarks/swiglu_fusion_study.py 8192 5632; } \
-      2>&1 | tee "$out/swiglu_fusion_study.txt" | tail -30 ;;
   wgrad-accumulate)
     run 240 pytest-wgrad python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_accumulate.py
     tail -1 "$out/pytest-wgrad.log"
@@ -366,14 +359,6 @@ PY
         --lr-warmup-steps "$w" --adam-eps 1e-8 --modes coat --out "$out" --name "llama2-7b-warmup$w" --no-plots
     done
     grep -h -E "^\| training loss below" "$out"/llama2-7b-warmup*.md | cut -c1-200 ;;
-  spike-batches-llama2-13b)
-    run 300 spike-batches python3 benchmarks/spike_batches.py --preset llama2-13b --global-batch 4 --steps 40 \
-      --rows benchmarks/results/llama2-13b-1gpu/llama2-13b-mb2.jsonl --out "$out"
-    grep -A12 "^Pearson" "$out/spike_batches.md" ;;
-  outlier-stress)
-    run 570 outlier-stress python3 benchmarks/outlier_stress.py --preset gpt-125m --steps 400 --growth 1.03 --target swiglu \
-      --modes bf16,te-fp8-current,coat --mode-timeout 180 --out "$out"
-    sed -n '/^| mode/,/^$/p' "$out/outlier_stress.md" ;;
   te-fp8-pa-divergence)
     # Megatron's own loop without --coat-fp8 (coat-megatron-run adds only the dataset-helper fix): gpt-1b,
     # TE FP8 current scaling, the byte corpus; each run changes the optimizer's moment storage alone

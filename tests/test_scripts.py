@@ -61,15 +61,30 @@ def test_the_parts_and_the_evidence_folders_name_each_other():
     missing = sorted(f for f in folders if not (RESULTS / f).is_dir())
     assert not missing, f"parts name evidence folders that do not exist: {missing}"
     gpu_folders = {p.name for p in RESULTS.iterdir() if p.is_dir() and re.search(r"-\d+gpu$", p.name)}
-    assert gpu_folders <= folders, f"GPU evidence no part measures again: {sorted(gpu_folders - folders)}"
+    retired = {f for f in gpu_folders if retired_note(RESULTS / f / "commands.txt")}
+    assert gpu_folders - retired <= folders, (
+        f"GPU evidence no part measures again: {sorted(gpu_folders - retired - folders)} (a retired study's "
+        "commands.txt says so in a line 'Retired: ... git show COMMIT:FILE')"
+    )
+
+
+def retired_note(commands: Path) -> list[str]:
+    """The parts a folder's commands.txt says were retired ('Retired: ... its part `NAME` ...'), or
+    ['(script)'] for a retired script without a part; [] where nothing was retired."""
+    notes = re.findall(r"^Retired: (.*)$", commands.read_text(), re.M)
+    for note in notes:
+        assert re.search(r"git show [0-9a-f]{7,40}:\S+", note), f"{commands}: a retirement names no git show COMMIT:FILE"
+    return [part for note in notes for part in (re.findall(r"part `([a-z0-9-]+)`", note) or ["(script)"])]
 
 
 def test_every_part_the_evidence_and_the_index_name_exists():
     parts = set(listed_parts())
     named = {}
     for commands in RESULTS.glob("*/commands.txt"):
+        retired = retired_note(commands)
         for part in re.findall(r"gpu_evidence\.sh (?:--each-gpu \"?)?([a-z0-9-]+)", commands.read_text()):
-            named.setdefault(part, commands.parent.name)
+            if part not in retired:
+                named.setdefault(part, commands.parent.name)
     index = (ROOT / "docs" / "results.md").read_text()
     for row in re.findall(r"^\|.*\|$", index, re.M):
         cells = [c.strip() for c in row.strip("|").split("|")]
