@@ -38,7 +38,7 @@ CUDA_GRAPHS = {"none": "none", "local": "local", "full": "full_iteration"}
 # te-fp8-pa's OptimizerConfig fields: what megatron.training makes of --use-precision-aware-optimizer
 # --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 (arguments.py maps 'fp8' to torch.uint8, TE FusedAdam's
 # name for E4M3 with one scale per tensor; main params and grads keep their FP32 defaults).
-# tests/optimizer/test_pa_emulation.py checks them against megatron.training's own parsing.
+# tests/compare/test_precision_aware_mode.py checks them against megatron.training's own parsing.
 PRECISION_AWARE_FP8_FIELDS = dict(
     use_precision_aware_optimizer=True,
     exp_avg_dtype=torch.uint8,

@@ -224,7 +224,7 @@ case $part in
     done
     rows coat "$out"/gpt-1b-gemm-*.md ;;
   kernel-launches)
-    run 300 lean-path python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/megatron/test_lean_path.py
+    run 300 lean-path python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/compare/test_lean_layer.py
     grep -E "launches|passed|failed" "$out/lean-path.log" | cut -c1-300 ;;
   full-step-graphs)
     run 150 tiny-graphs coat-compare --preset tiny --modes bf16,coat --steps 12 --cuda-graphs none,local,full \
