@@ -73,7 +73,9 @@ def retired_note(commands: Path) -> list[str]:
     ['(script)'] for a retired script without a part; [] where nothing was retired."""
     notes = re.findall(r"^Retired: (.*)$", commands.read_text(), re.M)
     for note in notes:
-        assert re.search(r"git show [0-9a-f]{7,40}:\S+", note), f"{commands}: a retirement names no git show COMMIT:FILE"
+        assert re.search(r"git show [0-9a-f]{7,40}:\S+", note), (
+            f"{commands}: a retirement names no git show COMMIT:FILE"
+        )
     return [part for note in notes for part in (re.findall(r"part `([a-z0-9-]+)`", note) or ["(script)"])]
 
 
