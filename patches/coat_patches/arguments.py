@@ -14,9 +14,11 @@ The knobs are made from ``CoatConfig``'s fields, one flag per field (``--coat-gr
 Megatron validates the arguments, and read by everything else through ``coat_config_from_args``.
 
 Two options are the launcher's, not ``CoatConfig``'s: ``--coat-report`` and ``--coat-cuda-graphs``.
-With ``--coat-fp8`` on a GPU, Megatron's per-layer CUDA graphs (``--cuda-graph-impl local``) are on
-by default where they are known to be safe (``cuda_graphs_by_default``): eager COAT issues many
-small kernels per layer, and a graph replays them with one launch. To tell a ``--cuda-graph-impl``
+With ``--coat-fp8`` on a GPU, Megatron's per-layer CUDA graphs are on by default where they are
+known to be safe (``cuda_graphs_by_default``): ``--cuda-graph-impl local``, or under pipeline
+parallelism, where megatron-core 0.19's local graphs do not run, its TE-based ones
+(``transformer_engine``) where TransformerEngine is installed. Eager COAT issues many small kernels
+per layer, and a graph replays them with one launch. To tell a ``--cuda-graph-impl``
 the user typed from Megatron's default, the patched parser's default for it is None until
 ``choose_cuda_graphs`` decides, before Megatron's ``validate_args`` (which derives what graphs need:
 the graph-safe RNG tracker, TE's tracker with TE layers, the inference graph scope).
@@ -33,6 +35,7 @@ import torch
 
 from coat_kernels.formats import GROUP_SIZES
 from coat_megatron.config import DEFAULT_RECIPE, RECIPES, CoatConfig, parse_switch
+from coat_megatron.optional import transformer_engine_available
 
 from .replacements import Replacements
 from .run_arguments import check_run_args
@@ -71,14 +74,16 @@ SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its 
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 CUDA_GRAPHS_CHOICES = ("auto", "off")
 CUDA_GRAPHS_HELP = (
-    "Megatron's per-layer CUDA graphs with --coat-fp8 (default auto: --cuda-graph-impl local on a GPU with COAT's "
-    "layers, at any data- and tensor-parallel size, unless the command line sets --cuda-graph-impl or has an option "
-    "Megatron refuses with them (recompute, CPU or fine-grained activation offloading); not with pipeline or "
-    "context parallelism (under PP megatron-core 0.19 stops graphed runs; CP: --cuda-graph-impl local turns them on). off: eager)"
+    "Megatron's per-layer CUDA graphs with --coat-fp8 (default auto: on a GPU with COAT's layers, --cuda-graph-impl "
+    "local at any data- and tensor-parallel size, and transformer_engine (Megatron's TE-based graphs, where "
+    "TransformerEngine is installed) under pipeline parallelism, with or without virtual stages; unless the command "
+    "line sets --cuda-graph-impl or has an option Megatron refuses with them (recompute, CPU or fine-grained "
+    "activation offloading); not with context parallelism (--cuda-graph-impl local turns them on). off: eager)"
 )
 PIPELINE_GRAPHS = (
-    "megatron-core 0.19 does not run per-layer graphs with pipeline parallelism (BF16 as well): it stops while "
-    "it creates them (assert fwd_buffer_reuse_ref_count == 0) or, past that, hangs in the first replay"
+    "megatron-core 0.19's local per-layer graphs do not run with pipeline parallelism (BF16 as well): it stops "
+    "while it creates them (assert fwd_buffer_reuse_ref_count == 0) or, past that, hangs in the first replay; its "
+    "TransformerEngine-based graphs (--cuda-graph-impl transformer_engine) do"
 )
 # Options with which megatron-core 0.19 refuses per-layer graphs (TransformerConfig, validate_args)
 # or allows them only in part (selective recompute), and the flag that names each.
@@ -203,36 +208,50 @@ def apply_coat_args(args: argparse.Namespace) -> None:
     args.grad_reduce_in_bf16 = not coat.ddp_grad_reduce_in_fp32
 
 
-def cuda_graphs_by_default(args: argparse.Namespace, cuda: bool) -> tuple[bool, str | None]:
-    """Whether ``--coat-fp8`` turns on Megatron's per-layer CUDA graphs for a parsed command line
-    that chose no ``--cuda-graph-impl`` (``CUDA_GRAPHS_HELP`` says where and why), on a machine
-    with (``cuda``) or without a GPU; and a line for the log saying what was decided and why, where
-    a user may wonder (None where graphs cannot apply: no --coat-fp8, COAT's layers off, no GPU,
-    --coat-cuda-graphs off)."""
+def cuda_graphs_by_default(args: argparse.Namespace, cuda: bool, te: bool) -> tuple[str | None, str | None]:
+    """The ``--cuda-graph-impl`` that ``--coat-fp8`` picks for a parsed command line that chose none
+    (``CUDA_GRAPHS_HELP`` says where and why; None: eager), on a machine with (``cuda``) or without a
+    GPU, with (``te``) or without TransformerEngine; and a line for the log saying what was decided
+    and why, where a user may wonder (None where graphs cannot apply: no --coat-fp8, COAT's layers
+    off, no GPU, --coat-cuda-graphs off)."""
     if not getattr(args, "coat_fp8", False) or args.coat_activations is False or not cuda:
-        return False, None
+        return None, None
     if args.coat_cuda_graphs == "off" or args.enable_cuda_graph or args.external_cuda_graph:
-        return False, None  # the user's choice (--enable-cuda-graph / --external-cuda-graph: Megatron's older names)
+        return None, None  # the user's choice (--enable-cuda-graph / --external-cuda-graph: Megatron's older names)
     eager = "--coat-fp8 leaves Megatron's per-layer CUDA graphs off"
-    if args.pipeline_model_parallel_size > 1:
-        return False, f"{eager} under pipeline parallelism: {PIPELINE_GRAPHS}"
     if args.context_parallel_size > 1:
-        return False, f"{eager} under context parallelism (not tried with COAT); --cuda-graph-impl local turns them on"
+        return None, f"{eager} under context parallelism (not tried with COAT); --cuda-graph-impl local turns them on"
     blockers = [option for attr, option in GRAPH_BLOCKERS.items() if getattr(args, attr, None)]
     if getattr(args, "inference_batch_times_seqlen_threshold", -1) > -1:
         blockers.append("--inference-batch-times-seqlen-threshold")
     if blockers:
-        return False, f"{eager}: Megatron refuses them with {', '.join(blockers)}, or allows them only in part"
-    return True, (
-        "--coat-fp8 turns on Megatron's per-layer CUDA graphs (--cuda-graph-impl local); "
-        "--coat-cuda-graphs off keeps the layers eager"
+        return None, f"{eager}: Megatron refuses them with {', '.join(blockers)}, or allows them only in part"
+    off = "--coat-cuda-graphs off keeps the layers eager"
+    if args.pipeline_model_parallel_size == 1:
+        return "local", f"--coat-fp8 turns on Megatron's per-layer CUDA graphs (--cuda-graph-impl local); {off}"
+    if not te:
+        return None, (
+            f"{eager} under pipeline parallelism: {PIPELINE_GRAPHS}, and they need TransformerEngine "
+            "(pip install 'coat-megatron[te]')"
+        )
+    if (
+        "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        and os.environ.get("NCCL_GRAPH_REGISTER", "") != "0"
+    ):
+        return None, (
+            f"{eager} under pipeline parallelism: Megatron's TE-based graphs with PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True need NCCL_GRAPH_REGISTER=0 in the environment"
+        )
+    return "transformer_engine", (
+        "--coat-fp8 turns on Megatron's TE-based per-layer CUDA graphs under pipeline parallelism "
+        f"(--cuda-graph-impl transformer_engine: the local ones do not run under PP); {off}"
     )
 
 
 def choose_cuda_graphs(args: argparse.Namespace) -> None:
     """Give ``args.cuda_graph_impl`` its value where the command line left it unset (None: the
-    patched parser's default), before Megatron's ``validate_args``: ``local`` where
-    ``cuda_graphs_by_default`` says so, else Megatron's own default ``none``. Refuses
+    patched parser's default), before Megatron's ``validate_args``: what ``cuda_graphs_by_default``
+    picks, else Megatron's own default ``none``. Refuses
     ``--coat-cuda-graphs off`` beside a ``--cuda-graph-impl`` that asks for graphs."""
     chosen = args.cuda_graph_impl
     if chosen is not None:
@@ -241,8 +260,8 @@ def choose_cuda_graphs(args: argparse.Namespace) -> None:
                 f"--coat-cuda-graphs off keeps the layers eager and --cuda-graph-impl {chosen} asks for graphs: drop one of them"
             )
         return
-    on, line = cuda_graphs_by_default(args, cuda=torch.cuda.is_available())
-    args.cuda_graph_impl = "local" if on else "none"
+    impl, line = cuda_graphs_by_default(args, cuda=torch.cuda.is_available(), te=transformer_engine_available())
+    args.cuda_graph_impl = impl or "none"
     if line is not None and args.rank == 0:
         print(f"coat-megatron-run: {line}", flush=True)
 
@@ -289,7 +308,8 @@ def _graph_problems(args) -> list[str]:
         return []  # debugging graphs under PP: with the RoPE copy the first replay hangs (pretrain-pipeline-4gpu)
     if args.pipeline_model_parallel_size > 1 and getattr(args, "cuda_graph_impl", None) == "local":
         return [
-            f"--cuda-graph-impl local with --pipeline-model-parallel-size > 1: {PIPELINE_GRAPHS}; drop --cuda-graph-impl local"
+            f"--cuda-graph-impl local with --pipeline-model-parallel-size > 1: {PIPELINE_GRAPHS}; use "
+            "--cuda-graph-impl transformer_engine (with TransformerEngine installed), or drop --cuda-graph-impl local"
         ]
     return []
 

@@ -362,17 +362,64 @@ def test_coat_fp8_param_gather_is_one_flag_away_and_refuses_the_replica_hash_che
     assert "it needs --coat-optimizer on and --coat-activations on (or set --coat-fp8-param-gather off)" in text
 
 
+@pytest.mark.parametrize(
+    "pp, te, env, impl, said",
+    [
+        (1, False, {}, "local", "(--cuda-graph-impl local)"),
+        (2, True, {}, "transformer_engine", "TE-based per-layer CUDA graphs under pipeline parallelism"),
+        (2, False, {}, None, "they need TransformerEngine (pip install 'coat-megatron[te]')"),
+        (
+            2,
+            True,
+            {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            None,
+            "need NCCL_GRAPH_REGISTER=0 in the environment",
+        ),
+        (
+            2,
+            True,
+            {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NCCL_GRAPH_REGISTER": "0"},
+            "transformer_engine",
+            "",
+        ),
+    ],
+    ids=["local", "pp-te", "pp-no-te", "pp-expandable", "pp-expandable-unregistered"],
+)
+def test_under_pipeline_parallelism_coat_fp8_picks_te_graphs_where_they_run(monkeypatch, pp, te, env, impl, said):
+    from coat_patches.arguments import cuda_graphs_by_default
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = argparse.Namespace(
+        coat_fp8=True,
+        coat_activations=None,
+        coat_cuda_graphs="auto",
+        enable_cuda_graph=False,
+        external_cuda_graph=False,
+        context_parallel_size=1,
+        pipeline_model_parallel_size=pp,
+        inference_batch_times_seqlen_threshold=-1,
+    )
+    picked, line = cuda_graphs_by_default(args, cuda=True, te=te)
+    assert picked == impl and said in line
+    assert cuda_graphs_by_default(args, cuda=False, te=te) == (None, None)
+    args.recompute_granularity = "full"  # Megatron refuses either kind of per-layer graph with it
+    assert cuda_graphs_by_default(args, cuda=True, te=te)[0] is None
+
+
 def test_graphs_under_pipeline_parallelism_are_refused_with_the_reason(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     text = problems(
         monkeypatch, *LLAMA, "--coat-fp8", "--pipeline-model-parallel-size", "2", "--cuda-graph-impl", "local"
     )
     assert (
-        "--cuda-graph-impl local with --pipeline-model-parallel-size > 1: megatron-core 0.19 does not run per-layer graphs"
-        in text
+        "--cuda-graph-impl local with --pipeline-model-parallel-size > 1: megatron-core 0.19's local per-layer graphs "
+        "do not run with pipeline parallelism" in text
     )
     assert "hangs in the first replay" in text
-    assert "drop --cuda-graph-impl local" in text
+    assert "use --cuda-graph-impl transformer_engine (with TransformerEngine installed), or drop" in text
 
 
 def test_the_pipeline_graph_refusal_can_be_lifted_to_try_the_rope_copy(monkeypatch):
