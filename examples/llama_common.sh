@@ -1,8 +1,12 @@
-# Sourced by llama_1b.sh and llama2_7b.sh: what the two recipes share. The caller sets MODEL (the
-# shape flags), MICRO_BATCH_DEFAULT, GLOBAL_BATCH_DEFAULT and WARMUP, then runs `launch_llama "$@"`.
+# Sourced by llama_1b.sh, llama2_7b.sh and llama3_8b.sh: what the recipes share. The caller sets MODEL
+# (the shape flags), MICRO_BATCH_DEFAULT, GLOBAL_BATCH_DEFAULT and WARMUP (and, where they differ from
+# Llama 2's, ROPE_BASE and VOCAB: the mock data's vocabulary), then runs `launch_llama "$@"`.
 #
 # Environment: GPUS (default: all visible), TP and PP (tensor- and pipeline-parallel sizes, default 1;
-# TP > 1 adds --sequence-parallel; the rest of GPUS is data parallel), COAT (1: --coat-fp8, 0: BF16),
+# TP > 1 adds --sequence-parallel; the rest of GPUS is data parallel), MODE (coat: --coat-fp8, the
+# default; bf16; te-fp8: TransformerEngine's FP8 with current scaling, the comparison's baseline;
+# COAT=0 is MODE=bf16), GRAPHS (te: Megatron's TE-based per-layer CUDA graphs for bf16 and te-fp8,
+# their fastest configuration with TE installed; --coat-fp8 picks its graphs itself),
 # DATA_PATH (an indexed dataset prefix, from Megatron-LM's tools/preprocess_data.py) with TOKENIZER
 # (a Hugging Face tokenizer name or path), MICRO_BATCH, GLOBAL_BATCH, ITERS (default 10000),
 # DRY_RUN=1 (print the command instead of running it).
@@ -14,21 +18,32 @@ launch_llama() {
     if [[ -n "${DATA_PATH:-}" ]]; then
         data=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER:?set TOKENIZER with DATA_PATH}")
     else
-        data=(--mock-data --tokenizer-type NullTokenizer --vocab-size 32000)
+        data=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-32000}")
     fi
     if python -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
     # Megatron's default gradient-accumulation fusion needs apex's fused wgrad kernel
     if python -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
     # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
     # warm-up began (benchmarks/results/llama2-13b-1gpu)
-    [[ "${COAT:-1}" == 1 ]] && precision=(--coat-fp8) || precision=()
+    local mode=${MODE:-$([[ "${COAT:-1}" == 1 ]] && echo coat || echo bf16)}
+    case $mode in
+        coat) precision=(--coat-fp8) ;;
+        bf16) precision=() ;;
+        te-fp8) precision=(--fp8-format hybrid --fp8-recipe tensorwise) ;;
+        *) echo "MODE=$mode: use coat, bf16 or te-fp8" >&2; return 2 ;;
+    esac
+    case ${GRAPHS:-} in
+        "") ;;
+        te) [[ $mode == coat ]] || precision+=(--cuda-graph-impl transformer_engine) ;;
+        *) echo "GRAPHS=$GRAPHS: use te (or leave it unset: eager, and --coat-fp8's own choice)" >&2; return 2 ;;
+    esac
     layout=(--tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}")
     (( ${TP:-1} > 1 )) && layout+=(--sequence-parallel)
 
     local command=(python -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch "$HERE/pretrain_gpt.py"
         "${MODEL[@]}"
         --swiglu --normalization RMSNorm --norm-epsilon 1e-5 --disable-bias-linear
-        --position-embedding-type rope --rotary-base 10000 --untie-embeddings-and-output-weights
+        --position-embedding-type rope --rotary-base "${ROPE_BASE:-10000}" --untie-embeddings-and-output-weights
         --attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02
         --bf16 --transformer-impl "$impl" "${layout[@]}" --use-distributed-optimizer --overlap-grad-reduce "${fusion[@]}"
         --micro-batch-size "${MICRO_BATCH:-$MICRO_BATCH_DEFAULT}" --global-batch-size "${GLOBAL_BATCH:-$GLOBAL_BATCH_DEFAULT}"

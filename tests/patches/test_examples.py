@@ -64,8 +64,10 @@ def test_gpu_pretrain_script_smoke_runs_tiny(tmp_path):
         ("llama2_7b.sh", {}, 1, 1, 4),
         ("llama2_7b.sh", {"TP": "2"}, 2, 1, 2),
         ("llama_1b.sh", {"TP": "2", "PP": "2"}, 2, 2, 1),
+        ("llama3_8b.sh", {"TP": "2", "PP": "2"}, 2, 2, 1),
+        ("llama3_8b.sh", {}, 1, 1, 4),
     ],
-    ids=["7b-dp4", "7b-tp2-dp2", "1b-tp2-pp2"],
+    ids=["7b-dp4", "7b-tp2-dp2", "1b-tp2-pp2", "llama3-8b-tp2-pp2", "llama3-8b-dp4"],
 )
 def test_llama_recipes_give_megatron_the_layout(monkeypatch, recipe, layout, tp, pp, dp):
     """The recipe's command on 4 GPUs (DRY_RUN=1 prints it), read by Megatron's parser and
@@ -87,7 +89,40 @@ def test_llama_recipes_give_megatron_the_layout(monkeypatch, recipe, layout, tp,
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == (tp, pp, dp)
     assert args.sequence_parallel is (tp > 1)
     assert args.coat_fp8 and args.use_distributed_optimizer and args.overlap_grad_reduce
-    assert args.micro_batch_size == (1 if recipe == "llama2_7b.sh" else 4)
+    assert args.micro_batch_size == (4 if recipe == "llama_1b.sh" else 1)
+    if recipe == "llama3_8b.sh":  # Llama 3's shape: GQA, long sequences, its RoPE base and vocabulary
+        assert (args.num_query_groups, args.seq_length, args.ffn_hidden_size) == (8, 8192, 14336)
+        assert (args.rotary_base, args.vocab_size, args.global_batch_size) == (500000, 128256, 8)
+        assert args.overlap_param_gather
+
+
+@pytest.mark.parametrize(
+    "env, wanted, unwanted",
+    [
+        ({"MODE": "bf16"}, [], ["--coat-fp8", "--fp8-format", "--cuda-graph-impl"]),
+        ({"MODE": "bf16", "GRAPHS": "te"}, ["--cuda-graph-impl transformer_engine"], ["--coat-fp8"]),
+        (
+            {"MODE": "te-fp8", "GRAPHS": "te"},
+            ["--fp8-format hybrid --fp8-recipe tensorwise", "--cuda-graph-impl transformer_engine"],
+            ["--coat-fp8"],
+        ),
+        ({"GRAPHS": "te"}, ["--coat-fp8"], ["--cuda-graph-impl"]),  # COAT picks its graphs itself
+        ({"COAT": "0"}, [], ["--coat-fp8"]),
+    ],
+    ids=["bf16", "bf16-graphs", "te-fp8-graphs", "coat", "coat-0"],
+)
+def test_the_llama3_recipe_prints_the_comparisons_other_lines(env, wanted, unwanted):
+    full = {**os.environ, "DRY_RUN": "1", "GPUS": "4", "TP": "2", "PP": "2", **env}
+    done = subprocess.run(["bash", str(ROOT / "examples" / "llama3_8b.sh")], capture_output=True, text=True, env=full)
+    assert done.returncode == 0, done.stderr
+    for text in wanted:
+        assert text in done.stdout, text
+    for text in unwanted:
+        assert text not in done.stdout, text
+    bad = subprocess.run(
+        ["bash", str(ROOT / "examples" / "llama3_8b.sh")], capture_output=True, text=True, env={**full, "MODE": "fp4"}
+    )
+    assert bad.returncode == 2 and "MODE=fp4: use coat, bf16 or te-fp8" in bad.stderr
 
 
 def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
