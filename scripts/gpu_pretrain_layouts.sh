@@ -12,8 +12,9 @@
 #   dp2     DP 2 (where --coat-fp8 alone turns graphs on)  2 GPUs
 # Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, te-fp8 (TE FP8
 # with current scaling: --fp8-format hybrid --fp8-recipe tensorwise; needs TE), te-fp8-graphs, coat
-# (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 --cuda-graph-impl local), coat-auto
-# (--coat-fp8 alone: what a user gets). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
+# (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 with graphs), coat-auto (--coat-fp8
+# alone: what a user gets). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
+# under PP (where megatron-core 0.19's local graphs do not run). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
 # $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
 # after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
 # to BF16, the logged loss first and last, and its largest difference from the same mode's run in
@@ -69,15 +70,18 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
     dp2)    gpus=2; parallel=() ;;
     *) echo "layout $layout: use one, pp2, pp2vp2, tp2, tp2pp2 or dp2" >&2; exit 2 ;;
   esac
+  # each mode's graphs as they run there: Megatron's local per-layer graphs do not run under PP
+  # (megatron-core 0.19), its TE-based ones do (what --coat-fp8 alone picks there)
+  case " ${parallel[*]} " in *" --pipeline-model-parallel-size "*) graphs=transformer_engine ;; *) graphs=local ;; esac
   for mode in ${MODES:-bf16 bf16-graphs coat coat-graphs}; do
     case $mode in
       bf16)        flags=(--cuda-graph-impl none) ;;
-      bf16-graphs) flags=(--cuda-graph-impl local) ;;
+      bf16-graphs) flags=(--cuda-graph-impl "$graphs") ;;
       coat)        flags=(--coat-fp8 --coat-cuda-graphs off) ;;
-      coat-graphs) flags=(--coat-fp8 --cuda-graph-impl local) ;;
+      coat-graphs) flags=(--coat-fp8 --cuda-graph-impl "$graphs") ;;
       te-fp8 | te-fp8-graphs)
         [ "$impl" = transformer_engine ] || { echo "mode $mode needs TransformerEngine: install it, or drop the mode" >&2; exit 2; }
-        flags=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl "$([ "$mode" = te-fp8 ] && echo none || echo local)") ;;
+        flags=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl "$([ "$mode" = te-fp8 ] && echo none || echo "$graphs")") ;;
       coat-auto)   flags=(--coat-fp8) ;;
       *) echo "mode $mode: use bf16, bf16-graphs, te-fp8, te-fp8-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
     esac
