@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-from .flops import FORMULA
+from .flops import FORMULA, FORMULA_FULL_ATTN
 from .goals import NOT_APPLICABLE, Goal, best, group_name, groups, layout
 from .layouts import BF16_DRIFT_FACTOR, DRIFT_ABSOLUTE, FIRST_STEP_RELATIVE
 
@@ -120,6 +120,31 @@ def _gathers(r: dict, bf16: dict | None) -> str:
     )
 
 
+TFLOPS_HEAD = "model TFLOP/s per GPU: Megatron's causal count (full-attention count)"
+MFU_HEAD = "MFU BF16 / FP8 (Megatron's count)"
+
+
+def _before_megatron_count(r: dict) -> bool:
+    """A layer or train row written before coat-compare took Megatron's count (2026-11-28): its
+    ``model_tflops_per_gpu`` and MFU are of the full-attention count, and it has no
+    ``model_tflops_per_gpu_full_attn``. (A search row copies only ``model_tflops_per_gpu`` and MFU,
+    so an old one cannot be told apart.)"""
+    return (
+        r.get("kind") in ("layer", "train")
+        and r.get("model_tflops_per_gpu") is not None
+        and "model_tflops_per_gpu_full_attn" not in r
+    )
+
+
+def _tflops(r: dict) -> str:
+    """Megatron's causal count, then the full-attention count in brackets (``coat_compare.flops``)."""
+    if r.get("model_tflops_per_gpu") is None:
+        return "-"
+    if _before_megatron_count(r):
+        return f"- ({_fmt(r['model_tflops_per_gpu'], 0)})"
+    return f"{_fmt(r['model_tflops_per_gpu'], 0)} ({_fmt(r.get('model_tflops_per_gpu_full_attn'), 0)})"
+
+
 def layer_table(rows: list[dict]) -> list[str]:
     ok = [r for r in rows if r["status"] == "ok"]
     bf16_t, te_t = best(ok, "bf16", "ms"), best(ok, "te-fp8", "ms")
@@ -134,8 +159,8 @@ def layer_table(rows: list[dict]) -> list[str]:
         "vs BF16",
         "vs TE FP8 current",
         "vs best TE",
-        "model TFLOP/s per GPU",
-        "MFU BF16 / FP8",
+        TFLOPS_HEAD,
+        MFU_HEAD,
         "activation MiB",
         "vs BF16",
         "vs best TE",
@@ -146,7 +171,7 @@ def layer_table(rows: list[dict]) -> list[str]:
     def lines_of(r):
         line = (
             f"| {r['mode']} | {r['spec']} | {_fmt(r['ms'])} | {_ratio(r, bf16_t, 'ms')} | {_ratio(r, current, 'ms')} | {_ratio(r, te_t, 'ms')} | "
-            f"{_fmt(r.get('model_tflops_per_gpu'), 0)} | {_mfu(r)} | "
+            f"{_tflops(r)} | {_mfu(r)} | "
             f"{_fmt(r['activation_MiB'], 1)} | {_ratio(r, bf16_m, 'activation_MiB')} | {_ratio(r, te_m, 'activation_MiB')} |"
         )
         return [line + (f" {_gathers(r, bf16_g)} |" if several else "")]
@@ -155,7 +180,8 @@ def layer_table(rows: list[dict]) -> list[str]:
 
 
 def _mfu(r: dict) -> str:
-    if r.get("mfu_bf16") is None:
+    """Of Megatron's count; "-" for a row that has only the full-attention count's."""
+    if r.get("mfu_bf16") is None or _before_megatron_count(r):
         return "-"
     return f"{100 * r['mfu_bf16']:.1f}% / {100 * r['mfu_fp8']:.1f}%"
 
@@ -185,8 +211,8 @@ def train_table(rows: list[dict]) -> list[str]:
         "tokens/s",
         "vs BF16",
         "vs best TE",
-        "model TFLOP/s per GPU",
-        "MFU BF16 / FP8",
+        TFLOPS_HEAD,
+        MFU_HEAD,
         "peak MiB",
         "vs BF16",
         "vs best TE",
@@ -213,7 +239,7 @@ def train_table(rows: list[dict]) -> list[str]:
         line = (
             f"| {r['mode']} | {r.get('graphs', 'none')} | {r['micro_batch']} | {_fmt(r.get('global_batch', r['micro_batch'] * r.get('dp', 1)), 0)} | "
             f"{_fmt(r['step_ms'])} | {_spread(r)} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
-            f"{_ratio(r, te_s, 'tokens_per_s')} | {_fmt(r.get('model_tflops_per_gpu'), 0)} | {_mfu(r)} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
+            f"{_ratio(r, te_s, 'tokens_per_s')} | {_tflops(r)} | {_mfu(r)} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
             f"{_fmt(r['optimizer_bytes_per_param'])} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} | {_fmt(r.get('valid_loss'), 4)} |"
         )
@@ -279,8 +305,8 @@ def search_table(rows: list[dict]) -> list[str]:
         "tokens/s there",
         "vs BF16",
         "vs best TE",
-        "model TFLOP/s per GPU",
-        "MFU BF16 / FP8",
+        "model TFLOP/s per GPU (Megatron's causal count)",
+        MFU_HEAD,
         "peak MiB there",
         "tries",
         "note",
@@ -411,17 +437,23 @@ def goals_table(goals: list[Goal]) -> list[str]:
     return lines
 
 
+FLOPS_NOTE = (
+    f"model TFLOP/s per GPU: tokens/s per GPU x FLOPs per token / 1e12, by {FORMULA}, the TFLOP/s Megatron's "
+    f"training loop prints; in brackets by the full-attention count ({FORMULA_FULL_ATTN}; no causal halving, "
+    "norms counted), coat-compare's before 2026-11-28, which a row written before then has alone (its MFU: -). "
+    "MFU: Megatron's count over the GPU's dense BF16 / FP8 peak (H100 and H200 SXM: 989 / 1979 TFLOP/s; - where unknown)"
+)
 COLUMNS = {
     "layer": "fwd+bwd ms: median of one layer's forward + backward. activation MiB: memory the layer keeps for backward "
-    "(GPU: allocated after the forward minus before, minus the output; CPU: bytes of the tensors saved for backward).",
+    "(GPU: allocated after the forward minus before, minus the output; CPU: bytes of the tensors saved for backward). "
+    f"{FLOPS_NOTE}, with one layer's share of each count over the fwd+bwd time, divided by TP.",
     "train": "CUDA graphs: none (eager), local (Megatron's per-layer graphs) or full (a step's forward+backward in one graph); "
     "vs BF16 / vs best TE: against the fastest BF16 / TE FP8 row of any configuration. "
     "global batch: sequences per optimizer step (micro-batch x DP x accumulated micro-batches); "
     "step ms: median optimizer-step time after the warm-up steps; step spread: (slowest - fastest) / median of those "
     "steps (an eager step bound by its host varies by tens of percent on a shared host, and between runs: compare such "
     "rows over several runs); tokens/s: global tokens per second at that step time; "
-    f"model TFLOP/s per GPU: tokens/s per GPU x ({FORMULA}) / 1e12; MFU: that over the GPU's dense BF16 / FP8 peak "
-    "(H100 and H200 SXM: 989 / 1979 TFLOP/s; - where unknown); "
+    f"{FLOPS_NOTE}; "
     "peak MiB: most memory allocated at once (on a CPU: the sum of the parts); weights: BF16 parameters; grads: DDP's "
     "gradient buffers (FP32, or BF16 where the mode's CoatConfig says so: the coat default); optimizer: master weights + Adam states as stored; activations: peak during a step minus "
     "memory held between steps (CPU: bytes saved for backward); optimizer B/param: optimizer bytes per parameter; loss: training "
@@ -429,7 +461,8 @@ COLUMNS = {
     "(- without validation: --eval-every 0, or CUDA graphs without --eval-every).",
     "search": "largest micro-batch: the largest that trains (doubling, then bisection, each try a fresh process; "
     "one micro-batch per optimizer step unless the note says more: --search-micro-batches); "
-    "tries: micro-batches tried, + fits, x does not; tokens/s and peak at the largest.",
+    "tries: micro-batches tried, + fits, x does not; tokens/s, model TFLOP/s per GPU (Megatron's causal count, as in "
+    "the end-to-end table), MFU and peak at the largest.",
     "layout": "Every layout trains the same weights on the same global batches; the first is the reference. The rule, fixed "
     f"before the runs: the first step's loss within {FIRST_STEP_RELATIVE:g} relative, and every step's within "
     f"{DRIFT_ABSOLUTE:g} absolute or {BF16_DRIFT_FACTOR:g} x BF16's own largest difference between the same two layouts.",

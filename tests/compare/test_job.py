@@ -436,7 +436,10 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
         assert by["te-fp8-current"]["status"] == "skipped"
     md = (tmp_path / "tiny-search.md").read_text()
     assert by["coat"]["model_tflops_per_gpu"] == 2.0 and by["coat"]["mfu_fp8"] == 2.0 / 1979.0
-    assert "| tokens/s there | vs BF16 | vs best TE | model TFLOP/s per GPU | MFU BF16 / FP8 | peak MiB there |" in md
+    assert (
+        "| tokens/s there | vs BF16 | vs best TE | model TFLOP/s per GPU (Megatron's causal count) | "
+        "MFU BF16 / FP8 (Megatron's count) | peak MiB there |" in md
+    )
     assert (
         "| coat | none | 12 | 4000 | 1.00 | - | 2 | 0.2% / 0.1% | 120.0 | 1+, 2+, 4+, 8+, 16x, 12+, 14x, 13x |  |" in md
     )

@@ -293,13 +293,13 @@ def test_an_out_of_memory_row_says_which_bytes_dominate():
 
 
 def test_model_flops_per_token_and_a_layers_share_of_them():
-    """6 x N + 12 x layers x hidden x seq per token (coat_compare.flops), worked by hand for
-    Llama-2-7B: a layer's N is QKV + output projection (4 h^2) + SwiGLU (3 h F) + two norms (2 h)."""
+    """The full-attention count, 6 x N + 12 x layers x hidden x seq per token (coat_compare.flops;
+    Megatron's causal count is tests/compare/test_flops.py's), worked by hand for Llama-2-7B: a
+    layer's N is QKV + output projection (4 h^2) + SwiGLU (3 h F) + two norms (2 h)."""
     from coat_compare.flops import (
-        flops_per_token,
-        layer_flops_per_token,
+        flops_per_token_full_attn,
+        layer_flops_per_token_full_attn,
         layer_parameters,
-        layer_utilisation,
         matmul_parameters,
     )
 
@@ -307,16 +307,9 @@ def test_model_flops_per_token_and_a_layers_share_of_them():
     per_layer = 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
     assert layer_parameters(llama) == per_layer == 202_383_360
     assert matmul_parameters(llama) == 32 * per_layer + 4096 + 32000 * 4096  # + final norm, output layer
-    assert flops_per_token(llama) == 6.0 * matmul_parameters(llama) + 12.0 * 32 * 4096 * 2048
+    assert flops_per_token_full_attn(llama) == 6.0 * matmul_parameters(llama) + 12.0 * 32 * 4096 * 2048
     layer = get_preset("llama2-7b-layer")  # one layer, seq 2048 x micro-batch 4
-    assert layer_flops_per_token(layer) == 6.0 * per_layer + 12.0 * 4096 * 2048
-    # 8192 tokens' fwd+bwd in 10 ms on one H100: 819200 tokens/s x 1.315 GFLOP
-    u = layer_utilisation(layer, 10.0, 1, "NVIDIA H100 80GB HBM3")
-    assert u["model_tflops_per_gpu"] == pytest.approx(819200 * layer_flops_per_token(layer) / 1e12)
-    assert u["mfu_fp8"] == pytest.approx(u["model_tflops_per_gpu"] / 1979.0)
-    half = layer_utilisation(layer, 10.0, 2, "NVIDIA H200")  # the same layer split over 2 GPUs: half each
-    assert half["model_tflops_per_gpu"] == pytest.approx(u["model_tflops_per_gpu"] / 2)
-    assert layer_utilisation(layer, 10.0, 1, "CPU")["mfu_bf16"] is None  # no peak known
+    assert layer_flops_per_token_full_attn(layer) == 6.0 * per_layer + 12.0 * 4096 * 2048
 
 
 def test_graphed_rows_carry_no_sequence_parallel_gather_bytes_only_the_parameter_gather():
