@@ -141,7 +141,6 @@ def release_cuda_graphs() -> None:
     that the next mode captures its own."""
     if not torch.cuda.is_available():
         return
-    from megatron.core import full_cuda_graph
     from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
     from megatron.core.transformer import cuda_graphs
 
@@ -159,13 +158,9 @@ def release_cuda_graphs() -> None:
         from transformer_engine.pytorch.graph import set_capture_end
 
         set_capture_end()
-    FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
     FullCudaGraphWrapper.result = {"training": None, "validation": None}
     FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
     StaticBufferLoader.static_buffers = {"training": [], "validation": []}
-    # the process-wide pool of whole-step graphs: a handle kept past its graph's deletion holds
-    # that graph's memory, and capturing into it again fails (CUDACachingAllocator use_count assert)
-    full_cuda_graph._shared_graph_pool = None
 
 
 def free_memory() -> None:

@@ -510,6 +510,17 @@ DATA_FIELDS = ("corpus_train_sha256", "corpus_valid_sha256", "valid_windows_sha2
 Runs = dict[int, dict[str, dict[str, dict]]]  # seed -> key -> segment -> row
 
 
+def place_of(protocol: Protocol, row: dict) -> tuple[tuple[int, str, str] | None, str | None]:
+    """The (seed, key, segment) a finished run of ``protocol`` fills, and None; or None and why the
+    row is no such run."""
+    why = mismatch(protocol, row)
+    if why is None and not 1 <= row["seed"] <= protocol.cap:
+        why = f"seed {row['seed']} is outside the protocol's 1..{protocol.cap}"
+    if why is None and row_key(row) not in protocol.keys(row["seed"]):
+        why = f"{row_key(row)} is not a run of seed {row['seed']} ({', '.join(protocol.keys(row['seed']))})"
+    return (None, why) if why is not None else ((row["seed"], row_key(row), segment_of(protocol, row)), None)
+
+
 def collect(protocol: Protocol, rows: list[tuple[str, dict]]) -> tuple[Runs, list[str]]:
     """The protocol's runs by seed, key and segment, and a line per row left out (and why). A run
     with two rows is left out altogether: which one counts is not the judge's to pick. Rows whose
@@ -518,16 +529,11 @@ def collect(protocol: Protocol, rows: list[tuple[str, dict]]) -> tuple[Runs, lis
     rows_by_place: dict[tuple[int, str, str], dict] = {}
     notes = []
     for where, row in rows:
-        why = mismatch(protocol, row)
-        if why is None and not 1 <= row["seed"] <= protocol.cap:
-            why = f"seed {row['seed']} is outside the protocol's 1..{protocol.cap}"
-        if why is None and row_key(row) not in protocol.keys(row["seed"]):
-            why = f"{row_key(row)} is not a run of seed {row['seed']} ({', '.join(protocol.keys(row['seed']))})"
+        place, why = place_of(protocol, row)
         if why is not None:
             if row.get("preset") == protocol.preset:
                 notes.append(f"left out: {where} {row.get('mode')} seed {row.get('seed')}: {why}")
             continue
-        place = (row["seed"], row_key(row), segment_of(protocol, row))
         found.setdefault(place, []).append(where)
         rows_by_place[place] = row
     runs: Runs = {}

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from . import Protocol, flags, mismatch, read_rows, row_key, run_name, segment_of
+from . import Protocol, flags, place_of, read_rows, run_name
 
 STARTUP_GUESS_S = 60.0  # a run's start-up (imports, model, corpus, first step) before any was measured
 POLL_S = 2.0
@@ -66,12 +66,7 @@ def made_runs(protocol: Protocol, rows: list[tuple[str, dict]]) -> set[tuple[int
     a run with two finished rows counts as made: a trunk made again in a later session, after the
     machine that held its checkpoint went back, is made; neither of its rows enters a figure, and
     counting it missing would make it a third time."""
-    made = set()
-    for _, row in rows:
-        if mismatch(protocol, row) is None and 1 <= row["seed"] <= protocol.cap:
-            if row_key(row) in protocol.keys(row["seed"]):
-                made.add((row["seed"], row_key(row), segment_of(protocol, row)))
-    return made
+    return {place for place, _ in (place_of(protocol, row) for _, row in rows) if place is not None}
 
 
 def plan(protocol: Protocol, state: str, seeds: list[int], devices: list[int | None], done: set) -> list[Job]:

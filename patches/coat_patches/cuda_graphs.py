@@ -57,6 +57,8 @@ def release_cuda_graphs() -> int:
     torch.cuda.synchronize()  # no replay in flight
     reset = reset_graphs(gc.get_objects(), cuda_graphs._CudaGraphRunner, torch.cuda.CUDAGraph)
     FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    # the process-wide pool of whole-step graphs: a handle kept past its graph's deletion holds that graph's
+    # memory, and capturing into it again fails (CUDACachingAllocator use_count assert)
     full_cuda_graph._shared_graph_pool = None
     cuda_graphs.delete_cuda_graphs()  # Megatron's records, its memory pool; collects and empties the cache
     torch.cuda.synchronize()
