@@ -186,6 +186,27 @@ def test_a_part_past_the_limit_is_stopped_and_what_it_wrote_comes_back(stand_ins
     assert (out / "gpu1" / "kernel-launches.tgz").exists()  # python3's stand-in does not sleep
 
 
+def test_each_gpu_gives_a_part_the_environment_its_words_name(stand_ins):
+    """NAME=VALUE words before a part are its environment alone (two accuracy protocols at once, each
+    with its state), and LIMIT among them is that part's time limit."""
+    tmp_path, env = stand_ins
+    proc = subprocess.run(
+        ["bash", str(RUNNER), "--each-gpu", "LIMIT=2 STAND_IN_SLEEP=1 speed-gpt-1b",
+         f"ACCURACY_STATE={tmp_path}/s125 PER_DEVICE=2 accuracy-runs gpt-125m-wsd 7 560 + kernel-launches"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "out"
+    assert "stopped after 2 s (LIMIT): what it wrote is packed" in (out / "gpu0.txt").read_text()
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert (
+        f"gpu=1 python3 -m coat_compare.protocol run gpt-125m-wsd --state {tmp_path}/s125 --seeds 7 --deadline 560 "
+        "--per-device 2 --guess-step-s 0.6" in calls
+    )
+    after = [c for c in calls if c.startswith("gpu=1 python3 -m pytest")]
+    assert after and "stopped after" not in (out / "gpu1.txt").read_text()  # the next part, without the words
+
+
 def test_wrong_calls_fail_before_any_set_up(stand_ins):
     tmp_path, env = stand_ins
     proc = subprocess.run(["bash", str(RUNNER), "no-such-part"], capture_output=True, text=True, env=env, cwd=ROOT)
