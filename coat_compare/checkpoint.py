@@ -181,12 +181,12 @@ def load_checkpoint(directory, chunks: list, optimizer, *, sharding_type: str = 
     for opt in megatron_adam:
         if not opt.optimizer.state:
             opt._init_optimizer_states_with_dummy_values()  # what Megatron does later in this load
-    with trusted_extra_state():
+    with trusted_extra_state():  # our own files, checked against their SHA-256 (TE's set_extra_state unpickles)
         state = dist_checkpointing.load(
             checkpoint_state(chunks, optimizer, sharding_type, is_loading=True), str(directory)
         )
-    for key, chunk in zip(model_keys(chunks), chunks):
-        chunk.module.load_state_dict(state[key])
+        for key, chunk in zip(model_keys(chunks), chunks):
+            chunk.module.load_state_dict(state[key])
     # With FP32 params the distributed optimizer's main params are views of the parameters, which
     # its load copies into in place: that needs autograd off.
     with torch.no_grad():

@@ -671,3 +671,35 @@ def test_save_steps_keep_the_weights_of_one_run_at_several_points(tmp_path):
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     row = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])
     assert row["first_step"] == 4 and row["status"] == "ok"
+
+
+def test_te_extra_state_unpickles_during_the_whole_load_and_only_then(monkeypatch):
+    """TE (2.20) unpickles delayed scaling's extra state in each module's ``set_extra_state``, which
+    ``load_state_dict`` calls after ``dist_checkpointing.load`` has read the files: the switch must
+    hold through both (a TE run's --load failed when it covered the read alone), and no longer."""
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    from coat_compare import checkpoint as ck
+
+    seen = []
+
+    class Module:
+        def load_state_dict(self, state):
+            seen.append(os.environ.get(ck.TE_PICKLE_SWITCH))
+
+    class Chunk:
+        module = Module()
+
+    class Optimizer:
+        optimizer = type("Adam", (), {"state": {"p": {}}})()
+
+        def load_state_dict(self, state):
+            pass
+
+    monkeypatch.delenv(ck.TE_PICKLE_SWITCH, raising=False)
+    monkeypatch.setattr(ck, "checkpoint_state", lambda *args, **kwargs: {})
+    monkeypatch.setattr(dist_checkpointing, "load", lambda state, directory: {"model": {}, "optimizer": {}, "step": 3})
+    assert ck.load_checkpoint("ckpt", [Chunk()], Optimizer()) == 3
+    assert seen == ["1"] and ck.TE_PICKLE_SWITCH not in os.environ
