@@ -35,8 +35,8 @@
 #   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
 #   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
 #   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu, accuracy-gpt-1b-check-2gpu
-#   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-cpu
-#   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-cpu
+#   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-1gpu
+#   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
 #   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
