@@ -198,3 +198,27 @@ def test_the_table_in_docs_is_the_committed_measurements():
         assert fidelity.write_docs(paths, check=True) == 0, "run the command in docs/accuracy.md's fidelity table"
     finally:
         os.chdir(cwd)
+
+
+def test_one_rows_file_holds_several_measurements_and_the_docs_show_the_gpus(tmp_path):
+    """An evidence folder keeps one fidelity.jsonl: measurements appended to it come back apart (by
+    their run's fields, in file order), and the docs leave out a CPU reading of a preset a GPU measured."""
+    import json
+
+    from coat_compare import fidelity as F
+
+    def rows(preset, device, n):
+        base = {"preset": preset, "layers": None, "seed": 1, "warm_steps": 3, "first_step": 0, "load": None,
+                "device": device, "micro_batches": 2, "lr": 1e-3}  # fmt: skip
+        return [{**base, "config": f"c{i}", "key": f"c{i}", "status": "skipped", "reason": "r"} for i in range(n)]
+
+    path = tmp_path / "fidelity.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows("tiny", "CPU", 2) + rows("tiny", "H200", 3)
+                            + rows("llama2-7b", "H200", 1)))  # fmt: skip
+    results = F.read_results(str(path))
+    assert [(r["preset"], r["device"], len(r["rows"])) for r in results] == [
+        ("tiny", "CPU", 2), ("tiny", "H200", 3), ("llama2-7b", "H200", 1)
+    ]  # fmt: skip
+    block = F.docs_block([str(path)])
+    assert "tiny, initial weights of seed 1, H200" in block and "llama2-7b, initial weights of seed 1, H200" in block
+    assert ", CPU (" not in block
