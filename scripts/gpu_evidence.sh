@@ -37,6 +37,7 @@
 #   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu, accuracy-gpt-1b-check-2gpu
 #   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-1gpu
 #   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-1gpu
+#   apex-pretrain WHAT                           WHAT build, then run: NVIDIA apex from the snapshot carried as .apex (build_apex.sh), then BF16 and --coat-fp8 through pretrain(), Megatron's wgrad fusion on -> pretrain-gpt-1b-1gpu
 #   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
 #   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
 #   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
@@ -306,6 +307,20 @@ case $part in
           --load "$ckpt/step$step" --first-step "$step" --out "$out/step$step"
         cat "$out/step$step/fidelity.md" ;;
       *) echo "fidelity-gpt-1b: train, or measure STEP" >&2; exit 2 ;;
+    esac ;;
+  apex-pretrain)
+    # apex is not in the GPU image: build_apex.sh builds it from a source snapshot carried with the tree (a build
+    # stopped by the limit goes on in the next command on the same machine); then Megatron's gradient-accumulation
+    # fusion left on (FUSION=1), which coat-megatron-run keeps where apex's fused wgrad imports
+    case ${1:?apex-pretrain build | run} in
+      build) run 580 build bash "$(dirname "$0")/build_apex.sh" "${APEX_SRC:-.apex}"; tail -3 "$out/build.log" ;;
+      run)
+        python3 -c "import fused_weight_gradient_mlp_cuda, apex.normalization" || { echo "apex is not built: apex-pretrain build" >&2; exit 2; }
+        run 560 layouts env RES="$out/layouts" OUT="$out" LAYOUTS=one MODES="bf16 coat-auto" FUSION=1 CAP=240 \
+          bash "$(dirname "$0")/gpu_pretrain_layouts.sh"
+        grep -h "coat-megatron-run\|gradient.accumulation\|Traceback\|Error" "$out"/layouts/*.log | sort | uniq -c | head
+        cat "$out/summary.md" ;;
+      *) echo "apex-pretrain: build, or run" >&2; exit 2 ;;
     esac ;;
   fidelity-llama2-7b-layer)
     run 590 layer "${big[@]}" python3 -m coat_compare.fidelity --preset llama2-7b --layers 1 --micro-batch 2 --out "$out"

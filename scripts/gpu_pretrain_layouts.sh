@@ -31,8 +31,8 @@
 # Environment: RES (default /tmp/pretrain-layouts), OUT (default out), LAYOUTS (default "pp2 tp2 tp2pp2"), MODES
 # (default "bf16 bf16-graphs coat coat-graphs"), ITERS (default 20), CAP (seconds per run, default
 # 150: a run that stalls is stopped and its row says so; 20 s before, each of its ranks writes its Python
-# stacks to $RES/stacks-LAYOUT-MODE/coat-stacks-rankN.txt: COAT_STACKS_AFTER), SIZE (1b | tiny).
-# (--no-gradient-accumulation-fusion: see scripts/gpu_pretrain.sh.)
+# stacks to $RES/stacks-LAYOUT-MODE/coat-stacks-rankN.txt: COAT_STACKS_AFTER), SIZE (1b | tiny), FUSION (0: pass
+# --no-gradient-accumulation-fusion, see scripts/gpu_pretrain.sh; 1: leave Megatron's default, which needs apex).
 set -uo pipefail
 out=${RES:-/tmp/pretrain-layouts}
 dest=${OUT:-out}
@@ -55,10 +55,11 @@ esac
 if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
 common=("${model[@]}" --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
   --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
-  --transformer-impl "$impl" --use-distributed-optimizer --no-gradient-accumulation-fusion
+  --transformer-impl "$impl" --use-distributed-optimizer
   --train-iters "$iters" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1
   --clip-grad 1.0 --adam-beta2 0.95 --seed 1234 --mock-data --tokenizer-type NullTokenizer
   --log-interval "$log_interval" --log-throughput --log-memory-interval "$iters" --eval-iters 0 --eval-interval 1000000)
+[ "${FUSION:-0}" = 1 ] || common+=(--no-gradient-accumulation-fusion)  # FUSION=1: Megatron's default (apex's fused wgrad)
 
 for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
   case $layout in
