@@ -13,7 +13,8 @@
 # Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, te-fp8 (TE FP8
 # with current scaling: --fp8-format hybrid --fp8-recipe tensorwise; needs TE), te-fp8-graphs, coat
 # (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 with graphs), coat-auto (--coat-fp8
-# alone: what a user gets). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
+# alone: what a user gets); +nosync and +gc after a mode add --coat-p2p-sync off (no device synchronization
+# after each pipeline exchange) and --manual-gc --manual-gc-interval 10 (coat-auto+nosync+gc). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
 # under PP (where megatron-core 0.19's local graphs do not run). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
 # $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
 # after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
@@ -75,7 +76,8 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
   # (megatron-core 0.19), its TE-based ones do (what --coat-fp8 alone picks there)
   case " ${parallel[*]} " in *" --pipeline-model-parallel-size "*) graphs=transformer_engine ;; *) graphs=local ;; esac
   for mode in ${MODES:-bf16 bf16-graphs coat coat-graphs}; do
-    case $mode in
+    options=""; [[ $mode == *+* ]] && options=${mode#*+}
+    case ${mode%%+*} in
       bf16)        flags=(--cuda-graph-impl none) ;;
       bf16-graphs) flags=(--cuda-graph-impl "$graphs") ;;
       coat)        flags=(--coat-fp8 --coat-cuda-graphs off) ;;
@@ -86,6 +88,13 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
       coat-auto)   flags=(--coat-fp8) ;;
       *) echo "mode $mode: use bf16, bf16-graphs, te-fp8, te-fp8-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
     esac
+    for option in ${options//+/ }; do
+      case $option in
+        nosync) flags+=(--coat-p2p-sync off) ;;
+        gc)     flags+=(--manual-gc --manual-gc-interval 10) ;;
+        *) echo "mode $mode: options after + are nosync and gc" >&2; exit 2 ;;
+      esac
+    done
     # a run still going 20 s before its cap writes each rank's stacks (coat_patches.launch), then is stopped
     COAT_STACKS_AFTER=$((cap > 40 ? cap - 20 : cap / 2)) COAT_STACKS_DIR="$out/stacks-$layout-$mode" \
       run "$cap" "$layout-$mode" python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
@@ -155,18 +164,19 @@ def losses(row, layout, mode):
 
 print("| layout | mode | GPUs | graphs | tokens/s | tokens/s per GPU | x BF16 eager | x BF16 same graphs "
       "| peak x BF16 eager | loss first -> last | largest loss difference vs one | x TE FP8 same graphs "
-      "| peak allocated (reserved) MiB per rank | status |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---|---|")
+      "| x the mode without +options | peak allocated (reserved) MiB per rank | status |")
+print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|")
 for (layout, mode), row in sorted(rows.items()):
     eager = rows.get((layout, "bf16"), {})
     same = rows.get((layout, "bf16-graphs" if row["graphs"] != "none" else "bf16"), {})
     te = rows.get((layout, "te-fp8-graphs" if row["graphs"] != "none" else "te-fp8"), {})
+    plain = rows.get((layout, mode.split("+")[0]), {}) if "+" in mode else {}
     tps = row["tokens_s"]
     per_gpu = f"{tps / int(row['gpus']):,.0f}" if tps and row["gpus"].isdigit() else ""
     print(f"| {layout} | {mode} | {row['gpus']} | {row['graphs']} | {f'{tps:,.0f}' if tps else ''} | {per_gpu} "
           f"| {ratio(tps, eager.get('tokens_s'))} | {ratio(tps, same.get('tokens_s'))} "
           f"| {ratio(row['peak'], eager.get('peak'))} | {' | '.join(losses(row, layout, mode))} "
-          f"| {ratio(tps, te.get('tokens_s'))} | {row['memory']} | {row['status']} |")
+          f"| {ratio(tps, te.get('tokens_s'))} | {ratio(tps, plain.get('tokens_s'))} | {row['memory']} | {row['status']} |")
 PY
 cp "$out"/*.log "$out"/summary.md "$dest"/
 for stacks in "$out"/stacks-*/; do [ -d "$stacks" ] && [ "$out" != "$dest" ] && cp -r "$stacks" "$dest"/; done

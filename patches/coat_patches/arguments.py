@@ -72,6 +72,13 @@ RECIPE_HELP = (
 )
 SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its command-line word
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
+P2P_SYNC_HELP = (
+    "Megatron's torch.cuda.synchronize() after every batched pipeline exchange (TransformerConfig.batch_p2p_sync, "
+    "no flag of Megatron's; on by default in megatron-core 0.19, a guard against a race of old PyTorch's "
+    "batch_isend_irecv). off: the host runs ahead across exchanges, in any mode, with or without --coat-fp8. "
+    "Only the non-interleaved pipeline schedule batches its exchanges (with virtual stages Megatron overlaps them "
+    "instead), so it matters only there"
+)
 CUDA_GRAPHS_CHOICES = ("auto", "off")
 CUDA_GRAPHS_HELP = (
     "Megatron's per-layer CUDA graphs with --coat-fp8 (default auto: on a GPU with COAT's layers, --cuda-graph-impl "
@@ -129,6 +136,7 @@ def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default="auto",
         help=CUDA_GRAPHS_HELP,
     )
+    group.add_argument("--coat-p2p-sync", dest="coat_p2p_sync", choices=("on", "off"), default="on", help=P2P_SYNC_HELP)
     group.add_argument(
         "--coat-report",
         dest="coat_report",
@@ -399,6 +407,18 @@ def _param_gather_problems(args) -> list[str]:
     return problems
 
 
+def apply_p2p_sync(args: argparse.Namespace) -> None:
+    """``--coat-p2p-sync off``: ``batch_p2p_sync`` False on the arguments, which
+    ``core_transformer_config_from_args`` copies into the model's config (the pipeline schedules read
+    it there), and one line where a pipeline batches its exchanges."""
+    if getattr(args, "coat_p2p_sync", "on") != "off":
+        return
+    args.batch_p2p_sync = False
+    batched = args.pipeline_model_parallel_size > 1 and not getattr(args, "overlap_p2p_comm", False)
+    if batched and os.environ.get("RANK", "0") == "0":
+        print("coat-megatron-run: no device synchronization after each pipeline exchange (--coat-p2p-sync off)", flush=True)
+
+
 def install(replacements: Replacements) -> None:
     """Wrap ``add_megatron_arguments`` and ``validate_args`` of ``megatron.training.arguments``."""
     require_megatron_core(__name__)
@@ -420,6 +440,7 @@ def install(replacements: Replacements) -> None:
         result = validate_args(args, defaults)
         check_coat_args(args)
         apply_coat_args(args)
+        apply_p2p_sync(args)
         return result
 
     replacements.replace(arguments, "add_megatron_arguments", add_megatron_and_coat_arguments)

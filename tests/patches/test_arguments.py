@@ -457,3 +457,25 @@ def test_a_recipe_by_name_with_knobs_on_top(monkeypatch):
     args = parse(monkeypatch, *LLAMA, "--coat-fp8", "--coat-recipe", "cached", "--coat-group-size", "32")
     assert coat_config_from_args(args) == CoatConfig.recipe("cached", group_size=32)
     assert "--coat-recipe has no effect without --coat-fp8" in problems(monkeypatch, *LLAMA, "--coat-recipe", "codes")
+
+
+# --coat-p2p-sync: Megatron's device synchronization after each batched pipeline exchange
+
+
+@pytest.mark.parametrize("coat", [[], ["--coat-fp8"]])
+def test_p2p_sync_off_reaches_the_models_config_and_on_is_megatrons_default(monkeypatch, coat, capsys):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    on = parse(monkeypatch, *LLAMA, *coat)
+    assert core_transformer_config_from_args(on).batch_p2p_sync is True  # megatron-core 0.19's default
+    off = parse(monkeypatch, *LLAMA, *coat, "--coat-p2p-sync", "off")
+    assert off.batch_p2p_sync is False and core_transformer_config_from_args(off).batch_p2p_sync is False
+    assert "--coat-p2p-sync off" not in capsys.readouterr().out  # no pipeline here: nothing to say
+
+
+def test_p2p_sync_off_says_so_once_where_a_pipeline_batches_its_exchanges(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse(monkeypatch, *LLAMA, "--pipeline-model-parallel-size", "2", "--coat-p2p-sync", "off")
+    assert args.batch_p2p_sync is False
+    out = capsys.readouterr().out
+    assert out.count("no device synchronization after each pipeline exchange (--coat-p2p-sync off)") == 1

@@ -180,3 +180,24 @@ def test_gpu_pretrain_layouts_script_names_te_when_a_te_mode_lacks_it(tmp_path):
     )
     assert done.returncode == 2 and "mode te-fp8 needs TransformerEngine" in done.stderr
     assert not list((tmp_path / "res").glob("*.log"))
+
+
+def test_gpu_pretrain_layouts_script_runs_a_mode_with_options_beside_it(tmp_path):
+    """MODE+nosync+gc: the same mode with --coat-p2p-sync off and Megatron's manual garbage collection,
+    its summary row compared with the mode without them; an unknown option stops before any run."""
+    env = _cpu_env(SIZE="tiny", ITERS="4", LAYOUTS="one", MODES="bf16 bf16+nosync+gc", RES=str(tmp_path / "res"),
+                   OUT=str(tmp_path))  # fmt: skip
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    script = ["bash", str(ROOT / "scripts" / "gpu_pretrain_layouts.sh")]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    log = (tmp_path / "one-bf16+nosync+gc.log").read_text()
+    assert re.search(r"^\s+manual_gc \.+ True$", log, re.M) and re.search(r"^\s+coat_p2p_sync \.+ off$", log, re.M)
+    rows = {}
+    for line in (tmp_path / "summary.md").read_text().splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[1]] = cells
+    assert rows["bf16+nosync+gc"][-1] == "ok" and float(rows["bf16+nosync+gc"][12]) > 0 and rows["bf16"][12] == ""
+    env["MODES"] = "bf16+fast"
+    done = subprocess.run(script, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "options after + are nosync and gc" in done.stderr
