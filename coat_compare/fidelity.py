@@ -691,7 +691,11 @@ def read_results(path: str) -> list[dict]:
 def measurement_name(result: dict) -> str:
     """How the docs name a measurement: preset (layers where one was asked), weights, device."""
     preset = result["preset"] + (f", {result['layers']} layer(s)" if result.get("layers") == 1 else "")
-    weights = f"checkpoint after step {result['first_step']}" if result.get("load") else f"initial weights of seed {result['seed']}"
+    weights = (
+        f"checkpoint after step {result['first_step']}"
+        if result.get("load")
+        else f"initial weights of seed {result['seed']}"
+    )
     return f"{preset}, {weights}, {result['device']}"
 
 

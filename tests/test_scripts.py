@@ -319,7 +319,9 @@ def test_the_8_gpu_parts_spell_out_the_layout_and_refuse_a_smaller_host(stand_in
 
 
 def test_build_apex_refuses_what_is_not_an_apex_source_tree(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_apex.sh"), str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "build_apex.sh"), str(tmp_path)], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "is not an NVIDIA apex source tree" in proc.stderr
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "build_apex.sh")], capture_output=True, text=True)
     assert proc.returncode != 0 and "usage: build_apex.sh SRC" in proc.stderr

@@ -416,7 +416,10 @@ def apply_p2p_sync(args: argparse.Namespace) -> None:
     args.batch_p2p_sync = False
     batched = args.pipeline_model_parallel_size > 1 and not getattr(args, "overlap_p2p_comm", False)
     if batched and os.environ.get("RANK", "0") == "0":
-        print("coat-megatron-run: no device synchronization after each pipeline exchange (--coat-p2p-sync off)", flush=True)
+        print(
+            "coat-megatron-run: no device synchronization after each pipeline exchange (--coat-p2p-sync off)",
+            flush=True,
+        )
 
 
 def install(replacements: Replacements) -> None:
