@@ -27,7 +27,8 @@ from .presets import Preset, get_preset
 GIB = 2**30
 # Activations one transformer layer keeps for its backward, bytes per token and per unit of hidden
 # size: one Llama-2-7B layer at seq 2048 x micro-batch 4 on an H100 (benchmarks/results/
-# layer-llama2-7b-1gpu/h100/llama2-7b-layer.md: 965.1, 815.1 and 616.1 MiB over 8192 tokens x 4096).
+# layer-llama2-7b-1gpu/reports.md, section h100/llama2-7b-layer.md: 965.1, 815.1 and 616.1 MiB
+# over 8192 tokens x 4096).
 # The Llama shapes keep FFN / hidden at about 2.7, so the figure carries over to 13B and 30B.
 ACTIVATION_BYTES = {"bf16": 30.16, "te-fp8-current": 25.47, "coat": 19.25}
 # TE FP8's FP8 weight copies, bytes per parameter of a shard (measured: "+2.04 other" in
