@@ -2,10 +2,12 @@
 recomputed here from the rows of its evidence folder (benchmarks/results/<claim>/rows.jsonl.gz: the
 coat-compare rows as they were written, each file's rows after a {"kind": "source"} line naming the
 commit and path they were restored from), with the rounding the README uses, and must appear in the
-README row's "measured" cell. Figures without rows are listed below, so the gap stays visible."""
+README row's "measured" cell; where docs/results.md quotes the same folder's figures, its row's "figure"
+cell is checked the same way. Figures without rows are listed below, so the gap stays visible."""
 
 import gzip
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -26,30 +28,9 @@ NO_ROWS = {
     ),
 }
 
-# README rows whose rows are in git history but not in their folder: benchmarks/results is at its
-# 150-file cap (tests/test_results_tree.py), and each would add a file
-NOT_RESTORED = {
-    "Llama-2-7B, seq 2048, global batch 16, one 80 GB GPU": (
-        "08a345a:benchmarks/results/default-h100x2/min7b/llama2-7b-mb4.jsonl, "
-        "08a345a:benchmarks/results/default-h100/llama2-7b-gb16.jsonl"
-    ),
-    "Llama-2-13B, 4 GPUs, graphed": (
-        "e3faeea:benchmarks/results/llama2-13b-4gpu/llama2-13b-tp2-dp2-mb1.jsonl, "
-        "e3faeea:benchmarks/results/llama2-13b-4gpu/llama2-13b-tp1-dp4-mb2.jsonl"
-    ),
-    "Llama-2-13B, micro-batch 2, 150 steps": (
-        "08a345a:benchmarks/results/cosine-h200x4/eps13b/llama2-13b-eps1e-5-150.jsonl, "
-        "08a345a:benchmarks/results/memory-h200/llama2-13b.jsonl"
-    ),
-    "accuracy: Llama-2-7B, one seed": (
-        "the 1-GPU figures only: 08a345a:benchmarks/results/default-h200/acc7b/seed1234/"
-        "llama2-7b-acc-{bf16,coat,te-fp8-current}.jsonl; the DP 4 figure is checked below"
-    ),
-    "one Llama-2-7B layer, fwd+bwd": (
-        "08a345a:benchmarks/results/speed-h100/llama2-7b-layer.jsonl, "
-        "08a345a:benchmarks/results/issue23-h100/profile23/layer_profile.jsonl"
-    ),
-}
+# README rows whose rows are in git history but not in their folder, each with the commit:path that holds
+# them (none since the five of the first pass were restored)
+NOT_RESTORED: dict[str, str] = {}
 
 # checked from the same folder's rows.jsonl.gz by another test
 CHECKED_ELSEWHERE = {
@@ -111,6 +92,29 @@ def check(claim: str, figures: list[str]) -> None:
     text = measured(claim)
     missing = [f for f in figures if f not in text]
     assert not missing, f"recomputed from the rows but not in README.md's row {claim!r}: {missing}\n{text}"
+
+
+def results_index_figure(folder: str) -> str:
+    """The "figure" cell of the one docs/results.md row whose evidence is the folder."""
+    text = (ROOT / "docs" / "results.md").read_text()
+    found = [line for line in text.splitlines() if line.startswith("| ") and f"benchmarks/results/{folder}/" in line]
+    assert len(found) == 1, f"docs/results.md has {len(found)} rows with evidence in {folder}"
+    return found[0].strip().strip("|").split(" | ")[1].replace("**", "")
+
+
+def check_index(folder: str, figures: list[str]) -> None:
+    text = results_index_figure(folder)
+    missing = [f for f in figures if f not in text]
+    assert not missing, f"recomputed from the rows but not in docs/results.md's row for {folder}: {missing}\n{text}"
+
+
+def gib(mib: float) -> str:
+    return f"{mib / 1024:.1f} GiB"
+
+
+def oom_at(row: dict, micro_batch: int) -> bool:
+    # coat-compare's reason for a run that did not fit: "out of memory at micro-batch N: ..."
+    return row["status"] == "oom" and row["reason"].startswith(f"out of memory at micro-batch {micro_batch}:")
 
 
 def test_every_table_row_is_checked_or_listed():
@@ -215,6 +219,176 @@ def accuracy_gpt_1b():
     ]
 
 
+def fits_80gb():
+    found = rows("llama2-7b-fits-80gb-1gpu")
+    # names of those commits (commands.txt): coat-min is today's default, coat today's coat-codes
+    default = one(found, "llama2-7b-mb4", kind="train", mode="coat-min")
+    assert default["global_batch"] == 16 and default["device"] == "NVIDIA H100 80GB HBM3"
+    others = [one(found, "llama2-7b-gb16", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "te-fp8-pa")]
+    assert all(oom_at(r, 2) for r in others)
+    return [
+        f"default, micro-batch {default['micro_batch']}: {default['tokens_per_s']:.0f} tokens/s",
+        f"{default['model_tflops_per_gpu']:.0f} model TFLOP/s",
+        f"peak {gib(default['peak_MiB'])}",
+        "BF16 and TE FP8 (current; FP8 Adam states) run out of memory at micro-batch 2",
+    ]
+
+
+def fits_80gb_index():
+    found = rows("llama2-7b-fits-80gb-1gpu")
+    default = one(found, "llama2-7b-mb4", kind="train", mode="coat-min")
+    codes_mb4 = one(found, "llama2-7b-mb4", kind="train", mode="coat")
+    codes = one(found, "llama2-7b-gb16", kind="train", mode="coat")
+    assert oom_at(codes_mb4, 4)
+    others = [one(found, "llama2-7b-gb16", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "te-fp8-pa")]
+    assert all(oom_at(r, 2) for r in others)
+    held = sum(v for k, v in default["bytes_per_param"].items() if k != "other")
+    return [
+        f"the default at micro-batch 4 ({default['global_batch'] // default['micro_batch']} per step): "
+        f"{default['tokens_per_s']:.0f} tokens/s, {default['model_tflops_per_gpu']:.0f} model TFLOP/s, "
+        f"peak {gib(default['peak_MiB'])}, {held:.2f} B/param",
+        f"out of memory there, {codes['tokens_per_s']:.0f} tokens/s at micro-batch {codes['micro_batch']}, "
+        "where BF16, TE FP8 current and `te-fp8-pa` ran out of memory",
+    ]
+
+
+def llama2_13b_4gpu():
+    found = rows("llama2-13b-4gpu")
+    bf16, te, coat = (one(found, "tp2-dp2-mb1", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat"))
+    dp4 = one(found, "tp1-dp4-mb2", kind="train", mode="coat")
+    assert {(r["tp"], r["dp"], r["micro_batch"], r["graphs"]) for r in (bf16, te, coat)} == {(2, 2, 1, "local")}
+    assert (dp4["tp"], dp4["dp"], dp4["graphs"]) == (1, 4, "local")
+    return [
+        f"TP 2 x DP 2: default {x(coat['tokens_per_s'] / bf16['tokens_per_s'])} BF16, "
+        f"{x(coat['tokens_per_s'] / te['tokens_per_s'])} TE",
+        f"at DP 4, micro-batch {dp4['micro_batch']}: {x(dp4['tokens_per_s'] / bf16['tokens_per_s'])} BF16",
+    ]
+
+
+def llama2_13b_4gpu_index():
+    found = rows("llama2-13b-4gpu")
+    bf16, te, coat = (one(found, "tp2-dp2-mb1", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat"))
+    dp4 = one(found, "tp1-dp4-mb2", kind="train", mode="coat")
+    b, t, c, d = (r["tokens_per_s"] for r in (bf16, te, coat, dp4))
+    return [
+        f"TP 2 x DP 2 micro-batch 1: BF16 {b:.0f} tokens/s, TE FP8 current {t:.0f} ({x(t / b)}), "
+        f"COAT {c:.0f} ({x(c / b)} BF16, {x(c / t)} TE, peak {x(coat['peak_MiB'] / bf16['peak_MiB'])} BF16's)",
+        f"COAT at DP 4 micro-batch {dp4['micro_batch']}: {d:.0f} ({x(d / b)} BF16's and {x(d / t)} TE's TP 2 x DP 2 "
+        f"rows, {dp4['model_tflops_per_gpu']:.0f} model TFLOP/s per GPU, peak {dp4['peak_MiB']:.0f} MiB)",
+    ]
+
+
+def highest_after_step_10(row: dict) -> tuple[float, int]:
+    # losses[i] is step i + 1's training loss
+    loss = max(row["losses"][10:])
+    return loss, row["losses"].index(loss) + 1
+
+
+def llama2_13b_1gpu():
+    found = rows("llama2-13b-1gpu")
+    run = one(found, "eps1e-5-150", kind="train", mode="coat")
+    assert (run["micro_batch"], run["global_batch"], run["steps"], run["adam_eps"]) == (2, 4, 150, 1e-5)
+    (first_step, first), (last_step, last) = run["valid_losses"][0], run["valid_losses"][-1]
+    assert (first_step, last_step, last) == (25, 150, run["valid_loss"])
+    assert oom_at(one(found, "memory-h200/llama2-13b", kind="train", mode="bf16"), 1)
+    return [
+        f"default: {run['tokens_per_s']:.0f} tokens/s",
+        f"peak {gib(run['peak_MiB'])}",
+        f"validation loss {first:.2f} -> {last:.2f}",
+        "BF16 does not fit micro-batch 1",
+    ]
+
+
+def llama2_13b_1gpu_index():
+    found = rows("llama2-13b-1gpu")
+    run = one(found, "eps1e-5-150", kind="train", mode="coat")
+    assert run["adam_eps"] == 1e-5
+    (first_step, first), (last_step, last) = run["valid_losses"][0], run["valid_losses"][-1]
+    # the same run at Megatron's epsilon 1e-8: its rows stay in the folder's llama2-13b-mb2.jsonl (commands.txt)
+    eps8 = one(rows("llama2-13b-1gpu", "llama2-13b-mb2.jsonl"), "mb2", kind="train", mode="coat")
+    spike, spike_step = highest_after_step_10(eps8)
+    # names of that commit (commands.txt): coat-mem is today's coat-codes, coat today's coat-fp32
+    codes = one(found, "memory-h200/llama2-13b", kind="train", mode="coat-mem")
+    assert codes["micro_batch"] == 1
+    assert all(oom_at(one(found, "memory-h200/llama2-13b", kind="train", mode=m), 1) for m in ("bf16", "coat"))
+    return [
+        f"the default at micro-batch {run['micro_batch']}, global batch {run['global_batch']}, {run['steps']} steps, "
+        "Adam's epsilon 1e-5",
+        f"{run['tokens_per_s']:.0f} tokens/s, peak {gib(run['peak_MiB'])}, validation loss {first:.2f} "
+        f"(step {first_step}) -> {last:.2f} (step {last_step}), "
+        f"training loss at most {highest_after_step_10(run)[0]:.2f} after step 10",
+        f"at Megatron's 1e-8: {eps8['tokens_per_s']:.0f} tokens/s, {spike:.2f} at step {spike_step}, "
+        f"validation -> {eps8['valid_loss']:.2f}",
+        f"Micro-batch 1: `coat-codes` {codes['tokens_per_s']:.0f} tokens/s, BF16 and `coat-fp32` out of memory",
+    ]
+
+
+def accuracy_llama2_7b_1gpu():
+    runs = {r["mode"]: r for _, r in rows("accuracy-llama2-7b-1gpu") if r["kind"] == "train"}
+    assert set(runs) == {"bf16", "coat", "te-fp8-current"}
+    assert {(r["seed"], r["steps"], r["global_batch"], r["first_step"]) for r in runs.values()} == {(1234, 200, 4, 0)}
+    gap = {m: runs[m]["valid_loss"] / runs["bf16"]["valid_loss"] - 1 for m in ("coat", "te-fp8-current")}
+    spiked = all(max(r["losses"][:12]) > math.log(32000) for r in runs.values())
+    return gap, spiked
+
+
+def accuracy_llama2_7b():
+    gap, _ = accuracy_llama2_7b_1gpu()
+    return [
+        f"200 steps at batch 4: default {pct(gap['coat'])}, TE FP8 current {pct(gap['te-fp8-current'])}",
+        *accuracy_llama2_7b_dp4(),
+    ]
+
+
+def accuracy_llama2_7b_index():
+    gap, spiked = accuracy_llama2_7b_1gpu()
+    assert spiked
+    # the rule fixed before the runs: gap <= +0.5% (commands.txt)
+    assert max(gap.values()) <= 0.005
+    return [
+        f"the default {pct(gap['coat'])}, TE FP8 current {pct(gap['te-fp8-current'])} (rule <= +0.5%: met by both)",
+        "every mode spiked past ln(vocab) in its first 12 steps",
+    ]
+
+
+def layer_llama2_7b():
+    found = rows("layer-llama2-7b-1gpu")
+    # coat-compare's layer rows for activations (W^T cached then: the same activations); the kernel profile of
+    # the default (W and W^T quantized in every micro-batch) for time
+    layer = {r["mode"]: r for s, r in found if "speed-h100/llama2-7b-layer" in s and r["kind"] == "layer"}
+    profile = {r["mode"]: r for s, r in found if "issue23-h100/profile23/layer_profile" in s}
+    coat = layer["coat"]["activation_MiB"]
+    leanest_te = min(r["activation_MiB"] for m, r in layer.items() if m.startswith("te-fp8"))
+    return [
+        f"activations {x(coat / layer['bf16']['activation_MiB'])} BF16",
+        f"{x(coat / leanest_te)} the leanest TE FP8",
+        f"time {x(profile['coat']['total_ms'] / profile['te-fp8-current']['total_ms'])} TE FP8 current",
+    ]
+
+
+def layer_llama2_7b_index():
+    found = rows("layer-llama2-7b-1gpu")
+    layer = {r["mode"]: r for s, r in found if "speed-h100/llama2-7b-layer" in s and r["kind"] == "layer"}
+    h100 = {r["mode"]: r for s, r in found if "issue23-h100/profile23/layer_profile" in s}
+    h200 = {r["mode"]: r for s, r in found if "profile23b/layer_profile-7b" in s}
+    h200_layer = {r["mode"]: r for s, r in found if "layer-h200.jsonl" in s}
+    coat, bf16 = layer["coat"]["activation_MiB"], layer["bf16"]["activation_MiB"]
+    te = min(r["activation_MiB"] for m, r in layer.items() if m.startswith("te-fp8"))
+    recomputed = h200_layer["COAT (norm outputs recomputed for wgrad)"]["activation_MiB"]
+
+    def time(profile):
+        return x(profile["coat"]["total_ms"] / profile["te-fp8-current"]["total_ms"], 3)
+
+    return [
+        f"activations {coat:.0f} MiB against BF16's {bf16:.0f} ({x(coat / bf16)}) and the leanest TE FP8's "
+        f"{te:.0f} ({x(coat / te)}); {recomputed:.0f} with the norm outputs recomputed",
+        f"GPU time: the default {time(h100)} TE FP8 current (H100; {time(h200)} H200), "
+        f"W^T cached {x(layer['coat']['ms'] / layer['te-fp8-current']['ms'])}",
+        f"GEMMs {h100['coat']['by_class_ms']['GEMM']:.2f} against TE's "
+        f"{h100['te-fp8-current']['by_class_ms']['GEMM']:.2f} ms",
+    ]
+
+
 def accuracy_llama2_7b_dp4():
     # this folder's rows file is its runs.jsonl (check.md names it): the second half's rows
     found = rows("accuracy-llama2-7b-dp4-4gpu", "runs.jsonl")
@@ -272,13 +446,31 @@ CHECKED = {
     "Llama-2-7B, each mode at its largest micro-batch (eager)": max_batch,
     "`--coat-fp8` through Megatron's `pretrain()`": pretrain,
     "accuracy: gpt-1b, 460 steps": accuracy_gpt_1b,
-    "accuracy: Llama-2-7B, one seed": accuracy_llama2_7b_dp4,
+    "accuracy: Llama-2-7B, one seed": accuracy_llama2_7b,
+    "Llama-2-7B, seq 2048, global batch 16, one 80 GB GPU": fits_80gb,
+    "Llama-2-13B, 4 GPUs, graphed": llama2_13b_4gpu,
+    "Llama-2-13B, micro-batch 2, 150 steps": llama2_13b_1gpu,
+    "one Llama-2-7B layer, fwd+bwd": layer_llama2_7b,
+}
+
+# docs/results.md rows (by their evidence folder) whose figures are recomputed from the same rows
+INDEX_CHECKED = {
+    "llama2-7b-fits-80gb-1gpu": fits_80gb_index,
+    "llama2-13b-4gpu": llama2_13b_4gpu_index,
+    "llama2-13b-1gpu": llama2_13b_1gpu_index,
+    "accuracy-llama2-7b-1gpu": accuracy_llama2_7b_index,
+    "layer-llama2-7b-1gpu": layer_llama2_7b_index,
 }
 
 
 @pytest.mark.parametrize("claim", sorted(CHECKED))
 def test_the_readme_figures_recompute_from_the_rows(claim):
     check(claim, CHECKED[claim]())
+
+
+@pytest.mark.parametrize("folder", sorted(INDEX_CHECKED))
+def test_the_results_index_figures_recompute_from_the_rows(folder):
+    check_index(folder, INDEX_CHECKED[folder]())
 
 
 def test_the_lists_name_rows_of_the_table():
