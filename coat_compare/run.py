@@ -346,7 +346,7 @@ def resume_all(args, preset: Preset, modes: list[Mode], keep) -> None:
 
 
 def layouts_all(args, preset: Preset, modes: list[Mode], keep) -> None:
-    """The layout check (``layouts``): every mode trained in every layout of --layouts (each run in
+    """The layout check (``layouts``): every mode trained in every layout given (each run in
     processes of its own), then one row per (mode, layout) judged against the first layout."""
     layouts = parse_layouts(args.layouts)
     names = [layout_name(*layout) for layout in layouts]
