@@ -346,7 +346,6 @@ def _layout_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-
 def _training_options(p: argparse.ArgumentParser) -> None:
     """How runs train (collection, wgrad, timeouts, determinism) and where the report goes."""
     p.add_argument(
@@ -399,15 +398,17 @@ def _training_options(p: argparse.ArgumentParser) -> None:
         "of a step in one graph, Megatron's full_iteration); default none",
     )
 
+
 def _report_options(p: argparse.ArgumentParser) -> None:
     """Where the report goes."""
     p.add_argument(
         "--out",
         help="report directory, made if missing and checked writable first (default $OUT or ./out)",
     )
-    p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search for search, and so on)")
+    p.add_argument(
+        "--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search for search, and so on)"
+    )
     p.add_argument("--no-plots", action="store_true")
-
 
 
 def _search_options(p: argparse.ArgumentParser) -> None:
