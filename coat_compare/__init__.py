@@ -2,8 +2,8 @@
 
 One module per concept, in the order the ``coat-compare`` command uses them:
 
-    cli.py       the command line: every option, checked before any work
-    run.py       the job: each mode measured (in processes of its own), the report written
+    cli.py       the command line: the sub-commands and their options, checked before any work (Options)
+    run.py       the sub-commands (run, search, resume, layouts, summarize, protocol), each job's rows and report
     presets.py   the model shapes (one layer, or a GPT trained end to end)
     modes.py     the recipes compared (bf16, te-fp8-*, coat) and why one cannot run here
     parallel.py  device, torch.distributed and Megatron's parallel state (TP x PP x DP processes)
@@ -14,9 +14,9 @@ One module per concept, in the order the ``coat-compare`` command uses them:
     comm.py      bytes moved by all-gathers, by process group (sequence parallel, DP) and width
     checkpoint.py  Megatron dist checkpoints of the model and its distributed optimizer
     probe.py     one run of the job in fresh processes (torchrun for several)
-    search.py    the largest micro-batch that fits (doubling, bisection, a process per try)
-    resume.py    a checkpoint written at DP n resumed at DP 1 and DP n, against the uninterrupted run
-    layouts.py   one model in several parallel layouts, step by step against the first (the rule)
+    search.py    search: the largest micro-batch that fits (doubling, bisection, a process per try)
+    resume.py    resume: a checkpoint written at DP n resumed at DP 1 and DP n, against the uninterrupted run
+    layouts.py   layouts: one model in several parallel layouts, step by step against the first (the rule)
     progress.py  a progress line on stderr
     goals.py     the issue's goals judged on the rows
     report.py    JSON lines and markdown tables with ratios

@@ -1,31 +1,30 @@
 """coat-compare: BF16, TransformerEngine FP8 and COAT on the same model, data and seed.
 
-    coat-compare --preset tiny                                   # CPU: bf16 and coat, TE rows skipped
-    coat-compare --preset llama2-7b-layer --modes all            # one layer: time, activation memory
-    coat-compare --preset gpt-1b --steps 30 --micro-batch 4      # end to end, equal micro-batch
-    coat-compare --preset gpt-1b --cuda-graphs none,local,full   # every mode eager and with CUDA graphs
-    coat-compare --preset llama2-7b --modes bf16,coat --search   # largest micro-batch that fits
-    coat-compare --summarize --out out                           # every report in out/ -> summary.md
-    coat-compare --preset llama2-7b --tp 2 --dp 2 --global-batch 16   # 4 GPUs: TP 2 (sequence parallel) x DP 2
-    coat-compare --preset gpt-1b --pp 2 --vpp 2 --global-batch 16     # 2 GPUs: 2 pipeline stages, 2 virtual each
-    coat-compare --preset gpt-1b --modes coat --dp 2 --resume-check   # DP 2 checkpoint -> DP 1 and DP 2
-    coat-compare --preset gpt-1b --layouts 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2 --global-batch 8 --steps 30
-                                                                 # each layout against one GPU, step by step
-    coat-compare --preset gpt-125m --modes bf16,coat --seed 1 --data-seed 2   # same weights, another data order
+    coat-compare run --preset tiny                                   # CPU: bf16 and coat, TE rows skipped
+    coat-compare run --preset llama2-7b-layer --modes all            # one layer: time, activation memory
+    coat-compare run --preset gpt-1b --cuda-graphs none,local,full   # every mode eager and with CUDA graphs
+    coat-compare run --preset llama2-7b --tp 2 --dp 2 --global-batch 16   # 4 GPUs: TP 2 (sequence parallel) x DP 2
+    coat-compare search --preset llama2-7b --modes bf16,coat         # each mode's largest micro-batch
+    coat-compare resume --preset gpt-1b --modes coat --dp 2          # a DP 2 checkpoint resumed at DP 1 and DP 2
+    coat-compare layouts 1,tp2,pp2,dp2 --preset gpt-1b --global-batch 8 --steps 30   # each layout against one GPU
+    coat-compare summarize --out out                                 # every report in out/ -> summary.md
+    coat-compare protocol show gpt-125m-wsd                          # the accuracy protocols (its own --help)
 
-Writes ``{out}/{preset}.jsonl`` (one JSON object per row), ``{out}/{preset}.md`` (tables with
-ratios, the goals) and PNG plots (with matplotlib), and prints the markdown. ``--search`` writes
-``{preset}-search.*``, ``--resume-check`` ``{preset}-resume.*``, ``--layouts``
-``{preset}-layouts.*``. A mode that cannot run here (no TransformerEngine, no GPU, out of memory)
-is a row with the reason. ``--cuda-graphs`` runs every mode of an end-to-end preset in each CUDA
-graph configuration named (one row each), so that every mode is also reported in its fastest
-configuration, and the goals compare those.
+Without a sub-command the command line is ``run``'s: ``coat-compare --preset tiny`` is
+``coat-compare run --preset tiny``. ``coat-compare SUB-COMMAND --help`` lists a sub-command's
+options.
 
-Run it with plain python (not under torchrun): each (mode, CUDA graph configuration) trains in
-processes of its own, ``--tp`` x ``--pp`` x ``--dp`` of them under torchrun, which the job starts
-(one GPU each; sequence parallel on when ``--tp`` > 1), so that no mode inherits another's
-memory, CUDA graphs or process-wide state; a run whose rank dies or stalls (``--step-timeout``)
-is a failed row and the job goes on. On a CPU a run of one process trains inside the job.
+A job writes ``{out}/{name}.jsonl`` (one JSON object per row), ``{out}/{name}.md`` (tables with
+ratios, the goals) and PNG plots (with matplotlib), and prints the markdown; the name is the
+preset's (``PRESET-search``, ``PRESET-resume``, ``PRESET-layouts``) unless ``--name``. A mode that
+cannot run here (no TransformerEngine, no GPU, out of memory) is a row with the reason.
+
+Run it with plain python (not under torchrun): each run (a mode in one CUDA graph configuration,
+a try of the search, a run of the resume or layout check) trains in processes of its own,
+``--tp`` x ``--pp`` x ``--dp`` of them under torchrun, which the job starts (one GPU each;
+sequence parallel on when ``--tp`` > 1), so that no mode inherits another's memory, CUDA graphs
+or process-wide state; a run whose rank dies or stalls (``--step-timeout``) is a failed row and
+the job goes on. On a CPU a run of one process trains inside the job.
 
 Every option is checked before any work: a value the job cannot run is one line on stderr and exit
 status 2, and ``--out`` is made and written to first. Each row is appended to
@@ -47,11 +46,119 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from .corpus import SOURCES
 from .layouts import parse_layouts
-from .modes import DEFAULT_MODES, MODES, parse_modes
+from .modes import DEFAULT_MODES, MODES, Mode, parse_modes
 from .presets import PRESETS, Preset, get_preset
+
+SUB_COMMANDS = {
+    "run": "each mode of a preset measured (the default sub-command)",
+    "search": "each mode's largest micro-batch (end-to-end presets; a fresh process per try)",
+    "resume": "a checkpoint saved at the job's layout resumed at others, against the uninterrupted run",
+    "layouts": "each mode trained in each layout, step by step against the first (the rule: coat_compare.layouts)",
+    "summarize": "every *.jsonl report in --out combined into summary.md",
+    "protocol": "the accuracy protocols: show, flags, run, keep, power, judge (python -m coat_compare.protocol)",
+}
+FLAT_JOBS = {"--search": "search", "--resume-check": "resume", "--layouts": "layouts", "--summarize": "summarize"}
+
+
+@dataclass(frozen=True)
+class Options:
+    """A coat-compare command line, checked (``parse_args`` builds it, and nothing else does): the
+    sub-command and every option, each under its flag's name (``--micro-batch`` -> ``micro_batch``),
+    None where an override was not given; an option a sub-command does not take keeps its default
+    here. ``preset`` and ``modes`` are what the options make of the preset and the modes."""
+
+    command: str = "run"
+    preset_name: str = "tiny"
+    mode_names: str = ",".join(DEFAULT_MODES)
+    # the preset's overrides (None: the preset's own)
+    steps: int | None = None
+    micro_batch: int | None = None
+    global_batch: int | None = None
+    seq: int | None = None
+    lr_warmup_steps: int | None = None
+    lr_decay: str | None = None
+    lr_cooldown_steps: int | None = None
+    lr_min_ratio: float | None = None
+    lr: float | None = None
+    adam_eps: float | None = None
+    corpus: str | None = None
+    corpus_bytes: int | None = None
+    eval_every: int | None = None
+    eval_windows: int | None = None
+    seed: int = 1234
+    data_seed: int | None = None
+    repeat: int | None = None
+    # layout
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    dp: int = 1
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    # training and the report
+    gc: str = "manual"
+    wgrad_fusion: str = "on"
+    wgrad_accumulate: str | None = None
+    deterministic: bool = False
+    run_timeout: float | None = None
+    step_timeout: float = 600.0
+    cuda_graphs: list[str] = field(default_factory=lambda: ["none"])
+    out: str = field(default_factory=lambda: os.environ.get("OUT", "out"))
+    name: str | None = None
+    no_plots: bool = False
+    # run: checkpoints, and one run of a job in its own processes
+    save: str | None = None
+    save_step: int | None = None
+    save_steps: tuple[int, ...] | None = None
+    stop_after_save: bool = False
+    load: str | None = None
+    checkpoint_format: str = "dp_reshardable"
+    probe: bool = False
+    # search
+    search_start: int = 1
+    search_max_micro_batch: int | None = None
+    search_time_limit: float | None = None
+    search_micro_batches: int = 1
+    search_steps: int = 6
+    fit_memory: float | None = None
+    # resume
+    resume_at: str | None = None
+    checkpoint_dir: str | None = None
+    # layouts: the layouts to train in (as written: 1,tp2,dp2)
+    layouts: str | None = None
+    # protocol: its own command line (coat_compare.protocol)
+    protocol_argv: tuple[str, ...] = ()
+
+    @cached_property
+    def preset(self) -> Preset:
+        """The preset with the command line's overrides."""
+        names = ("steps", "micro_batch", "global_batch", "seq", "lr_warmup_steps", "lr_decay", "lr_cooldown_steps",
+                 "lr_min_ratio", "lr", "adam_eps", "corpus", "corpus_bytes", "eval_every", "eval_windows")  # fmt: skip
+        return get_preset(self.preset_name).with_overrides(**{name: getattr(self, name) for name in names})
+
+    @cached_property
+    def modes(self) -> list[Mode]:
+        """The modes, with the recipe options: --wgrad-fusion, and --wgrad-accumulate for their COAT parts."""
+        modes = []
+        for mode in parse_modes(self.mode_names):
+            coat = mode.coat
+            if coat is not None and self.wgrad_accumulate is not None:
+                coat = replace(coat, wgrad_accumulate=self.wgrad_accumulate)
+            modes.append(replace(mode, wgrad_fusion=self.wgrad_fusion == "on", coat=coat))
+        return modes
+
+    @property
+    def search(self) -> bool:
+        return self.command == "search"
+
+    @property
+    def resume_check(self) -> bool:
+        return self.command == "resume"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,25 +175,52 @@ def refuse(message: str):
     raise SystemExit(2)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, checked whole (``check_args``) before the job starts any work."""
-    p = _Parser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for add in (_run_options, _data_options, _layout_options, _training_options, _search_options, _checkpoint_options):
-        add(p)
-    args = p.parse_args(argv)
+def parse_args(argv=None) -> Options:
+    """The command line as ``Options``, checked whole (``check_args``) before the job starts any
+    work. No sub-command is ``run``; ``protocol`` hands the rest of the line to its own parser."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["protocol"]:
+        return Options(command="protocol", protocol_argv=tuple(argv[1:]))
+    if not argv or (argv[0] not in SUB_COMMANDS and argv[0] not in ("-h", "--help")):
+        for flag, command in FLAT_JOBS.items():
+            if any(a == flag or a.startswith(flag + "=") for a in argv):
+                refuse(f"{flag} is the sub-command {command} now: coat-compare {command} [options] (see --help)")
+        argv = ["run", *argv]
+    options = Options(**vars(parser().parse_args(argv)))
     try:
-        check_args(args)
+        check_args(options)
     except ValueError as e:
-        p.error(str(e))
-    return args
+        refuse(str(e))
+    return options
+
+
+def parser() -> argparse.ArgumentParser:
+    """The parser of every sub-command. No option has a default here (``argparse.SUPPRESS``): what
+    is not given takes ``Options``' default, the one place each default is written."""
+    shared = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    for add in (_run_options, _data_options, _layout_options, _training_options, _report_options):
+        add(shared)
+    out_only = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _report_options(out_only)
+    p = _Parser(prog="coat-compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="SUB-COMMAND")
+    extra = {"run": _checkpoint_options, "search": _search_options, "resume": _resume_options,
+             "layouts": _layouts_options, "summarize": None, "protocol": None}  # fmt: skip
+    for name, what in SUB_COMMANDS.items():
+        parents = [out_only] if name == "summarize" else [] if name == "protocol" else [shared]
+        c = sub.add_parser(name, help=what, description=f"coat-compare {name}: {what}.", parents=parents,
+                           argument_default=argparse.SUPPRESS)  # fmt: skip
+        if extra[name]:
+            extra[name](c)
+    return p
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
     """The preset, the modes and what every run takes: steps, batch, sequence, schedule, seed."""
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    p.add_argument("--preset", dest="preset_name", choices=list(PRESETS), help="the model (default tiny)")
     p.add_argument(
         "--modes",
-        default=",".join(DEFAULT_MODES),
+        dest="mode_names",
         help=f"comma-separated, or 'all': {', '.join(MODES)} (te-fp8 = te-fp8-current); "
         f"default: {','.join(DEFAULT_MODES)}",
     )
@@ -145,7 +279,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         metavar="EPS",
         help="Adam's epsilon for every mode (default: the preset's: 1e-8, Megatron's; llama2-7b and llama2-13b 1e-5, Llama 2's)",
     )
-    p.add_argument("--seed", type=int, default=1234, help="initial weights (and the data order, unless --data-seed)")
+    p.add_argument("--seed", type=int, help="initial weights (default 1234) (and the data order, unless --data-seed)")
     p.add_argument(
         "--repeat",
         type=int,
@@ -191,16 +325,15 @@ def _data_options(p: argparse.ArgumentParser) -> None:
 def _layout_options(p: argparse.ArgumentParser) -> None:
     """How a run is split over GPUs, and the layout check."""
     layout = p.add_argument_group("layout (one GPU per process; the job starts tp x pp x dp processes per run)")
-    layout.add_argument("--tp", type=int, default=1, help="tensor-parallel size, sequence parallel on above 1")
-    layout.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (end-to-end presets): 1F1B schedule")
+    layout.add_argument("--tp", type=int, help="tensor-parallel size, sequence parallel on above 1")
+    layout.add_argument("--pp", type=int, help="pipeline-parallel size (end-to-end presets): 1F1B schedule")
     layout.add_argument(
         "--vpp",
         type=int,
-        default=1,
         help="virtual pipeline stages per rank (interleaved 1F1B; needs --pp 2 or more, and per-rank micro-batches "
         "a multiple of --pp)",
     )
-    layout.add_argument("--dp", type=int, default=1, help="data-parallel size (the distributed optimizer)")
+    layout.add_argument("--dp", type=int, help="data-parallel size (the distributed optimizer)")
     layout.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
@@ -211,13 +344,6 @@ def _layout_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Megatron's DDP option: all-gather the updated parameters during the next forward",
     )
-    layout.add_argument(
-        "--layouts",
-        metavar="LIST",
-        help="the layout check: train each mode in each layout (comma-separated, each 1 or x-joined tpN, ppN, "
-        "vppN, dpN: e.g. 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2) at one global batch and seed, and compare every "
-        "layout's losses step by step with the first's (the rule: coat_compare.layouts)",
-    )
 
 
 def _training_options(p: argparse.ArgumentParser) -> None:
@@ -225,14 +351,12 @@ def _training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gc",
         choices=("manual", "auto"),
-        default="manual",
         help="garbage collection while training: manual (Megatron's --manual-gc: one collection every 50 steps, "
         "none in between; the default) or auto (Python's: a pause can land in any step)",
     )
     p.add_argument(
         "--wgrad-fusion",
         choices=("on", "off"),
-        default="on",
         help="each linear adds its weight gradient into DDP's buffer inside its GEMM (TE's and COAT's own, no apex "
         "needed; the default), or off: Megatron adds a BF16 wgrad per micro-batch, in every mode",
     )
@@ -260,26 +384,29 @@ def _training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--step-timeout",
         type=float,
-        default=600.0,
         metavar="SECONDS",
         help="a training step or validation that takes longer ends its run (every rank's Python stack in the run's "
         "log, a failed row) instead of hanging the job (default 600: the first steps compile kernels and capture "
         "CUDA graphs)",
     )
     p.add_argument(
-        "--out",
-        default=os.environ.get("OUT", "out"),
-        help="report directory, made if missing and checked writable first (default $OUT or ./out)",
-    )
-    p.add_argument("--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search with --search)")
-    p.add_argument(
         "--cuda-graphs",
-        default="none",
         type=parse_graphs,
         metavar="LIST",
         help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
         "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local), full (the whole forward+backward "
         "of a step in one graph, Megatron's full_iteration); default none",
+    )
+
+
+def _report_options(p: argparse.ArgumentParser) -> None:
+    """Where the report goes."""
+    p.add_argument(
+        "--out",
+        help="report directory, made if missing and checked writable first (default $OUT or ./out)",
+    )
+    p.add_argument(
+        "--name", help="report file names {out}/NAME.* (default: the preset; PRESET-search for search, and so on)"
     )
     p.add_argument("--no-plots", action="store_true")
 
@@ -287,10 +414,7 @@ def _training_options(p: argparse.ArgumentParser) -> None:
 def _search_options(p: argparse.ArgumentParser) -> None:
     """The micro-batch search."""
     search = p.add_argument_group("micro-batch search (end-to-end presets)")
-    search.add_argument(
-        "--search", action="store_true", help="find each mode's largest micro-batch (a fresh process per try)"
-    )
-    search.add_argument("--search-start", type=int, default=1)
+    search.add_argument("--search-start", type=int, help="the first micro-batch tried (default 1)")
     search.add_argument("--search-max-micro-batch", type=int, help="do not try beyond this micro-batch")
     search.add_argument(
         "--search-time-limit", type=float, help="seconds per mode; stop the search when they have passed"
@@ -298,14 +422,12 @@ def _search_options(p: argparse.ArgumentParser) -> None:
     search.add_argument(
         "--search-micro-batches",
         type=int,
-        default=1,
         help="micro-batches each rank accumulates per optimizer step in every try (default 1): the global "
         "batch of a try at micro-batch n is n x this x DP, a realistic step with gradient accumulation",
     )
     search.add_argument(
         "--search-steps",
         type=int,
-        default=6,
         help="steps per try (default 6): more than the preset's warm-up steps, which are not timed "
         f"({warmup_steps_help()})",
     )
@@ -317,7 +439,7 @@ def _search_options(p: argparse.ArgumentParser) -> None:
 
 
 def _checkpoint_options(p: argparse.ArgumentParser) -> None:
-    """Checkpoints and the resume check."""
+    """run: checkpoints."""
     ckpt = p.add_argument_group("checkpoints (end-to-end presets)")
     ckpt.add_argument(
         "--save",
@@ -346,32 +468,39 @@ def _checkpoint_options(p: argparse.ArgumentParser) -> None:
         "fully_reshardable: any layout)",
     )
     ckpt.add_argument(
-        "--resume-check",
-        action="store_true",
-        help="save at the job's layout after --save-step steps, resume at DP 1 (or at --resume-at) and at the "
-        "saving layout, compare the losses with the uninterrupted run",
-    )
-    ckpt.add_argument(
-        "--resume-at",
-        metavar="LIST",
-        help="--resume-check: the layouts to resume at (as --layouts: e.g. dp4,1 after --tp 2 --dp 2); a TP or PP "
-        "change saves fully_reshardable",
-    )
-    ckpt.add_argument(
         "--checkpoint-format",
         choices=("dp_reshardable", "fully_reshardable"),
-        default="dp_reshardable",
         help="--save/--load: dp_reshardable (Megatron's default; COAT's compressed FP8 states, loads at any DP size) "
         "or fully_reshardable (FP32 Adam states in Megatron's layout; loads at any TP, PP and DP)",
     )
-    ckpt.add_argument(
-        "--checkpoint-dir",
-        help="where --resume-check writes its checkpoint (a temporary directory inside; default: the system's)",
+    p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # one run of a job, in its own processes
+
+
+def _resume_options(p: argparse.ArgumentParser) -> None:
+    """resume: save at the job's layout after --save-step steps, resume at DP 1 (or at --resume-at)
+    and at the saving layout, compare the losses with the uninterrupted run."""
+    p.add_argument("--save-step", type=int, help="steps before the checkpoint is written (default: half of --steps)")
+    p.add_argument(
+        "--resume-at",
+        metavar="LIST",
+        help="the layouts to resume at (as layouts takes them: e.g. dp4,1 after --tp 2 --dp 2; default: DP 1); a TP "
+        "or PP change saves fully_reshardable",
     )
     p.add_argument(
-        "--probe", action="store_true", help=argparse.SUPPRESS
-    )  # one run of --search / --resume-check, in its own processes
-    p.add_argument("--summarize", action="store_true", help="combine every *.jsonl report in --out into summary.md")
+        "--checkpoint-dir",
+        help="where the checkpoint is written (a temporary directory inside; default: the system's)",
+    )
+
+
+def _layouts_options(p: argparse.ArgumentParser) -> None:
+    """layouts: the layouts to compare."""
+    p.add_argument(
+        "layouts",
+        metavar="LAYOUTS",
+        help="comma-separated, each 1 or x-joined tpN, ppN, vppN, dpN (e.g. 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2): each "
+        "mode trains in each at one global batch and seed, and every layout's losses are compared step by step "
+        "with the first's",
+    )
 
 
 def warmup_steps_help() -> str:
@@ -379,103 +508,61 @@ def warmup_steps_help() -> str:
     return ", ".join(f"{p.name} {p.warmup_steps}" for p in PRESETS.values() if p.kind == "train")
 
 
-def preset_of(args) -> Preset:
-    """The preset the command line asks for, with its overrides."""
-    names = (
-        "steps",
-        "micro_batch",
-        "global_batch",
-        "seq",
-        "lr_warmup_steps",
-        "lr_decay",
-        "lr_cooldown_steps",
-        "lr_min_ratio",
-        "lr",
-        "adam_eps",
-        "corpus",
-        "corpus_bytes",
-        "eval_every",
-        "eval_windows",
-    )
-    overrides = {name: getattr(args, name) for name in names}
-    return get_preset(args.preset).with_overrides(**overrides)
-
-
 END_TO_END = "an end-to-end preset (tiny, gpt-1b, llama2-7b)"
 
 
-def check_args(args) -> None:
+def check_args(o: Options) -> None:
     """Raise ValueError, naming the fix, for a command line the job cannot run: every value is
     checked here, before the job trains or starts a process, so that a bad one costs nothing."""
-    jobs = [name for name in ("search", "resume_check", "layouts") if getattr(args, name)]
-    if len(jobs) > 1:
+    if o.name is not None and (not o.name or os.sep in o.name):
         raise ValueError(
-            f"{' and '.join('--' + j.replace('_', '-') for j in jobs)} are separate jobs; run one, then the other"
-        )
-    if args.probe and jobs:
-        raise ValueError("--probe is one run of a job; give no --search, --resume-check or --layouts")
-    if args.name is not None and (not args.name or os.sep in args.name):
-        raise ValueError(
-            f"--name {args.name!r} names the report files inside --out: give a file name without "
+            f"--name {o.name!r} names the report files inside --out: give a file name without "
             f"'{os.sep}' (and the directory as --out)"
         )
-    if args.summarize:
+    if o.command in ("summarize", "protocol"):
         return
-    if args.repeat is not None and args.repeat < 1:
-        raise ValueError(f"--repeat {args.repeat}: the N-th run counts from 1 (2: the second run of the same seed)")
-    if args.resume_check and args.dp < 2 and not args.resume_at:
+    if o.repeat is not None and o.repeat < 1:
+        raise ValueError(f"--repeat {o.repeat}: the N-th run counts from 1 (2: the second run of the same seed)")
+    if o.resume_check and o.dp < 2 and not o.resume_at:
         raise ValueError(
-            "--resume-check saves at the job's layout and resumes at DP 1 and there: give --dp 2 (or more), "
+            "resume saves at the job's layout and resumes at DP 1 and there: give --dp 2 (or more), "
             "or --resume-at the layouts to resume at"
         )
-    if (args.save or args.load) and len(parse_modes(args.modes)) > 1:
+    if (o.save or o.load) and len(parse_modes(o.mode_names)) > 1:
         raise ValueError("--save and --load hold one run's checkpoint: give one mode (--modes MODE), a job per mode")
-    if args.stop_after_save and (not args.save or args.resume_check):
-        raise ValueError("--stop-after-save ends a run at its --save: give --save DIR (and no --resume-check)")
-    if args.resume_at and not args.resume_check:
-        raise ValueError("--resume-at names where --resume-check resumes: add --resume-check")
-    if args.cuda_graphs != ["none"] and (args.resume_check or args.save or args.load):
+    if o.stop_after_save and not o.save:
+        raise ValueError("--stop-after-save ends a run at its --save: give --save DIR")
+    if o.cuda_graphs != ["none"] and (o.resume_check or o.save or o.load):
         raise ValueError("checkpoints are written and resumed eagerly: drop --cuda-graphs (or give --cuda-graphs none)")
-    if args.probe and len(args.cuda_graphs) != 1:
+    if o.probe and len(o.cuda_graphs) != 1:
         raise ValueError("--probe is one run: give one --cuda-graphs value")
-    for name in (
-        "micro_batch",
-        "global_batch",
-        "seq",
-        "lr_warmup_steps",
-        "lr_cooldown_steps",
-        "corpus_bytes",
-        "eval_windows",
-        "search_start",
-        "search_max_micro_batch",
-        "search_micro_batches",
-    ):
-        value = getattr(args, name)
+    for name in ("micro_batch", "global_batch", "seq", "lr_warmup_steps", "lr_cooldown_steps", "corpus_bytes",
+                 "eval_windows", "search_start", "search_max_micro_batch", "search_micro_batches"):  # fmt: skip
+        value = getattr(o, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be 1 or more")
-    if args.lr is not None and not args.lr > 0:
-        raise ValueError(f"--lr {args.lr}: the peak learning rate must be above 0")
-    if args.lr_min_ratio is not None and not 0 <= args.lr_min_ratio <= 1:
-        raise ValueError(f"--lr-min-ratio {args.lr_min_ratio}: a fraction of the peak, 0 to 1")
-    if args.adam_eps is not None and not args.adam_eps > 0:
-        raise ValueError(f"--adam-eps {args.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
+    if o.lr is not None and not o.lr > 0:
+        raise ValueError(f"--lr {o.lr}: the peak learning rate must be above 0")
+    if o.lr_min_ratio is not None and not 0 <= o.lr_min_ratio <= 1:
+        raise ValueError(f"--lr-min-ratio {o.lr_min_ratio}: a fraction of the peak, 0 to 1")
+    if o.adam_eps is not None and not o.adam_eps > 0:
+        raise ValueError(f"--adam-eps {o.adam_eps}: must be above 0 (Megatron's default is 1e-8)")
     for name in ("search_time_limit", "fit_memory", "step_timeout", "run_timeout"):
-        value = getattr(args, name)
+        value = getattr(o, name)
         if value is not None and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} {value}: must be more than 0")
-    if args.eval_every is not None and args.eval_every < 0:
-        raise ValueError(f"--eval-every {args.eval_every}: must be 0 (no validation) or more")
-    if args.search_max_micro_batch is not None and args.search_max_micro_batch < args.search_start:
+    if o.eval_every is not None and o.eval_every < 0:
+        raise ValueError(f"--eval-every {o.eval_every}: must be 0 (no validation) or more")
+    if o.search_max_micro_batch is not None and o.search_max_micro_batch < o.search_start:
         raise ValueError(
-            f"--search-max-micro-batch {args.search_max_micro_batch} is below --search-start "
-            f"{args.search_start}: give --search-max-micro-batch {args.search_start} or more"
+            f"--search-max-micro-batch {o.search_max_micro_batch} is below --search-start "
+            f"{o.search_start}: give --search-max-micro-batch {o.search_start} or more"
         )
-    parse_modes(args.modes)
-    preset = preset_of(args)
-    check_schedule(preset)
-    check_layout(preset, args)
-    check_steps(preset, args)
-    check_processes(args)
+    o.modes  # noqa: B018 - parsed here, so that an unknown mode is refused before any work
+    check_schedule(o.preset)
+    check_layout(o.preset, o)
+    check_steps(o.preset, o)
+    check_processes(o)
 
 
 def check_schedule(preset: Preset) -> None:
@@ -499,7 +586,7 @@ def check_schedule(preset: Preset) -> None:
 
 def check_layout(preset: Preset, args) -> None:
     """Raise ValueError, naming the fix, for what --tp / --pp / --vpp / --dp, the layouts of
-    --layouts and the checkpoint options cannot do with ``preset``."""
+    the layouts of ``layouts`` and the checkpoint options cannot do with ``preset``."""
     for name in ("tp", "pp", "vpp", "dp"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} {getattr(args, name)}: must be 1 or more")
@@ -530,11 +617,9 @@ def check_layout(preset: Preset, args) -> None:
                 )
     if args.layouts:
         if layer:
-            raise ValueError(f"--layouts trains each layout end to end: use {END_TO_END}")
+            raise ValueError(f"layouts trains each layout end to end: use {END_TO_END}")
         if len(layouts) < 2:
-            raise ValueError("--layouts compares layouts with the first: give two or more, e.g. 1,tp2,dp2")
-        if args.search or args.save or args.load:
-            raise ValueError("--layouts starts its own runs: drop --search, --save and --load")
+            raise ValueError("layouts compares layouts with the first: give two or more, e.g. 1,tp2,dp2")
     if layer and args.dp > 1:
         raise ValueError(
             f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: "
@@ -547,21 +632,17 @@ def check_layout(preset: Preset, args) -> None:
             "--cuda-graphs none,local"
         )
     if layer and args.search:
-        raise ValueError(f"--search finds the largest micro-batch of {END_TO_END}; {preset.name} is a per-layer preset")
+        raise ValueError(f"search finds the largest micro-batch of {END_TO_END}; {preset.name} is a per-layer preset")
     if args.global_batch is not None:
         if layer:
             raise ValueError(f"{preset.name} is one layer's fwd+bwd: --global-batch needs {END_TO_END}")
         if args.search:
             raise ValueError(
-                "--search sets each try's global batch from its micro-batch: drop --global-batch, and give "
+                "search sets each try's global batch from its micro-batch: drop --global-batch, and give "
                 "--search-micro-batches N for N micro-batches per optimizer step"
             )
     if layer and (args.save or args.load or args.resume_check):
         raise ValueError(f"{preset.name} is a per-layer preset: checkpoints need {END_TO_END}")
-    if args.resume_check and (args.save or args.load):
-        raise ValueError(
-            "--resume-check writes and loads a checkpoint of its own (in --checkpoint-dir): drop --save and --load"
-        )
     if (args.overlap_grad_reduce or args.overlap_param_gather) and layer:
         raise ValueError(f"--overlap-grad-reduce and --overlap-param-gather are DDP options: use {END_TO_END}")
 
@@ -642,9 +723,9 @@ def check_steps(preset: Preset, args) -> None:
             f"use --steps {fewest_steps(preset, first)} or more"
         )
     if args.save_steps is not None:
-        if not args.save or args.save_step is not None or args.stop_after_save or args.resume_check:
+        if not args.save or args.save_step is not None or args.stop_after_save:
             raise ValueError("--save-steps names the steps of --save DIR's checkpoints: give --save DIR, without "
-                             "--save-step, --stop-after-save or --resume-check")  # fmt: skip
+                             "--save-step or --stop-after-save")  # fmt: skip
         outside = [s for s in args.save_steps if not first <= s < steps]
         if outside:
             raise ValueError(
@@ -666,20 +747,20 @@ def check_steps(preset: Preset, args) -> None:
 
 
 def check_resume_steps(preset: Preset, save_step: int | None) -> None:
-    """--resume-check saves after ``save_step`` steps (half of --steps by default) and resumes
+    """resume saves after ``save_step`` steps (half of --steps by default) and resumes
     there: the runs from the checkpoint time steps of their own after their warm-up."""
     steps, warmup = preset.steps, f"{preset.warmup_steps} steps out of the timing ({preset.name}'s warm-up)"
     if save_step is None:
         fewest = max(2, 2 * preset.warmup_steps + 1)  # the least n with 0 < n // 2 and n // 2 + warm-up < n
         if steps < fewest:
             raise ValueError(
-                f"--steps {steps}: --resume-check saves after half of the steps and resumes there, and "
+                f"--steps {steps}: resume saves after half of the steps and resumes there, and "
                 f"each run leaves its first {warmup}; use --steps {fewest} or more (or --save-step)"
             )
         return
     if save_step < 1:
         raise ValueError(
-            f"--save-step {save_step}: --resume-check resumes from a checkpoint written after step 1 or "
+            f"--save-step {save_step}: resume resumes from a checkpoint written after step 1 or "
             "later: give --save-step 1 or more"
         )
     if steps < fewest_steps(preset, save_step):
@@ -736,8 +817,8 @@ def check_load_layout(args, saved: dict | None) -> None:
 
 def check_processes(args) -> None:
     """The processes this job runs in. The job is started plainly and starts torchrun itself for
-    every run of several processes (each mode, and each try or resume of ``--search`` /
-    ``--resume-check`` / ``--layouts``); a run (``--probe``) is ``--tp`` x ``--pp`` x ``--dp``
+    every run of several processes (each mode, and each try or run of ``search``, ``resume`` and
+    ``layouts``); a run (``--probe``) is ``--tp`` x ``--pp`` x ``--dp``
     processes of torchrun. On a GPU every process needs one of this machine's GPUs."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     processes = args.tp * args.pp * args.dp

@@ -1,6 +1,6 @@
 """The layout check: one model trained in several parallel layouts, step by step against the first.
 
-    coat-compare --preset gpt-1b --modes bf16,coat --layouts 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2 \\
+    coat-compare layouts 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2 --preset gpt-1b --modes bf16,coat \\
         --micro-batch 2 --global-batch 8 --steps 30
 
 Every layout trains each mode from the same full weights (``build.init_weights_by_name``: a TP
@@ -50,7 +50,7 @@ def parse_layouts(text: str) -> list[tuple[int, int, int, int]]:
                 sizes[m.group(1)] = int(m.group(2))
         layout = (sizes["tp"], sizes["pp"], sizes["vpp"], sizes["dp"])
         if layout in layouts:
-            raise ValueError(f"layout {name!r} is given twice in --layouts")
+            raise ValueError(f"layout {name!r} is given twice")
         layouts.append(layout)
     return layouts
 

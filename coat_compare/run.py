@@ -1,12 +1,13 @@
-"""The run of ``coat-compare``: every mode of the command line measured, the report written.
+"""The ``coat-compare`` command: its sub-commands, each a job that measures rows and writes a report.
 
-``main`` reads the command line (``cli``), then runs one job: a comparison (``compare``: each mode
-in each CUDA graph configuration, a row each), the micro-batch search (``search``), the
-checkpoint-resume check (``resume``) or the layout check (``layouts``); or ``--summarize``s
-earlier reports. A comparison trains each of its runs in processes of its own (``probe``: under
-torchrun for several), except a run of one process on a CPU, and a per-layer preset on one GPU,
-which run here (``measure_here``). The run's own processes (``--probe``) measure one mode and print
-its row.
+``main`` reads the command line (``cli.parse_args``: the ``Options``, checked) and runs its
+sub-command: ``run`` (``compare``: each mode in each CUDA graph configuration, a row each),
+``search`` (each mode's largest micro-batch), ``resume`` (the checkpoint-resume check),
+``layouts`` (the layout check), ``summarize`` (earlier reports combined) or ``protocol`` (the
+accuracy protocols, ``coat_compare.protocol``). A job's runs train in processes of their own
+(``probe``: under torchrun for several), except a run of one process on a CPU, and a per-layer
+preset on one GPU, which run here (``measure_here``). Those processes are ``run --probe``: one
+mode measured, its row printed.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from pathlib import Path
 import torch
 
 from . import parallel
-from .cli import check_directory, parse_args, preset_of, refuse
+from .cli import Options, check_directory, parse_args, refuse
 from .goals import evaluate
 from .layouts import layout_name, layout_rows, parse_layouts
-from .modes import Mode, parse_modes, unavailable_reason
+from .modes import Mode, unavailable_reason
 from .plots import draw
 from .presets import Preset
 from .probe import PROBE_MARK, STACKS_SIGNAL, run_args, run_probe
@@ -39,39 +40,69 @@ from .search import largest_micro_batch, probe_fits
 
 
 def main(argv=None) -> int:
-    """The job: 0 when every row ran (or ran out of memory, or cannot run on this machine), 1 when
-    a row failed otherwise (after the report is written), 2 for a command line it cannot run."""
-    args = parse_args(argv)
-    if args.summarize:
-        if os.path.isdir(args.out):
-            try:
-                check_directory(args.out, "--out", create=False)
-            except ValueError as e:
-                refuse(str(e))
-        return summarize(args.out)
-    preset, modes = preset_of(args), parse_modes(args.modes)
-    modes = [with_options(m, args) for m in modes]
-    if args.deterministic:
+    """The sub-command the command line names (none: ``run``). A job's exit status: 0 when every
+    row ran (or ran out of memory, or cannot run on this machine), 1 when a row failed otherwise
+    (after the report is written), 2 for a command line it cannot run."""
+    options = parse_args(argv)
+    return SUB_COMMANDS[options.command](options)
+
+
+def run_command(o: Options) -> int:
+    """run: each mode in each CUDA graph configuration (``compare``); with ``--probe``, one run in
+    this process group, its row printed (``probe``)."""
+    if o.probe:
+        start(o)
+        return probe(o.preset, o.modes[0], o)
+    return job(o, compare)
+
+
+def search_command(o: Options) -> int:
+    return job(o, search_all, "search")
+
+
+def resume_command(o: Options) -> int:
+    return job(o, resume_all, "resume")
+
+
+def layouts_command(o: Options) -> int:
+    return job(o, layouts_all, "layouts")
+
+
+def summarize_command(o: Options) -> int:
+    if os.path.isdir(o.out):
+        try:
+            check_directory(o.out, "--out", create=False)
+        except ValueError as e:
+            refuse(str(e))
+    return summarize(o.out)
+
+
+def protocol_command(o: Options) -> int:
+    from .protocol.__main__ import main as protocol_main
+
+    return protocol_main(list(o.protocol_argv))
+
+
+def start(o: Options) -> None:
+    """Before a job's work: Megatron's deterministic mode where asked, and ``prepare``."""
+    if o.deterministic:
         deterministic()
     try:
-        prepare(preset, modes, args)
+        prepare(o.preset, o.modes, o)
     except ValueError as e:
         refuse(str(e))
-    if args.probe:
-        return probe(preset, modes[0], args)
-    job = "search" if args.search else "resume" if args.resume_check else "layouts" if args.layouts else None
-    name = args.name or preset.name + (f"-{job}" if job else "")
-    log = RowLog(args.out, name)
+
+
+def job(o: Options, measure, kind: str | None = None) -> int:
+    """A job: the rows ``measure(o, preset, modes, keep)`` hands to ``keep``, each on disk as it
+    comes (``RowLog``), then the report (``{out}/{name}.*``, the name ``PRESET-KIND`` unless
+    ``--name``) and the exit status."""
+    start(o)
+    name = o.name or o.preset.name + (f"-{kind}" if kind else "")
+    log = RowLog(o.out, name)
     try:
-        if args.search:
-            search_all(args, preset, modes, log.add)
-        elif args.resume_check:
-            resume_all(args, preset, modes, log.add)
-        elif args.layouts:
-            layouts_all(args, preset, modes, log.add)
-        else:
-            compare(args, preset, modes, log.add)
-        report(args.out, name, preset, log.rows, plots=not args.no_plots)
+        measure(o, o.preset, o.modes, log.add)
+        report(o.out, name, o.preset, log.rows, plots=not o.no_plots)
     except BaseException as e:
         if log.path and log.rows:
             print(
@@ -92,15 +123,6 @@ def deterministic() -> None:
 
     apply_determinism_env(os.environ)
     torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def with_options(mode: Mode, args) -> Mode:
-    """``mode`` with the command line's recipe options: --wgrad-fusion, and --wgrad-accumulate for
-    its COAT parts."""
-    coat = mode.coat
-    if coat is not None and args.wgrad_accumulate is not None:
-        coat = replace(coat, wgrad_accumulate=args.wgrad_accumulate)
-    return replace(mode, wgrad_fusion=args.wgrad_fusion == "on", coat=coat)
 
 
 def compare(args, preset: Preset, modes: list[Mode], keep) -> None:
@@ -324,7 +346,7 @@ def resume_all(args, preset: Preset, modes: list[Mode], keep) -> None:
 
 
 def layouts_all(args, preset: Preset, modes: list[Mode], keep) -> None:
-    """The layout check (``layouts``): every mode trained in every layout of --layouts (each run in
+    """The layout check (``layouts``): every mode trained in every layout given (each run in
     processes of its own), then one row per (mode, layout) judged against the first layout."""
     layouts = parse_layouts(args.layouts)
     names = [layout_name(*layout) for layout in layouts]
@@ -510,7 +532,7 @@ def summarize(out: str) -> int:
     ]
     paths = finished + partial
     if not paths:
-        refuse(f"no *.jsonl reports in {out}: run coat-compare --out {out} first")
+        refuse(f"no *.jsonl reports in {out}: run coat-compare run --out {out} first")
     rows = [r for p in paths for r in read_jsonl(p) if r.get("kind") != "goal"]
     header = [f"Combined from {', '.join(os.path.basename(p) for p in paths)}."]
     title = "coat-compare summary"
@@ -531,3 +553,13 @@ def preset_for(preset: Preset, graphs: str, eval_asked: bool = False) -> Preset:
     leaves out the preset's default validation; one asked for with ``--eval-every`` runs (eagerly,
     between the graphed steps: ``train.validation_loss``)."""
     return preset if graphs == "none" or eval_asked else replace(preset, eval_every=0)
+
+
+SUB_COMMANDS = {
+    "run": run_command,
+    "search": search_command,
+    "resume": resume_command,
+    "layouts": layouts_command,
+    "summarize": summarize_command,
+    "protocol": protocol_command,
+}

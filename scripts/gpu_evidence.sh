@@ -140,7 +140,7 @@ eight_gpus() {  # train-8gpu and max-batch-8gpu: PRESET LAYOUT ...
   else
     modes=${3:?max-batch-8gpu PRESET LAYOUT MODES [GIB]}; gib=${4:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
     name="$preset-$layout-search"
-    run 585 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --modes "$modes" --search --search-micro-batches 4 \
+    run 585 "$name" "${big[@]}" coat-compare search --preset "$preset" "${on[@]}" --modes "$modes" --search-micro-batches 4 \
       --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" --name "$name" --no-plots
   fi
   rows "${modes//,/|}" "$out/$name.md"
@@ -159,7 +159,7 @@ case $part in
   max-batch-llama2-7b)
     modes=${1:?max-batch-llama2-7b MODES [START [PER_STEP]]}; start=${2:-1}; per_step=${3:-1}; tag=${modes//,/-}-x$per_step
     n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
-    run 585 "search-$tag" "${big[@]}" coat-compare --preset llama2-7b --modes "$modes" --search --search-start "$start" \
+    run 585 "search-$tag" "${big[@]}" coat-compare search --preset llama2-7b --modes "$modes" --search-start "$start" \
       --search-micro-batches "$per_step" --search-time-limit $((540 / n_modes)) --out "$out" --name "llama2-7b-search-$tag" --no-plots
     rows "${modes//,/|}" "$out/llama2-7b-search-$tag.md" ;;
   train-llama2-13b)
@@ -441,7 +441,7 @@ PY
     rows "bf16|te-fp8-current|coat" "$out/llama2-7b-tp2dp2-$graphs.md" ;;
   layouts-gpt-1b)
     layouts=${1:?layouts-gpt-1b LAYOUTS [MODES]}; modes=${2:-bf16,coat}; tag=${layouts//,/-}
-    run 585 "layouts-$tag" coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 2 \
+    run 585 "layouts-$tag" coat-compare layouts "$layouts" --preset gpt-1b --modes "$modes" --micro-batch 2 \
       --global-batch 8 --steps 30 --step-timeout 150 --run-timeout 170 --out "$out" --name "gpt-1b-layouts-$tag" --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-layouts-$tag.md" ;;
   step-profile-tp)
@@ -474,7 +474,7 @@ PY
     cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
   scaling-gpt-1b)
     modes=${1:-bf16,te-fp8-current,coat}; layouts=${2:-1,dp2,dp4}
-    run 570 scaling coat-compare --preset gpt-1b --layouts "$layouts" --modes "$modes" --micro-batch 4 --global-batch 32 \
+    run 570 scaling coat-compare layouts "$layouts" --preset gpt-1b --modes "$modes" --micro-batch 4 --global-batch 32 \
       --steps 8 --cuda-graphs local --step-timeout 120 --run-timeout 150 --out "$out" --name gpt-1b-dp-scaling --no-plots
     rows "${modes//,/|}" "$out/gpt-1b-dp-scaling.md" ;;
   dp4-llama2-7b)
@@ -488,7 +488,7 @@ PY
     rows "${modes//,/|}" "$out/$name.md" ;;
   max-batch-llama2-7b-dp4)
     modes=${1:?max-batch-llama2-7b-dp4 MODES [GIB]}; gib=${2:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
-    run 585 "search-dp4-${modes//,/-}" "${big[@]}" coat-compare --preset llama2-7b --dp 4 --modes "$modes" --search \
+    run 585 "search-dp4-${modes//,/-}" "${big[@]}" coat-compare search --preset llama2-7b --dp 4 --modes "$modes" \
       --search-micro-batches 4 --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" \
       --name "llama2-7b-dp4-search-${modes//,/-}" --no-plots
     rows "${modes//,/|}" "$out/llama2-7b-dp4-search-${modes//,/-}.md" ;;
@@ -505,8 +505,8 @@ PY
     eight_gpus "$@" ;;
   resume-gpt-1b-tp2dp2)
     steps=${1:-8}
-    run 400 resume coat-compare --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 --steps "$steps" \
-      --resume-check --resume-at dp4,1 --step-timeout 60 --run-timeout 120 --out "$out" --name gpt-1b-resume-tp2dp2 --no-plots
+    run 400 resume coat-compare resume --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 \
+      --steps "$steps" --resume-at dp4,1 --step-timeout 60 --run-timeout 120 --out "$out" --name gpt-1b-resume-tp2dp2 --no-plots
     grep -E "^\| coat|resumed|exact|max" "$out/gpt-1b-resume-tp2dp2.md" 2>/dev/null | cut -c1-240 | head -20 ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac

@@ -23,7 +23,7 @@
 # logs and summary to $OUT. Only DP layouts start from one GPU's weights: Megatron seeds pipeline
 # stage s with seed + 100 s and draws each TP partition from its own RNG, so a PP or TP layout trains
 # another draw of the model, and its difference from "one" includes that. Judge COAT's difference
-# against BF16's in the same layout (coat-compare --layouts initializes every layout alike).
+# against BF16's in the same layout (coat-compare layouts initializes every layout alike).
 #
 #   LAYOUTS="pp2" bash scripts/gpu_pretrain_layouts.sh           # one layout's 4 modes: ~6 min
 #   LAYOUTS="dp2" MODES="bf16 coat-auto" bash scripts/gpu_pretrain_layouts.sh

@@ -313,7 +313,7 @@ def test_the_8_gpu_parts_spell_out_the_layout_and_refuse_a_smaller_host(stand_in
         "--cuda-graphs none --step-timeout 200 --run-timeout 280",  # no graphs under PP
         "--preset llama2-7b --tp 1 --pp 1 --vpp 1 --dp 8 --micro-batch 4 --global-batch 512 --steps 6 --modes coat "
         "--cuda-graphs local --step-timeout 200 --run-timeout 280",
-        "--preset llama-30b --tp 4 --pp 2 --vpp 1 --dp 1 --modes bf16,coat --search --search-micro-batches 4 "
+        "search --preset llama-30b --tp 4 --pp 2 --vpp 1 --dp 1 --modes bf16,coat --search-micro-batches 4 "
         "--fit-memory 79 --search-time-limit 270",
     ]
 

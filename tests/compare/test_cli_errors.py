@@ -88,23 +88,28 @@ BAD = [
     ),
     (["--preset", "tiny-layer", "--pp", "2"], ["one layer: pipeline stages (--pp, --vpp) need an end-to-end preset"]),
     (["--pp", "2", "--cuda-graphs", "none,full"], ["with --pp use --cuda-graphs none,local"]),
-    (["--layouts", "1,tp2xtp2"], ["layout 'tp2xtp2': write 1 (one GPU) or x-joined sizes, each once"]),
-    (["--layouts", "1,tp2,tp2"], ["layout 'tp2' is given twice"]),
-    (["--layouts", "tp2"], ["--layouts compares layouts with the first: give two or more"]),
-    (["--layouts", "1,pp3"], ["--pp 3: tiny's 2 layers do not split"]),
-    (["--layouts", "1,dp2", "--search"], ["--search and --layouts are separate jobs"]),
+    (["layouts", "1,tp2xtp2"], ["layout 'tp2xtp2': write 1 (one GPU) or x-joined sizes, each once"]),
+    (["layouts", "1,tp2,tp2"], ["layout 'tp2' is given twice"]),
+    (["layouts", "tp2"], ["layouts compares layouts with the first: give two or more"]),
+    (["layouts", "1,pp3"], ["--pp 3: tiny's 2 layers do not split"]),
+    (["layouts", "1,dp2", "--search-steps", "4"], ["unrecognized arguments: --search-steps 4"]),
+    (["--layouts", "1,dp2"], ["--layouts is the sub-command layouts now: coat-compare layouts [options]"]),
+    (["--search"], ["--search is the sub-command search now: coat-compare search [options]"]),
+    (["--resume-check", "--dp", "2"], ["--resume-check is the sub-command resume now"]),
+    (["--summarize"], ["--summarize is the sub-command summarize now"]),
+    (["run", "--resume-at", "dp2"], ["unrecognized arguments: --resume-at dp2"]),
     (["--step-timeout", "0"], ["--step-timeout 0.0: must be more than 0"]),
     (
-        ["--search", "--search-steps", "2"],
+        ["search", "--search-steps", "2"],
         ["--search-steps 2 leaves no step of a try to time", "use --search-steps 3 or more"],
     ),
-    (["--search", "--search-steps", "0"], ["use --search-steps 3 or more"]),
-    (["--search", "--search-start", "0"], ["--search-start 0: must be 1 or more"]),
-    (["--search", "--global-batch", "8"], ["drop --global-batch", "--search-micro-batches N"]),
-    (["--search", "--search-micro-batches", "0"], ["--search-micro-batches 0: must be 1 or more"]),
+    (["search", "--search-steps", "0"], ["use --search-steps 3 or more"]),
+    (["search", "--search-start", "0"], ["--search-start 0: must be 1 or more"]),
+    (["search", "--global-batch", "8"], ["drop --global-batch", "--search-micro-batches N"]),
+    (["search", "--search-micro-batches", "0"], ["--search-micro-batches 0: must be 1 or more"]),
     (["--preset", "tiny-layer", "--steps", "5"], ["drop --steps"]),
-    (["--resume-check", "--dp", "2", "--steps", "4"], ["use --steps 5 or more"]),
-    (["--resume-check", "--dp", "2", "--steps", "6", "--save-step", "4"], ["use --steps 7 or more"]),
+    (["resume", "--dp", "2", "--steps", "4"], ["use --steps 5 or more"]),
+    (["resume", "--dp", "2", "--steps", "6", "--save-step", "4"], ["use --steps 7 or more"]),
     (
         ["--modes", "coat", "--save", "{tmp}/ckpt", "--save-step", "40"],
         ["--save-step 40 is not a step of this run", "give --save-step 0 to 39"],
@@ -136,8 +141,8 @@ def test_the_fewest_steps_train(capsys, no_work):
     """The minimum the messages name is the true one: it parses (and test_job runs tiny at 4)."""
     assert cli.parse_args(["--steps", "3"]).steps == 3
     assert cli.parse_args(["--preset", "gpt-1b", "--steps", "4"]).steps == 4
-    assert cli.parse_args(["--resume-check", "--dp", "2", "--steps", "5"]).steps == 5
-    assert cli.parse_args(["--search", "--search-steps", "3"]).search_steps == 3
+    assert cli.parse_args(["resume", "--dp", "2", "--steps", "5"]).steps == 5
+    assert cli.parse_args(["search", "--search-steps", "3"]).search_steps == 3
 
 
 def test_a_checkpoint_step_counts_toward_the_fewest_steps(tmp_path, capsys, no_work, monkeypatch):
@@ -319,7 +324,7 @@ def test_search_rows_are_kept_as_each_mode_is_done(tmp_path, monkeypatch, in_pro
 
     monkeypatch.setattr(run, "probe_fits", probe_fits)
     with pytest.raises(KeyboardInterrupt):
-        run.main(["--modes", "bf16,coat", "--search", "--out", str(tmp_path), "--no-plots"])
+        run.main(["search", "--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"])
     (row,) = read_jsonl(tmp_path / "tiny-search.partial.jsonl")
     assert (row["kind"], row["mode"], row["largest_micro_batch"]) == ("search", "bf16", 2)
 
@@ -330,7 +335,7 @@ def test_a_failed_resume_check_exits_1(tmp_path, monkeypatch, in_process):
         "resume_check",
         lambda args, preset, mode, row: {**row, "status": "failed", "reason": "resumed_1: it died"},
     )
-    assert run.main(["--modes", "coat", "--resume-check", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
+    assert run.main(["resume", "--modes", "coat", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
     (row,) = read_jsonl(tmp_path / "tiny-resume.jsonl")
     assert (row["kind"], row["status"]) == ("resume", "failed")
     assert not (tmp_path / "tiny-resume.partial.jsonl").exists()

@@ -332,7 +332,7 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
     )
     assert bad.returncode == 2 and "unknown CUDA graph configuration 'partial': use none, local, full" in bad.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "coat_compare", "--cuda-graphs", "local", "--resume-check", "--dp", "2"],
+        [sys.executable, "-m", "coat_compare", "resume", "--cuda-graphs", "local", "--dp", "2"],
         capture_output=True,
         text=True,
         env=env,
@@ -424,7 +424,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "probe_fits", fake_probe_fits)
     monkeypatch.setattr(parallel, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     assert (
-        run.main(["--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--search", "--out", str(tmp_path), "--no-plots"])
+        run.main(["search", "--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--out", str(tmp_path), "--no-plots"])
         == 0
     )
     rows = read_jsonl(tmp_path / "tiny-search.jsonl")
@@ -456,11 +456,11 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     assert (
         run.main(
             [
+                "search",
                 "--preset",
                 "tiny",
                 "--modes",
                 "coat",
-                "--search",
                 "--search-micro-batches",
                 "4",
                 "--out",
@@ -583,10 +583,10 @@ def test_llama_presets_take_llama_2_s_adam_epsilon_and_the_flag_still_wins():
     """Llama-2-13B's loss passed ln(vocab) after step 10 at Megatron's 1e-8 (15.41 at step 12); at
     Llama 2's 1e-5 its 150 steps stayed at or below 8.46 (benchmarks/results/llama2-13b-1gpu):
     the Llama presets take 1e-5, the others keep Megatron's 1e-8, and --adam-eps overrides either."""
-    from coat_compare.cli import parse_args, preset_of
+    from coat_compare.cli import parse_args
 
     def eps(*argv):
-        return preset_of(parse_args(list(argv))).adam_eps
+        return parse_args(list(argv)).preset.adam_eps
 
     assert eps("--preset", "llama2-7b") == eps("--preset", "llama2-13b") == 1e-5
     assert eps("--preset", "gpt-1b") == eps("--preset", "tiny") == 1e-8

@@ -194,6 +194,7 @@ def test_tp2_by_dp2_accumulates_micro_batches_on_four_processes(dp_runs, tmp_pat
 
 def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
     run(
+        "resume",
         "--preset",
         "tiny",
         "--modes",
@@ -206,7 +207,6 @@ def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
         "2",
         "--micro-batch",
         "4",
-        "--resume-check",
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
         "--out",
@@ -250,8 +250,8 @@ def test_checkpoint_at_tp2_by_dp2_resumes_at_dp4_and_at_one_process(tmp_path):
     are dequantized on save and requantized on load, so the resumed losses move within that
     rounding and the reduction order's)."""
     run(
-        "--preset", "tiny", "--modes", "coat", "--steps", "6", "--save-step", "3", "--tp", "2", "--dp", "2",
-        "--micro-batch", "2", "--global-batch", "8", "--resume-check", "--resume-at", "dp4,1",
+        "resume", "--preset", "tiny", "--modes", "coat", "--steps", "6", "--save-step", "3", "--tp", "2", "--dp", "2",
+        "--micro-batch", "2", "--global-batch", "8", "--resume-at", "dp4,1",
         "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path), timeout=900,
     )  # fmt: skip
     (r,) = rows(tmp_path / "tiny-resume.jsonl", "resume").values()
@@ -269,7 +269,7 @@ def test_checkpoint_at_tp2_by_dp2_resumes_at_dp4_and_at_one_process(tmp_path):
         (["--preset", "tiny-layer", "--dp", "2"], "has no data-parallel communication"),
         (["--preset", "tiny", "--tp", "3"], "use --tp 1, 2, 4"),
         (["--preset", "tiny", "--tp", "2", "--seq", "63"], "use --seq 62"),
-        (["--preset", "tiny", "--resume-check"], "give --dp 2 (or more)"),
+        (["resume", "--preset", "tiny"], "give --dp 2 (or more)"),
         (["--preset", "tiny-layer", "--modes", "coat", "--load", "x"], "checkpoints need an end-to-end preset"),
     ],
 )
@@ -312,11 +312,11 @@ def test_overlapped_gradient_reduce_and_parameter_gather_train_the_same_losses(d
 
 
 def test_the_layout_check_judges_each_layout_against_one_process(tmp_path):
-    """--layouts: every mode in every layout from the same weights and batches, judged by the rule
+    """layouts: every mode in every layout from the same weights and batches, judged by the rule
     written before the runs (coat_compare.layouts)."""
     run(
-        "--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--micro-batch", "2", "--global-batch", "8",
-        "--layouts", "1,dp2", "--out", str(tmp_path), timeout=900,
+        "layouts", "1,dp2", "--preset", "tiny", "--modes", "bf16,coat", "--steps", "4", "--micro-batch", "2",
+        "--global-batch", "8", "--out", str(tmp_path), timeout=900,
     )  # fmt: skip
     got = [r for r in read_jsonl(tmp_path / "tiny-layouts.jsonl") if r["kind"] == "layout"]
     assert [(r["mode"], r["layout"]) for r in got] == [(m, name) for m in ("bf16", "coat") for name in ("1", "dp2")]
