@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_evidence.sh PART [ARGS]                      # one part, on the visible GPU
 #   bash scripts/gpu_evidence.sh --each-gpu "PART [ARGS]" ...     # parts at once, one per GPU (" + ": one after another)
-#   bash scripts/gpu_evidence.sh --each-gpu "NAME=VALUE ... PART [ARGS]" ...  # that part's environment (LIMIT: its seconds)
+#   bash scripts/gpu_evidence.sh --each-gpu "NAME=VALUE ... PART [ARGS]" ...  # that part's environment (LIMIT: its seconds; CUDA_VISIBLE_DEVICES=0,1,2: more GPUs)
 #   bash scripts/gpu_evidence.sh --help                           # this list
 #
 # Parts, and the folder of benchmarks/results/ each one measures again:
@@ -93,7 +93,7 @@ each_gpu() {  # "PART [ARGS] [+ PART [ARGS]]" per GPU, all at once
         while [[ ${words[0]:-} =~ ^[A-Z_][A-Z0-9_]*= ]]; do  # NAME=VALUE words: this part's environment
           envs+=("${words[0]}"); [[ ${words[0]} == LIMIT=* ]] && limit=${words[0]#LIMIT=}; words=("${words[@]:1}")
         done
-        env "${envs[@]}" CUDA_VISIBLE_DEVICES=$i OUT="$base/gpu$i" timeout -k 5 "$limit" bash "$0" "${words[@]}"
+        env CUDA_VISIBLE_DEVICES=$i OUT="$base/gpu$i" "${envs[@]}" timeout -k 5 "$limit" bash "$0" "${words[@]}"
         rc=$?
         if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "stopped after $limit s (LIMIT): what it wrote is packed"; break; fi
       done
