@@ -25,7 +25,10 @@ def reset_graphs(objects: Iterable[object], runner_type: type, graph_type: type)
     done: set[int] = set()  # ids of the graphs reset (each once, though a live graph is listed too)
     graphs = []
     for obj in objects:
-        if isinstance(obj, runner_type):
+        # type(), not isinstance(): isinstance reads obj.__class__, which a weakref proxy whose referent is
+        # gone answers with ReferenceError (gc.get_objects() lists such proxies; seen on an H200 after training)
+        kind = type(obj)
+        if issubclass(kind, runner_type):
             for name in ("fwd_graph", "bwd_graph"):
                 graph = getattr(obj, name, None)
                 if graph is not None and id(graph) not in done:
@@ -34,7 +37,7 @@ def reset_graphs(objects: Iterable[object], runner_type: type, graph_type: type)
                 setattr(obj, name, None)
             for flag in ("cudagraph_created", "fwd_graph_recorded", "bwd_graph_recorded"):
                 setattr(obj, flag, False)
-        elif isinstance(obj, graph_type):
+        elif issubclass(kind, graph_type):
             graphs.append(obj)
     for graph in graphs:  # any other: TransformerEngine's, a whole-step graph, one of the optimizer
         if id(graph) not in done:

@@ -2,6 +2,8 @@
 per-layer runners lose both graphs and their captured flags, and any other live graph is reset too.
 On a CPU with stand-ins for the runner and the graph; without CUDA the release is a no-op."""
 
+import weakref
+
 import torch
 
 from coat_patches import cuda_graphs
@@ -33,6 +35,18 @@ def test_runners_lose_their_graphs_and_every_other_graph_is_reset():
     for runner in (captured, half):
         assert runner.fwd_graph is None and runner.bwd_graph is None
         assert not (runner.cudagraph_created or runner.fwd_graph_recorded or runner.bwd_graph_recorded)
+
+
+def test_a_dead_weak_proxy_among_the_live_objects_is_passed_over():
+    # gc.get_objects() lists weakref proxies; isinstance() on one whose referent is gone raises
+    # ReferenceError (it stopped the launcher after a graphed TP 2 run on an H200)
+    gone = Graph()
+    proxy = weakref.proxy(gone)
+    del gone
+    runner = Runner(Graph(), Graph())
+    objects = [proxy, runner, weakref.proxy(runner)]
+    assert cuda_graphs.reset_graphs(objects, Runner, Graph) == 2
+    assert runner.fwd_graph is None and runner.bwd_graph is None
 
 
 def test_nothing_to_release_without_cuda():
