@@ -195,8 +195,9 @@ class _Closing:
 
 
 def _destroy_process_groups(closing: _Closing) -> None:
-    """``destroy_process_group()``, one group at a time: Megatron's groups newest first, as torch
-    takes them, then the default group (which also clears torch.distributed's state)."""
+    """``destroy_process_group()``, one group at a time: Megatron's groups in the order torch's own
+    destroy takes them (by name, reversed), then the default group (which also clears
+    torch.distributed's state)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 

@@ -242,7 +242,7 @@ def test_closing_the_process_groups_waits_a_bounded_time_for_the_other_ranks():
 
 def test_the_graphs_are_released_before_any_process_group_is_destroyed(monkeypatch, capsys):
     """NCCL's destroy waits for every CUDA graph that captured one of its kernels: the graphs go
-    first, then the barrier, then each group, newest first and the default group last; rank 0
+    first, then the barrier, then each group in torch's order (by name, reversed), the default last; rank 0
     says how many graphs were released and how long the closing took."""
     import torch.distributed as dist
 
