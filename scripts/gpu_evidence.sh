@@ -51,7 +51,7 @@
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
 #   step-profile-tp PRESET TP DP MB GB [GRAPHS]  where a TP x DP step's time goes (rank 0), BF16, TE, COAT -> tp2-host-bound-and-graphs-2gpu
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
-#   pretrain-graphs-tp2                          pretrain() at TP 2, graphed BF16 and --coat-fp8 alone (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
+#   pretrain-graphs-tp2 [MODES [GRAPHS]]         pretrain() at TP 2, graphed BF16 and --coat-fp8 alone, and how each run's process groups closed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with TE-based graphs under PP, the layout rule against eager (default "one pp2", "bf16-graphs te-fp8-graphs coat coat-auto") -> pretrain-pipeline-4gpu
 #   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto") -> pretrain-pipeline-4gpu
 #   scaling-gpt-1b [MODES [LAYOUTS]]             gpt-1b graphed on 1, 2 and 4 GPUs (DP; LAYOUTS 1,dp2,dp4,dp8 on 8), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
@@ -457,9 +457,14 @@ PY
     rows "bf16|te-fp8-current|coat" "$out/gpt-1b-tp2-speed.md"
     grep -rhE "row made|released|leaving|teardown|Timeout" "$out" 2>/dev/null | cut -c1-200 | tail -30 ;;
   pretrain-graphs-tp2)
-    RES="$out" OUT="$out" LAYOUTS=tp2 MODES="bf16-graphs coat-auto" CAP=${CAP:-120} \
+    # each graphed run's rank 0 then says how many CUDA graphs the launcher released and how long the process
+    # groups took to close; a destroy past 15 s says "leaving without them" and names its group. GRAPHS
+    # transformer_engine: the -graphs modes take Megatron's TE-based graphs (coat-auto keeps its own choice)
+    modes=${1:-bf16-graphs coat-auto}; graphs=${2:-local}
+    RES="$out" OUT="$out" LAYOUTS=tp2 MODES="$modes" GRAPHS="$graphs" CAP=${CAP:-120} \
       bash scripts/gpu_pretrain_layouts.sh >"$out/layouts.txt" 2>&1
-    cat "$out/summary.md"; grep -h "coat-megatron-run" "$out"/*.log | sort | uniq -c | cut -c1-200 ;;
+    python3 -c "import torch; print('torch', torch.__version__, 'NCCL', '.'.join(map(str, torch.cuda.nccl.version())))"
+    cat "$out/summary.md"; grep -H "coat-megatron-run" "$out"/*.log | sed "s|^$out/||" | cut -c1-240 ;;
   pretrain-graphs-pp)
     # under PP the -graphs modes and coat-auto (--coat-fp8 alone) take Megatron's TE-based graphs; coat (eager)
     # and the summary's largest loss difference from layout "one" check that the graphed COAT trains like eager

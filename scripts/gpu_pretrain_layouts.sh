@@ -30,7 +30,8 @@
 #   SIZE=tiny LAYOUTS=tp2 MODES="bf16 coat" bash scripts/gpu_pretrain_layouts.sh   # on a CPU too
 #
 # Environment: RES (default /tmp/pretrain-layouts), OUT (default out), LAYOUTS (default "pp2 tp2 tp2pp2"), MODES
-# (default "bf16 bf16-graphs coat coat-graphs"), ITERS (default 20), CAP (seconds per run, default
+# (default "bf16 bf16-graphs coat coat-graphs"), GRAPHS (local | transformer_engine: the -graphs modes' graphs in
+# every layout, instead of each layout's own), ITERS (default 20), CAP (seconds per run, default
 # 150: a run that stalls is stopped and its row says so; 20 s before, each of its ranks writes its Python
 # stacks to $RES/stacks-LAYOUT-MODE/coat-stacks-rankN.txt: COAT_STACKS_AFTER), SIZE (1b | tiny), FUSION (0: pass
 # --no-gradient-accumulation-fusion, see scripts/gpu_pretrain.sh; 1: leave Megatron's default, which needs apex).
@@ -40,6 +41,7 @@ dest=${OUT:-out}
 iters=${ITERS:-20}
 log_interval=$(( iters % 5 == 0 ? 5 : 1 ))  # Megatron wants the memory report's interval (iters) a multiple of it
 cap=${CAP:-150}
+case ${GRAPHS:-local} in local | transformer_engine) ;; *) echo "GRAPHS=$GRAPHS: use local or transformer_engine" >&2; exit 2 ;; esac
 source "$(dirname "$0")/gpu_lib.sh"
 if command -v nvidia-smi >/dev/null; then gpu_setup; else mkdir -p "$out" "$dest"; export PYTHONUNBUFFERED=1; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -75,6 +77,7 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
   # each mode's graphs as they run there: Megatron's local per-layer graphs do not run under PP
   # (megatron-core 0.19), its TE-based ones do (what --coat-fp8 alone picks there)
   case " ${parallel[*]} " in *" --pipeline-model-parallel-size "*) graphs=transformer_engine ;; *) graphs=local ;; esac
+  graphs=${GRAPHS:-$graphs}
   for mode in ${MODES:-bf16 bf16-graphs coat coat-graphs}; do
     options=""; [[ $mode == *+* ]] && options=${mode#*+}
     case ${mode%%+*} in

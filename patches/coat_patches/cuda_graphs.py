@@ -5,11 +5,11 @@ NCCL's communicator destroy waits until every CUDA graph that captured one of it
 TP all-gather or reduce-scatter in it never returns from ``destroy_process_group``. Megatron-Core
 0.19's ``delete_cuda_graphs()`` does not release the per-layer training graphs of
 ``--cuda-graph-impl local``: it resets the runners in ``_CudagraphGlobalRecord.cudagraph_record``,
-which ``_create_cudagraphs`` empties right after capture, and the runners stay in each layer's
+which ``create_cudagraphs()`` empties right after capture, and the runners stay in each layer's
 ``CudaGraphManager``. Megatron's own ``train()`` cleans up only TransformerEngine's graphs. So the
 graphs are found by the garbage collector's list of live objects and reset (``CUDAGraph.reset``
 frees a graph at once, whoever still refers to it); the known cases (PyTorch issue 115388,
-TransformerEngine issue 2367) were fixed the same way.
+TransformerEngine pull request 2367) were fixed the same way.
 """
 
 from __future__ import annotations

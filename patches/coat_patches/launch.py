@@ -152,28 +152,77 @@ def _close_process_groups(timeout_s: float) -> None:
     threads still running can abort in their destructors ("terminate called without an active
     exception", seen once in CI after training had finished, exit code -6).
 
-    In order: every CUDA graph is released (``cuda_graphs.release_cuda_graphs``: NCCL's destroy waits
-    for each graph that captured one of its kernels, and Megatron's own clean-up leaves the per-layer
-    graphs alive, the cause of the destroy that never returned after graphed TP runs); the ranks
-    meet at a barrier kept by the rendezvous store, on the host (no NCCL kernel that a stuck stream
-    could hold), which waits at most ``timeout_s`` seconds (``PeersLostError`` if the other ranks do
-    not come); then the process groups are destroyed. A destroy that still takes more than
-    ``TEARDOWN_S`` leaves the process with a line saying so and exit status 0: every rank finished
-    the script, so the training's work is done and saved."""
+    In order: every CUDA graph is released (``cuda_graphs.release_cuda_graphs``: NCCL's destroy, and
+    its abort alike, waits for each graph that captured one of its kernels, and Megatron's own
+    clean-up leaves the per-layer graphs of ``--cuda-graph-impl local`` alive, the cause of the
+    destroy that never returned after graphed TP runs); the ranks meet at a barrier kept by the
+    rendezvous store, on the host (no NCCL kernel that a stuck stream could hold), which waits at
+    most ``timeout_s`` seconds (``PeersLostError`` if the other ranks do not come); then the process
+    groups are destroyed one at a time, in the order ``destroy_process_group()`` takes them, so that
+    a destroy that still takes more than ``TEARDOWN_S`` can name its group. Such a destroy leaves the
+    process with a line saying so and exit status 0: every rank finished the script, so the
+    training's work is done and saved. Where graphs were released, rank 0 says how many and how long
+    the release and the destroy took (``gpu_evidence.sh pretrain-graphs-tp2`` reads that line)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return
-    release_cuda_graphs()
+    start = time.monotonic()
+    closing = _Closing(graphs=release_cuda_graphs())
+    released = time.monotonic()
     _store_barrier(timeout_s)
-    rank = os.environ.get("RANK", "0")
-    timer = threading.Timer(TEARDOWN_S, _leave_without_closing, args=(rank,))
+    timer = threading.Timer(TEARDOWN_S, _leave_without_closing, args=(closing,))
     timer.daemon = True
     timer.start()
+    destroy = time.monotonic()
     try:
-        dist.destroy_process_group()
+        _destroy_process_groups(closing)
     finally:
         timer.cancel()
+    if closing.graphs:
+        _say(
+            f"{closing.graphs} CUDA graphs released in {released - start:.1f} s, then the process groups "
+            f"closed in {time.monotonic() - destroy:.1f} s"
+        )
+
+
+class _Closing:
+    """How far the closing of the process groups got: the timer that ends a stuck one reads it."""
+
+    def __init__(self, graphs: int):
+        self.graphs = graphs  # CUDA graphs released before the groups were destroyed
+        self.group = "the process groups"  # the group being destroyed
+
+
+def _destroy_process_groups(closing: _Closing) -> None:
+    """``destroy_process_group()``, one group at a time: Megatron's groups in the order torch's own
+    destroy takes them (by name, reversed), then the default group (which also clears
+    torch.distributed's state)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    default = distributed_c10d.GroupMember.WORLD
+    names = distributed_c10d._world.pg_names
+    for group in sorted(names, key=names.get, reverse=True):
+        if group is not default:
+            closing.group = _describe_group(group)
+            dist.destroy_process_group(group)
+    closing.group = _describe_group(default)
+    dist.destroy_process_group()
+
+
+def _describe_group(group) -> str:
+    """A process group as the teardown's line names it: Megatron's description, backend and size."""
+    import torch.distributed as dist
+
+    described = getattr(group, "group_desc", "")  # Megatron names its groups; torch's default is "undefined"
+    what = {"default_pg": "the default group", "undefined": ""}.get(described, described) or "a process group"
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):
+        backend = "?"
+    ranks = group.size()
+    return f"{what} ({backend}, {ranks} rank{'' if ranks == 1 else 's'})"
 
 
 TEARDOWN_S = 15.0  # destroying the process groups takes well under a second when nothing is stuck
@@ -215,10 +264,12 @@ def _store_barrier(timeout_s: float) -> None:
         left = store.add(_LEFT, 0)
 
 
-def _leave_without_closing(rank: str) -> None:
+def _leave_without_closing(closing: _Closing) -> None:
+    rank = os.environ.get("RANK", "0")
     print(
         f"coat-megatron-run: rank {rank}: the script finished on every rank, but closing the process groups took "
-        f"more than {TEARDOWN_S:g} s; leaving without them",
+        f"more than {TEARDOWN_S:g} s; leaving without them (stuck in destroying {closing.group}; "
+        f"{closing.graphs} CUDA graphs released before)",
         file=sys.stderr,
         flush=True,
     )

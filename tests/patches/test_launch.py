@@ -221,17 +221,61 @@ def _close_with_a_missing_rank(timeout_s: float) -> float | None:
     return time.monotonic() - start
 
 
-def _close_with_every_rank(timeout_s: float) -> bool:
+def _close_with_every_rank(timeout_s: float) -> tuple[int, bool]:
+    """Megatron's process groups (TP 2 on two ranks: a dozen groups beside the default one) closed
+    by the launcher; the number of groups there were, and whether torch.distributed is still up."""
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
+    groups = len(distributed_c10d._world.pg_names)
     launch_module._close_process_groups(timeout_s)
-    return dist.is_initialized()
+    return groups, dist.is_initialized()
 
 
 def test_closing_the_process_groups_waits_a_bounded_time_for_the_other_ranks():
     waited, _ = run_distributed(_close_with_a_missing_rank, 2, args=(2.0,), timeout=60)
     assert 2.0 <= waited < 4.0
-    assert run_distributed(_close_with_every_rank, 2, args=(2.0,), timeout=60) == [False, False]
+    closed = run_distributed(_close_with_every_rank, 2, args=(2.0,), tensor_parallel=2, timeout=60)
+    assert [up for _, up in closed] == [False, False]
+    assert all(groups > 2 for groups, _ in closed)
+
+
+def test_the_graphs_are_released_before_any_process_group_is_destroyed(monkeypatch, capsys):
+    """NCCL's destroy waits for every CUDA graph that captured one of its kernels: the graphs go
+    first, then the barrier, then each group in torch's order (by name, reversed), the default last; rank 0
+    says how many graphs were released and how long the closing took."""
+    import torch.distributed as dist
+
+    steps = []
+    barrier = launch_module._store_barrier
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(launch_module, "release_cuda_graphs", lambda: steps.append("release") or 3)
+    monkeypatch.setattr(launch_module, "_store_barrier", lambda t: (steps.append("barrier"), barrier(t)))
+    monkeypatch.setattr(
+        dist,
+        "destroy_process_group",
+        lambda group=None: (steps.append(launch_module._describe_group(group or dist.group.WORLD)), destroy(group)),
+    )
+    monkeypatch.setenv("RANK", "0")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.new_group([0], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
+        dist.new_group([0], group_desc="DATA_PARALLEL_GROUP")
+        launch_module._close_process_groups(5.0)
+    finally:
+        if dist.is_initialized():
+            destroy()
+    assert steps == [
+        "release",
+        "barrier",
+        "DATA_PARALLEL_GROUP (gloo, 1 rank)",
+        "TENSOR_MODEL_PARALLEL_GROUP (gloo, 1 rank)",
+        "the default group (gloo, 1 rank)",
+    ]
+    assert re.search(
+        r"coat-megatron-run: 3 CUDA graphs released in [\d.]+ s, then the process groups closed in [\d.]+ s",
+        capsys.readouterr().out,
+    )
 
 
 STUCK_TEARDOWN = """
@@ -240,17 +284,25 @@ import torch.distributed as dist
 from coat_patches import launch
 
 dist.init_process_group("gloo", rank=0, world_size=1)
+tp = dist.new_group([0], group_desc="TENSOR_MODEL_PARALLEL_GROUP")
 launch.TEARDOWN_S = 1.0
-dist.destroy_process_group = lambda *a, **k: time.sleep(60)  # a communicator that never lets go
+launch.release_cuda_graphs = lambda: 64
+destroy = dist.destroy_process_group
+def stuck(group=None):  # a communicator that never lets go (a live CUDA graph captured its kernels)
+    if group is tp:
+        time.sleep(60)
+    destroy(group)
+dist.destroy_process_group = stuck
 launch._close_process_groups(5.0)
 print("not reached")
 """
 
 
 def test_a_teardown_that_hangs_after_every_rank_finished_leaves_with_status_0():
-    """Every rank finished the script (the barrier passed), but destroying the process groups does
+    """Every rank finished the script (the barrier passed), but destroying a process group does
     not return (seen on GPUs after TP 2 runs with CUDA graphs): the process leaves after
-    ``TEARDOWN_S`` with a line saying so and status 0, not at a scheduler's time limit."""
+    ``TEARDOWN_S`` with a line that names the group and says the graphs were released before,
+    and status 0, not at a scheduler's time limit."""
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -261,7 +313,10 @@ def test_a_teardown_that_hangs_after_every_rank_finished_leaves_with_status_0():
     done = subprocess.run([sys.executable, "-c", STUCK_TEARDOWN], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "not reached" not in done.stdout
-    assert "closing the process groups took more than 1 s; leaving without them" in done.stderr
+    assert (
+        "closing the process groups took more than 1 s; leaving without them (stuck in destroying "
+        "TENSOR_MODEL_PARALLEL_GROUP (gloo, 1 rank); 64 CUDA graphs released before)"
+    ) in done.stderr
     assert time.monotonic() - start < 60
 
 
