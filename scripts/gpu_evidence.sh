@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU evidence behind the README's results and docs/results.md, one part per claim, each within
-# one 10-minute device command; run on the device machine after the staged megatron-core/TE install.
+# The GPU evidence behind the README's results and docs/results.md, one part per claim still measured
+# (a retired study's commands.txt names the commit with its part), each within one 10-minute device
+# command; run on the device machine after the staged megatron-core/TE install.
 #
 #   bash scripts/gpu_evidence.sh PART [ARGS]                      # one part, on the visible GPU
 #   bash scripts/gpu_evidence.sh --each-gpu "PART [ARGS]" ...     # parts at once, one per GPU (" + ": one after another)
