@@ -22,14 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -60,8 +57,17 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 ROW_MARK = "STEP-PROFILE-ROW "
 
-# kernel classes for the step's GPU time: the collectives first, then benchmarks/layer_profile.py's classes
+# kernel classes for the step's GPU time: the collectives and the optimizer first, then the layer's
 COLLECTIVE, OPTIMIZER = "collectives (NCCL)", "optimizer"
+LAYER_CLASSES = [  # (class, substrings of kernel names), first match wins
+    ("GEMM", ("gemm", "nvjet", "cutlass", "sm90_xmma", "_scaled_mm")),
+    ("attention", ("flash", "fmha", "sdpa", "attn", "softmax", "dot_do_o", "convert_dq")),
+    ("norm", ("norm",)),
+    ("SwiGLU", ("swiglu", "silu")),
+    ("quantize / cast / transpose", ("quantize", "cast", "transpose", "amax", "scale", "refresh")),
+    ("rope", ("rope", "rotary", "cos_kernel", "sin_kernel")),
+    ("elementwise / copy / reduce", ("elementwise", "copy", "reduce", "fill", "cat", "memset", "memcpy")),
+]
 
 
 def step_kernel_class(name: str) -> str:
@@ -70,16 +76,7 @@ def step_kernel_class(name: str) -> str:
         return COLLECTIVE
     if "adam" in low or "multi_tensor" in low:
         return OPTIMIZER
-    return _layer_profile().kernel_class(name)
-
-
-@functools.cache
-def _layer_profile():
-    """benchmarks/layer_profile.py, beside this script (benchmarks/ is no package)."""
-    spec = importlib.util.spec_from_file_location("layer_profile", Path(__file__).with_name("layer_profile.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return next((cls for cls, keys in LAYER_CLASSES if any(k in low for k in keys)), "other")
 
 
 def class_times(kernels: list[tuple[str, float, float]], steps: int) -> dict:

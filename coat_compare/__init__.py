@@ -27,5 +27,4 @@ Beside the command, each its own ``python -m``:
     protocol/    the accuracy protocols and their rule (paired seeds, a one-sided t bound, the blind power
                  gate); runner.py packs a protocol's runs several per GPU within a command's deadline
     fidelity.py  where a recipe's error comes from: gradients and one update against FP32, same weights and batch
-    plan.py      how a large model splits over GPUs, projected on a CPU
 """

@@ -90,10 +90,6 @@ class Preset:
     needs_gpu: bool = True
     description: str = ""
 
-    @property
-    def tokens_per_micro_batch(self) -> int:
-        return self.seq * self.micro_batch
-
     def global_batch_for(self, dp: int) -> int:
         """Sequences per optimizer step at data-parallel size ``dp``."""
         return self.micro_batch * dp if self.global_batch is None else self.global_batch

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU evidence behind the README's results and docs/results.md, one part per claim, each within
-# one 10-minute device command; run on the device machine after the staged megatron-core/TE install.
+# The GPU evidence behind the README's results and docs/results.md, one part per claim still measured
+# (a retired study's commands.txt names the commit with its part), each within one 10-minute device
+# command; run on the device machine after the staged megatron-core/TE install.
 #
 #   bash scripts/gpu_evidence.sh PART [ARGS]                      # one part, on the visible GPU
 #   bash scripts/gpu_evidence.sh --each-gpu "PART [ARGS]" ...     # parts at once, one per GPU (" + ": one after another)
@@ -16,36 +17,18 @@
 #   default-vs-cached-gpt-1b                     the default against the cached recipes, gpt-1b -> gpt-1b-default-vs-cached-1gpu
 #   default-vs-cached-llama2-7b                  the same, Llama-2-7B micro-batch 1 -> llama2-7b-default-vs-cached-1gpu
 #   memory-gpt-1b                                bytes per parameter by recipe, gpt-1b -> gpt-1b-memory-by-mode-1gpu
-#   weight-passes                                what the default's weight passes cost -> weight-passes-1gpu
-#   mlp-block-llama2-7b                          the MLP block's time and activations -> mlp-block-llama2-7b-1gpu
 #   speed-gpt-1b                                 gpt-1b, global batch 32, every mode eager and graphed -> gpt-1b-speed-1gpu
 #   wgrad-fusion-gpt-1b                          the wgrad added inside the GEMMs or by Megatron -> gpt-1b-speed-1gpu
 #   eager-gpt-1b                                 eager gpt-1b, the default against coat-cached -> gpt-1b-eager-1gpu
-#   eager-step-profile-gpt-1b                    where an eager gpt-1b step's time goes -> gpt-1b-eager-1gpu
 #   speed-llama2-7b                              Llama-2-7B micro-batch 1, eager and graphed -> llama2-7b-speed-1gpu
 #   pretrain-gpt-1b                              --coat-fp8 through Megatron's pretrain() -> pretrain-gpt-1b-1gpu
-#   host-time-layer                              host time to issue one layer -> host-time-layer-1gpu
-#   gemm-plans-gpt-1b                            the cuBLASLt plans' GEMMs against torch._scaled_mm -> host-time-layer-1gpu
 #   kernel-launches                              kernel launches per layer -> kernel-launches-layer-1gpu
-#   full-step-graphs                             Megatron's whole-step CUDA graph -> full-step-graphs-1gpu
-#   layer-llama2-7b                              one layer's time, activations and kernel classes -> layer-llama2-7b-1gpu
-#   quantize-kernels                             the quantizers against a device copy -> kernel-bandwidth-1gpu
-#   swiglu-norm-tiles                            SwiGLU and norm kernel tiles at two shapes -> kernel-bandwidth-1gpu
-#   wgrad-accumulate                             the wgrad added by the GEMM, per layer -> wgrad-accumulate-gemm-1gpu
-#   optimizer-step                               the fused FP8 AdamW step -> optimizer-step-1gpu
-#   accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]  one 30M-token run -> accuracy-gpt-1b-1gpu, accuracy-gpt-1b-ablations-1gpu
+#   layer-llama2-7b                              one layer's time and activations -> layer-llama2-7b-1gpu
 #   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu, accuracy-gpt-1b-check-2gpu
 #   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-1gpu
 #   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-1gpu
 #   apex-pretrain WHAT                           WHAT build, then run: NVIDIA apex from the snapshot carried as .apex (build_apex.sh), then BF16 and --coat-fp8 through pretrain(), Megatron's wgrad fusion on -> pretrain-gpt-1b-1gpu
-#   accuracy-llama2-7b MODE                      one 200-step Llama-2-7B run -> accuracy-llama2-7b-1gpu
-#   accuracy-llama2-7b-dp4 HALF [STEPS [MODES]]  Llama-2-7B DP 4, global batch 64, validation, one run per mode over two commands (HALF 1 saves, 2 loads) -> accuracy-llama2-7b-dp4-4gpu
-#   warmup-spike-gpt-1b                          the start-up loss by warm-up length, gpt-1b -> warmup-spike-1gpu
-#   warmup-spike-llama2-7b                       the same, Llama-2-7B -> warmup-spike-1gpu
-#   te-fp8-pa-divergence                         Megatron's FP8-moment Adam through pretrain() -> te-fp8-pa-divergence-1gpu
-#   interconnect                                 NCCL all-gather, reduce-scatter and ring bandwidth -> interconnect-4gpu
 #   tp-gpu-tests                                 the sequence-parallel path's GPU tests on 2 GPUs -> layer-llama2-7b-tp2-2gpu
-#   tp-chunk-gemms                               one FP8 GEMM per sequence chunk against one GEMM (1 GPU) -> tp-chunk-gemms-1gpu
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
@@ -55,14 +38,11 @@
 #   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with TE-based graphs under PP, the layout rule against eager (default "one pp2", "bf16-graphs te-fp8-graphs coat coat-auto") -> pretrain-pipeline-4gpu
 #   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto") -> pretrain-pipeline-4gpu
 #   scaling-gpt-1b [MODES [LAYOUTS]]             gpt-1b graphed on 1, 2 and 4 GPUs (DP; LAYOUTS 1,dp2,dp4,dp8 on 8), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
-#   train-8gpu PRESET LAYOUT MB GB MODES [GRAPHS]  one preset at one layout of 8 GPUs (e.g. llama2-7b dp8 4 512 bf16,te-fp8-current,coat) -> eight-gpu-plan-cpu
-#   max-batch-8gpu PRESET LAYOUT MODES [GIB]     each mode's largest micro-batch at a layout of 8 GPUs within GIB (79) per GPU, eager -> eight-gpu-plan-cpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu
 #   max-batch-llama2-7b-dp4 MODES [GIB]          each mode's largest micro-batch at DP 4 within GIB (79) per GPU, eager -> llama2-7b-dp4-4gpu
 #   llama2-13b-4gpu TP DP MB MODES [GB]          Llama-2-13B on 4 GPUs, graphed, one layout (GB 16) -> llama2-13b-4gpu
-#   resume-gpt-1b-tp2dp2 [STEPS]                 a checkpoint saved at TP 2 x DP 2 resumed at DP 4 and on one GPU -> layouts-gpt-1b-4gpu
 #
-# The parts from interconnect on use several GPUs, one process each (coat-compare starts each run's torchrun
+# The parts from tp-gpu-tests on use several GPUs, one process each (coat-compare starts each run's torchrun
 # itself); scripts/gpu_pretrain_layouts.sh runs --coat-fp8 through pretrain() at TP and PP layouts.
 #
 # A part writes its reports and logs to $OUT/PART/ (default ./out) and packs them as $OUT/PART.tgz
@@ -126,25 +106,6 @@ source "$(dirname "$0")/gpu_lib.sh"
 gpu_setup
 big=(env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)  # 7B and 13B near the memory limit: fewer fragments
 rows() { grep -h -E "^\| ($1) \|" "${@:2}" 2>/dev/null | cut -c1-200; }  # a report's table rows, for the printout
-eight_gpus() {  # train-8gpu and max-batch-8gpu: PRESET LAYOUT ...
-  preset=${1:?$part PRESET LAYOUT ...}; layout=${2:?$part PRESET LAYOUT ... (e.g. dp8, tp2xdp4, tp2xpp2xdp2)}
-  sizes=$(python3 -c "from coat_compare.layouts import parse_layouts as p; print(*p('$layout')[0])") || exit 2
-  read -r tp pp vpp dp <<<"$sizes"
-  [ $((tp * pp * vpp * dp)) -le "$(nvidia-smi -L | wc -l)" ] || { echo "$part: $layout needs $((tp * pp * vpp * dp)) GPUs" >&2; exit 2; }
-  on=(--tp "$tp" --pp "$pp" --vpp "$vpp" --dp "$dp")
-  if [ "$part" = train-8gpu ]; then
-    mb=${3:?train-8gpu PRESET LAYOUT MB GB MODES [GRAPHS]}; gb=${4:?}; modes=${5:?}; graphs=${6:-$([ "$pp" = 1 ] && echo local || echo none)}
-    name="$preset-$layout-mb$mb-$graphs"
-    run 580 "$name" "${big[@]}" coat-compare --preset "$preset" "${on[@]}" --micro-batch "$mb" --global-batch "$gb" \
-      --steps 6 --modes "$modes" --cuda-graphs "$graphs" --step-timeout 200 --run-timeout 280 --out "$out" --name "$name" --no-plots
-  else
-    modes=${3:?max-batch-8gpu PRESET LAYOUT MODES [GIB]}; gib=${4:-79}; n_modes=$(($(tr -cd , <<<"$modes" | wc -c) + 1))
-    name="$preset-$layout-search"
-    run 585 "$name" "${big[@]}" coat-compare search --preset "$preset" "${on[@]}" --modes "$modes" --search-micro-batches 4 \
-      --fit-memory "$gib" --search-time-limit $((540 / n_modes)) --out "$out" --name "$name" --no-plots
-  fi
-  rows "${modes//,/|}" "$out/$name.md"
-}
 
 case $part in
   gpu-tests)
@@ -183,14 +144,6 @@ case $part in
     run 580 gpt-1b-memory coat-compare --preset gpt-1b --micro-batch 4 --steps 20 --modes bf16,te-fp8-pa,coat,coat-codes,coat-fp32 \
       --cuda-graphs none,local --out "$out" --name gpt-1b-memory --no-plots
     rows "bf16|te-fp8-pa|coat|coat-codes|coat-fp32" "$out/gpt-1b-memory.md" ;;
-  weight-passes)
-    for preset in llama2-7b gpt-1b; do
-      run 240 "weight-passes-$preset" python3 benchmarks/weight_passes.py --preset "$preset" --out "$out"
-    done
-    tail -5 "$out"/weight_passes-*.md ;;
-  mlp-block-llama2-7b)
-    run 400 ops python3 benchmarks/ops.py --out "$out"
-    head -20 "$out/ops.md" ;;
   speed-gpt-1b)
     run 570 gpt-1b-fastest coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
       --modes bf16,te-fp8-delayed,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name gpt-1b-fastest --no-plots
@@ -208,10 +161,6 @@ case $part in
         --modes bf16,coat,coat-cached --out "$out" --name "gpt-1b-eager-gb$gb" --no-plots
     done
     rows "bf16|coat|coat-cached" "$out"/gpt-1b-eager-gb*.md ;;
-  eager-step-profile-gpt-1b)
-    run 400 step-profile python3 benchmarks/step_profile.py --preset gpt-1b --micro-batch 4 --global-batch 32 \
-      --modes bf16,coat --steps 2 --out "$out"
-    rows "bf16|coat" "$out/step_profile.md" ;;
   speed-llama2-7b)
     run 585 llama2-7b-mb1 "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 8 --steps 8 \
       --modes bf16,te-fp8-current,coat --cuda-graphs none,local --out "$out" --name llama2-7b-mb1 --no-plots
@@ -220,61 +169,14 @@ case $part in
     run 570 pretrain env OUT="$out" GPUS=1 ITERS=30 GLOBAL_BATCH=32 GRAPHS=local PYTHON=python3 \
       bash "$(dirname "$0")/gpu_pretrain.sh"
     cat "$out/comparison.md" ;;
-  host-time-layer)
-    run 400 host-overhead python3 benchmarks/host_overhead.py --out "$out"
-    rows "coat|coat, before.*|bf16|te-fp8-current|bf16-local" "$out/host_overhead.md" ;;
-  gemm-plans-gpt-1b)
-    for how in torch auto; do  # COAT_FP8_GEMM=torch: torch._scaled_mm; auto: the cuBLASLt plans (the default)
-      run 270 "gemm-$how" env COAT_FP8_GEMM=$how coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 12 \
-        --modes coat --cuda-graphs local --out "$out" --name "gpt-1b-gemm-$how" --no-plots
-    done
-    rows coat "$out"/gpt-1b-gemm-*.md ;;
   kernel-launches)
     run 300 lean-path python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/compare/test_lean_layer.py
     grep -E "launches|passed|failed" "$out/lean-path.log" | cut -c1-300 ;;
-  full-step-graphs)
-    run 150 tiny-graphs coat-compare --preset tiny --modes bf16,coat --steps 12 --cuda-graphs none,local,full \
-      --out "$out" --name tiny-graphs --no-plots
-    run 420 gpt-1b-graphs coat-compare --preset gpt-1b --micro-batch 4 --steps 20 --modes bf16,coat \
-      --cuda-graphs none,local,full --out "$out" --name gpt-1b-bf16-coat --no-plots
-    rows "bf16|coat" "$out"/*.md ;;
   layer-llama2-7b)
     run 200 layer coat-compare --preset llama2-7b-layer \
       --modes bf16-local,bf16,te-fp8-delayed,te-fp8-current,te-fp8-block,te-fp8-store,coat,coat-recompute \
       --out "$out" --name llama2-7b-layer --no-plots
-    run 200 layer-profile-7b python3 benchmarks/layer_profile.py --preset llama2-7b-layer \
-      --modes coat,te-fp8-current,te-fp8-delayed --out "$out/7b"
-    run 180 layer-profile-1b python3 benchmarks/layer_profile.py --preset gpt-1b-layer \
-      --modes coat,te-fp8-current,te-fp8-delayed --out "$out/1b"
-    rows "bf16.*|te-fp8.*|coat.*" "$out/llama2-7b-layer.md"
-    grep -h -E "^\| (GEMM|\*\*total)" "$out"/*/layer_profile.md ;;
-  quantize-kernels)
-    run 240 quantize python3 benchmarks/quantize.py --sweep --out "$out"
-    grep -E "of copy|transpose|copy" "$out/quantize.md" | head -20 ;;
-  swiglu-norm-tiles)
-    run 270 ops-llama2-7b python3 benchmarks/ops.py --sweep --out "$out/llama2-7b"
-    run 270 ops-gpt-1b python3 benchmarks/ops.py --tokens 8192 --hidden 2048 --ffn 5632 --sweep --out "$out/gpt-1b"
-    grep -h -E "^\| (norm|quantize_swiglu|swiglu)" "$out"/*/ops.md | cut -c1-120 ;;
-  wgrad-accumulate)
-    run 240 pytest-wgrad python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gemm_accumulate.py
-    tail -1 "$out/pytest-wgrad.log"
-    for preset in gpt-1b llama2-7b; do
-      run 150 "wgrad-$preset" python3 benchmarks/wgrad_accumulate.py --preset "$preset" --out "$out/$preset"
-    done
-    grep -h -E "^\| \*\*layer|^Per micro-batch" "$out"/*/wgrad_accumulate.md ;;
-  optimizer-step)
-    run 560 optimizer python3 benchmarks/optimizer.py --sweep --out "$out"
-    rows "18 tensors.*" "$out/optimizer.md" ;;
-  accuracy-gpt-1b)
-    mode=${1:?accuracy-gpt-1b MODE SEED [constant|cosine] [RUN]}; seed=${2:?accuracy-gpt-1b MODE SEED}
-    decay=${3:-constant}; repeat=${4:-1}; tag=$mode
-    more=()
-    [ "$repeat" != 1 ] && { more+=(--repeat "$repeat"); tag="$tag-run$repeat"; }
-    [ "$decay" != constant ] && { more+=(--lr-decay "$decay"); tag="$tag-$decay"; }
-    run 590 "gpt-1b-acc-$tag-$seed" coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 \
-      --eval-every 46 --cuda-graphs local --modes "$mode" --seed "$seed" "${more[@]}" --out "$out/seed$seed" \
-      --name "gpt-1b-acc-$tag" --no-plots
-    grep -E "^\| ($mode|training loss)" "$out/seed$seed/gpt-1b-acc-$tag.md" | cut -c1-260 ;;
+    rows "bf16.*|te-fp8.*|coat.*" "$out/llama2-7b-layer.md" ;;
   accuracy-runs)
     # the runs of an accuracy protocol (coat_compare/protocol/) still missing from the committed rows, PER_DEVICE
     # at once on each GPU, none started that would end after DEADLINE seconds; reports and checkpoints stay in
@@ -325,109 +227,9 @@ case $part in
   fidelity-llama2-7b-layer)
     run 590 layer "${big[@]}" python3 -m coat_compare.fidelity --preset llama2-7b --layers 1 --micro-batch 2 --out "$out"
     cat "$out/fidelity.md" ;;
-  accuracy-llama2-7b)
-    mode=${1:?accuracy-llama2-7b MODE (bf16, coat or te-fp8-current)}
-    run 590 "llama2-7b-acc-$mode" "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 200 \
-      --eval-every 25 --eval-windows 48 --modes "$mode" --out "$out/seed1234" --name "llama2-7b-acc-$mode" --no-plots
-    grep -E "^\| ($mode|training loss)" "$out/seed1234/llama2-7b-acc-$mode.md" | cut -c1-260 ;;
-  accuracy-llama2-7b-dp4)
-    # one run per mode spread over two device commands: HALF 1 trains steps 0 .. STEPS/2 - 1 and saves
-    # (--stop-after-save) into $CKPT/MODE on this machine, HALF 2 loads it and trains the rest on the
-    # same schedule and batches, with the last validation. The modes share the command's 580 s; BF16's
-    # first half (its ~94 GB checkpoint written) needs more than 290 s at 80 steps: one mode per command
-    half=${1:?accuracy-llama2-7b-dp4 HALF (1 or 2) [STEPS (80) [MODES (bf16,coat)]]}; steps=${2:-80}
-    modes=${3:-bf16,coat}; ckpt=${CKPT:-/root/ckpt-llama2-7b-dp4}
-    case $half in 1 | 2) ;; *) echo "accuracy-llama2-7b-dp4: HALF is 1 (train and save) or 2 (load and finish)" >&2; exit 2 ;; esac
-    read -ra each <<<"${modes//,/ }"
-    cap=$((580 / ${#each[@]}))  # coat-compare's own --run-timeout acts 20 s before: a run past it ends in a report that says so
-    mkdir -p "$ckpt/rows"  # every half's row, kept on the machine for the summary of a later command
-    for mode in "${each[@]}"; do
-      name="llama2-7b-dp4-acc-$mode-$half"
-      args=(coat-compare --preset llama2-7b --dp 4 --micro-batch 1 --global-batch 64 --steps "$steps"
-        --eval-every $((steps / 4)) --eval-windows 64 --modes "$mode" --step-timeout 150 --run-timeout $((cap - 20))
-        --out "$out" --name "$name" --no-plots)
-      if [ "$half" = 1 ]; then
-        rm -rf "${ckpt:?}/$mode"
-        run "$cap" "$name" "${big[@]}" "${args[@]}" --save "$ckpt/$mode" --save-step $((steps / 2)) --stop-after-save
-      else
-        run "$cap" "$name" "${big[@]}" "${args[@]}" --load "$ckpt/$mode"
-      fi
-      cp "$out/$name.jsonl" "$ckpt/rows/" 2>/dev/null
-      grep -E "^\| $mode " "$out/$name.md" 2>/dev/null | head -2 | cut -c1-200
-    done
-    python3 - "$ckpt/rows" "$steps" <<'PY'
-import glob, sys
-from coat_compare.protocol import train_rows
-rows = [r for f in sorted(glob.glob(sys.argv[1] + "/*.jsonl")) for r in train_rows(open(f))]
-rows = [r for r in rows if r.get("steps") == int(sys.argv[2])]
-valid = {}  # mode -> {step: validation loss}, both halves
-for r in rows:
-    print(f"{r['mode']}: steps {r.get('first_step')}..{r.get('last_step')} of {r['steps']}, {r.get('status')}, validation {r.get('valid_losses')}")
-    valid.setdefault(r["mode"], {}).update({s: v for s, v in r.get("valid_losses") or []})
-b, c = valid.get("bf16", {}), valid.get("coat", {})
-for s in sorted(b.keys() & c.keys()):
-    print(f"validation after step {s}: bf16 {b[s]:.4f}, coat {c[s]:.4f}, gap {100 * (c[s] - b[s]) / b[s]:+.2f}% (reported, not judged)")
-PY
-    ;;
-  warmup-spike-gpt-1b)
-    for w in 5 20; do
-      run 280 "gpt-1b-warmup$w" coat-compare --preset gpt-1b --micro-batch 4 --steps 30 --modes bf16,coat \
-        --lr-warmup-steps "$w" --out "$out" --name "gpt-1b-warmup$w" --no-plots
-    done
-    grep -h -E "^\| training loss below" "$out"/gpt-1b-warmup*.md | cut -c1-200 ;;
-  warmup-spike-llama2-7b)
-    for w in 50 100; do  # Adam's epsilon as these runs had it (the preset's is 1e-5 since)
-      run 280 "llama2-7b-warmup$w" "${big[@]}" coat-compare --preset llama2-7b --micro-batch 1 --global-batch 4 --steps 30 \
-        --lr-warmup-steps "$w" --adam-eps 1e-8 --modes coat --out "$out" --name "llama2-7b-warmup$w" --no-plots
-    done
-    grep -h -E "^\| training loss below" "$out"/llama2-7b-warmup*.md | cut -c1-200 ;;
-  te-fp8-pa-divergence)
-    # Megatron's own loop without --coat-fp8 (coat-megatron-run adds only the dataset-helper fix): gpt-1b,
-    # TE FP8 current scaling, the byte corpus; each run changes the optimizer's moment storage alone
-    pa_common=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16 --seq-length 2048
-      --max-position-embeddings 2048 --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
-      --untie-embeddings-and-output-weights --bf16 --attention-dropout 0 --hidden-dropout 0
-      --transformer-impl transformer_engine --use-distributed-optimizer --no-gradient-accumulation-fusion
-      --fp8-format hybrid --fp8-recipe tensorwise --micro-batch-size 4 --global-batch-size 4 --train-iters 30
-      --lr 3e-4 --min-lr 3e-4 --lr-decay-style constant --lr-warmup-iters 10 --lr-warmup-init 0 --weight-decay 0.1
-      --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8 --seed 1234 --byte-corpus stdlib_docstrings
-      --tokenizer-type NullTokenizer --num-workers 1 --log-interval 1 --eval-iters 0 --eval-interval 1000000)
-    pa=(--use-precision-aware-optimizer)
-    declare -A pa_runs=(
-      [pa-fp8]="--vocab-size 32000 ${pa[*]} --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
-      [pa-fp8-v-bf16]="--vocab-size 32000 ${pa[*]} --exp-avg-dtype fp8 --exp-avg-sq-dtype bf16"
-      [pa-bf16-v-fp8]="--vocab-size 32000 ${pa[*]} --exp-avg-dtype bf16 --exp-avg-sq-dtype fp8"
-      [no-pa]="--vocab-size 32000"
-      [pa-fp8-vocab256]="--vocab-size 256 ${pa[*]} --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"
-    )
-    names=(pa-fp8 pa-fp8-v-bf16 pa-bf16-v-fp8 no-pa pa-fp8-vocab256)
-    for name in "${names[@]}"; do
-      read -ra flags <<<"${pa_runs[$name]}"
-      run 110 "$name" python3 -m coat_patches.launch examples/pretrain_gpt.py "${pa_common[@]}" "${flags[@]}"
-    done
-    {  # the loss of every iteration, one column per run
-      printf '| iteration |'; printf ' %s |' "${names[@]}"; echo
-      printf '|---|'; printf -- '---|%.0s' "${names[@]}"; echo
-      for it in $(seq 1 30); do
-        printf '| %s |' "$it"
-        for name in "${names[@]}"; do
-          loss=$(sed -nE "s/.*iteration +$it\/.*lm loss: ([0-9.Ee+-]+).*/\1/p" "$out/$name.log" 2>/dev/null | head -1)
-          if [ -n "$loss" ]; then printf ' %.3f |' "$loss"; else printf ' - |'; fi
-        done
-        echo
-      done
-    } >"$out/losses.md"
-    cat "$out/losses.md" ;;
-  interconnect)
-    nvidia-smi topo -m | tee "$out/topology.txt"
-    run 120 interconnect torchrun --standalone --nproc-per-node "$(nvidia-smi -L | wc -l)" benchmarks/interconnect.py --out "$out"
-    cat "$out/interconnect.md" ;;
   tp-gpu-tests)
     run 300 pytest-tp python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_sequence_parallel.py
     tail -3 "$out/pytest-tp.log" ;;
-  tp-chunk-gemms)
-    run 120 chunk-gemms python3 benchmarks/chunk_gemms.py --out "$out"
-    cat "$out/chunk_gemms.md" ;;
   layer-llama2-7b-tp2)
     mb=${1:-4}
     run 400 "layer-tp2-mb$mb" coat-compare --preset llama2-7b-layer --tp 2 --micro-batch "$mb" \
@@ -504,15 +306,6 @@ PY
       --global-batch "$gb" --steps 5 --modes "$modes" --cuda-graphs local --step-timeout 150 --run-timeout 260 \
       --out "$out" --name "$name" --no-plots
     rows "${modes//,/|}" "$out/$name.md" ;;
-  train-8gpu)
-    eight_gpus "$@" ;;
-  max-batch-8gpu)
-    eight_gpus "$@" ;;
-  resume-gpt-1b-tp2dp2)
-    steps=${1:-8}
-    run 400 resume coat-compare resume --preset gpt-1b --modes coat --tp 2 --dp 2 --micro-batch 2 --global-batch 8 \
-      --steps "$steps" --resume-at dp4,1 --step-timeout 60 --run-timeout 120 --out "$out" --name gpt-1b-resume-tp2dp2 --no-plots
-    grep -E "^\| coat|resumed|exact|max" "$out/gpt-1b-resume-tp2dp2.md" 2>/dev/null | cut -c1-240 | head -20 ;;
   *) echo "part $part is listed in the header but has no branch here" >&2; exit 2 ;;
 esac
 packed=$(mktemp "/tmp/$part.XXXXXX")  # one per process: --each-gpu runs a part on several GPUs at once

@@ -6,7 +6,6 @@ arguments. A broken part would otherwise only show on the GPU, after the machine
 
 import re
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -115,8 +114,8 @@ def stand_ins(tmp_path):
 def test_each_gpu_runs_the_parts_at_once_one_per_gpu_with_their_arguments(stand_ins):
     tmp_path, env = stand_ins
     proc = subprocess.run(
-        ["bash", str(RUNNER), "--each-gpu", "default-vs-cached-gpt-1b", "weight-passes + optimizer-step",
-         "accuracy-gpt-1b coat 7 cosine"],
+        ["bash", str(RUNNER), "--each-gpu", "default-vs-cached-gpt-1b", "kernel-launches + layer-llama2-7b",
+         "dp4-llama2-7b 4 64 bf16,coat overlap"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -129,24 +128,25 @@ def test_each_gpu_runs_the_parts_at_once_one_per_gpu_with_their_arguments(stand_
         f"--cuda-graphs none,local --out {out}/gpu0/default-vs-cached-gpt-1b --name gpt-1b --no-plots"
     ]
     assert by_gpu["1"] == [  # two parts one after the other on GPU 1
-        f"python3 benchmarks/weight_passes.py --preset llama2-7b --out {out}/gpu1/weight-passes",
-        f"python3 benchmarks/weight_passes.py --preset gpt-1b --out {out}/gpu1/weight-passes",
-        f"python3 benchmarks/optimizer.py --sweep --out {out}/gpu1/optimizer-step",
+        "python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/compare/test_lean_layer.py",
+        "coat-compare --preset llama2-7b-layer "
+        "--modes bf16-local,bf16,te-fp8-delayed,te-fp8-current,te-fp8-block,te-fp8-store,coat,coat-recompute "
+        f"--out {out}/gpu1/layer-llama2-7b --name llama2-7b-layer --no-plots",
     ]
     assert by_gpu["2"] == [
-        "coat-compare --preset gpt-1b --micro-batch 4 --global-batch 32 --steps 460 --eval-every 46 --cuda-graphs local "
-        f"--modes coat --seed 7 --lr-decay cosine --out {out}/gpu2/accuracy-gpt-1b/seed7 "
-        "--name gpt-1b-acc-coat-cosine --no-plots"
+        "coat-compare --preset llama2-7b --dp 4 --micro-batch 4 --global-batch 64 --steps 6 --modes bf16,coat "
+        "--cuda-graphs local --overlap-grad-reduce --overlap-param-gather --step-timeout 150 --run-timeout 200 "
+        f"--out {out}/gpu2/dp4-llama2-7b --name llama2-7b-dp4-mb4-overlap --no-plots"
     ]
     # each part's folder comes back as one archive, with its logs
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     assert left == [
-        "gpu0.txt", "gpu0/default-vs-cached-gpt-1b.tgz", "gpu1.txt", "gpu1/optimizer-step.tgz",
-        "gpu1/weight-passes.tgz", "gpu2.txt", "gpu2/accuracy-gpt-1b.tgz",
+        "gpu0.txt", "gpu0/default-vs-cached-gpt-1b.tgz", "gpu1.txt", "gpu1/kernel-launches.tgz",
+        "gpu1/layer-llama2-7b.tgz", "gpu2.txt", "gpu2/dp4-llama2-7b.tgz",
     ], left  # fmt: skip
-    with tarfile.open(out / "gpu1" / "weight-passes.tgz") as archive:
-        assert {"./gpu.txt", "./weight-passes-llama2-7b.log", "./weight-passes-gpt-1b.log"} <= set(archive.getnames())
-    assert "=== GPU 1: weight-passes + optimizer-step" in proc.stdout
+    with tarfile.open(out / "gpu1" / "kernel-launches.tgz") as archive:
+        assert {"./gpu.txt", "./lean-path.log"} <= set(archive.getnames())
+    assert "=== GPU 1: kernel-launches + layer-llama2-7b" in proc.stdout
 
 
 def test_accuracy_runs_runs_the_protocol_packed_on_every_gpu_and_keeps_its_rows(stand_ins):
@@ -219,103 +219,6 @@ def test_wrong_calls_fail_before_any_set_up(stand_ins):
     )  # fmt: skip
     assert proc.returncode == 2 and "got 4 parts but this machine has 3 GPUs" in proc.stderr
     assert not (tmp_path / "calls").exists()  # nothing installed, nothing run
-
-
-FAKE_7B_RUN = """#!/usr/bin/env python3
-import json, os, sys
-a = sys.argv[1:]
-open(os.environ["CALLS"], "a").write("gpu=" + os.environ.get("CUDA_VISIBLE_DEVICES", "") + " coat-compare " + " ".join(a) + "\\n")
-arg = lambda k: a[a.index(k) + 1] if k in a else None
-steps, mode, half = int(arg("--steps")), arg("--modes"), 2 if "--load" in a else 1
-first, last = (0, steps // 2) if half == 1 else (steps // 2, steps)
-loss = {"bf16": 3.0, "coat": 3.03}[mode]  # validation: loss / step, COAT 1% above
-valid = [[s, loss / s] for s in range(first + 1, last + 1) if s % int(arg("--eval-every")) == 0]
-row = {"kind": "train", "mode": mode, "steps": steps, "first_step": first, "last_step": last, "status": "ok", "valid_losses": valid}
-os.makedirs(arg("--out"), exist_ok=True)
-open(os.path.join(arg("--out"), arg("--name") + ".jsonl"), "w").write(json.dumps(row) + "\\n")
-"""
-
-
-def test_the_7b_accuracy_run_saves_in_one_command_and_finishes_in_the_next(stand_ins):
-    """accuracy-llama2-7b-dp4: HALF 1 trains each mode to half of STEPS and stops at its checkpoint
-    (in $CKPT/MODE, which it empties first); HALF 2 loads it and trains the rest, same flags. The
-    modes share the command's time; each half's row is kept beside the checkpoints, so the last
-    command prints the gap at every validation of both halves, whichever commands ran them."""
-    tmp_path, env = stand_ins
-    (tmp_path / "bin" / "python3").unlink()  # the summary runs in Python
-    # a wrapper, not a symlink: a symlinked venv python finds no pyvenv.cfg beside it, loses the
-    # venv's packages and could not import coat_compare's protocol for the summary
-    (tmp_path / "bin" / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
-    (tmp_path / "bin" / "python3").chmod(0o755)
-    (tmp_path / "bin" / "coat-compare").write_text(FAKE_7B_RUN.replace("/usr/bin/env python3", sys.executable))
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "coat").mkdir(parents=True)
-    (ckpt / "coat" / "stale").write_text("from an earlier run")
-    env = {**env, "CKPT": str(ckpt), "COAT_GPU_INSTALLED": "1"}  # the real python3 would install the project
-
-    def part(*args):
-        proc = subprocess.run(
-            ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", *args], capture_output=True, text=True, env=env,
-            cwd=ROOT, timeout=60,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
-
-    part("1", "40")  # both modes in one command: 290 s each
-    part("2", "40", "bf16")  # one mode a command: the whole 580 s
-    last = part("2", "40", "coat")
-    assert not (ckpt / "coat" / "stale").exists()  # half 1 cleared it for the run's own checkpoint
-    calls = [c.split(" ", 1)[1] for c in (tmp_path / "calls").read_text().splitlines() if "coat-compare" in c]
-    out = tmp_path / "out" / "accuracy-llama2-7b-dp4"
-    common = (
-        "--preset llama2-7b --dp 4 --micro-batch 1 --global-batch 64 --steps 40 --eval-every 10 --eval-windows 64 "
-        "--modes {m} --step-timeout 150 --run-timeout {t} --out "
-        + str(out)
-        + " --name llama2-7b-dp4-acc-{m}-{h} --no-plots"
-    )
-    assert calls == [
-        *(f"coat-compare {common.format(m=m, h=1, t=270)} --save {ckpt}/{m} --save-step 20 --stop-after-save" for m in ("bf16", "coat")),
-        *(f"coat-compare {common.format(m=m, h=2, t=560)} --load {ckpt}/{m}" for m in ("bf16", "coat")),
-    ]  # fmt: skip
-    assert [line for line in last.splitlines() if line.startswith("validation after")] == [
-        f"validation after step {s}: bf16 {3.0 / s:.4f}, coat {3.03 / s:.4f}, gap +1.00% (reported, not judged)"
-        for s in (10, 20, 30, 40)
-    ]
-    proc = subprocess.run(
-        ["bash", str(RUNNER), "accuracy-llama2-7b-dp4", "3"], capture_output=True, text=True, env=env, cwd=ROOT
-    )
-    assert proc.returncode == 2 and "HALF is 1 (train and save) or 2 (load and finish)" in proc.stderr
-
-
-def test_the_8_gpu_parts_spell_out_the_layout_and_refuse_a_smaller_host(stand_ins):
-    tmp_path, env = stand_ins
-    bin_dir = tmp_path / "bin"
-    (bin_dir / "python3").write_text(  # the layout parse runs; anything else is recorded
-        '#!/bin/sh\n[ "$1" = -c ] && exec "$REAL_PYTHON" "$@"\necho "gpu=$CUDA_VISIBLE_DEVICES $(basename "$0") $*" >> "$CALLS"\n'
-    )
-    env = {**env, "REAL_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        ["bash", str(RUNNER), "train-8gpu", "llama2-13b", "tp2xpp2xdp2", "2", "64", "bf16,coat"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "train-8gpu: tp2xpp2xdp2 needs 8 GPUs" in proc.stderr  # the stand-in has 3
-    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo "GPU $i: h"; done\n')
-    for argv in (["train-8gpu", "llama2-13b", "tp2xpp2xdp2", "2", "64", "bf16,coat"],
-                 ["train-8gpu", "llama2-7b", "dp8", "4", "512", "coat"],
-                 ["max-batch-8gpu", "llama-30b", "tp4xpp2", "bf16,coat"]):  # fmt: skip
-        proc = subprocess.run(
-            ["bash", str(RUNNER), *argv], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
-        )
-        assert proc.returncode == 0, proc.stderr
-    calls = [c.split(" ", 2)[2] for c in (tmp_path / "calls").read_text().splitlines() if " coat-compare " in c]
-    assert [c.split(" --out ")[0] for c in calls] == [
-        "--preset llama2-13b --tp 2 --pp 2 --vpp 1 --dp 2 --micro-batch 2 --global-batch 64 --steps 6 --modes bf16,coat "
-        "--cuda-graphs none --step-timeout 200 --run-timeout 280",  # no graphs under PP
-        "--preset llama2-7b --tp 1 --pp 1 --vpp 1 --dp 8 --micro-batch 4 --global-batch 512 --steps 6 --modes coat "
-        "--cuda-graphs local --step-timeout 200 --run-timeout 280",
-        "search --preset llama-30b --tp 4 --pp 2 --vpp 1 --dp 1 --modes bf16,coat --search-micro-batches 4 "
-        "--fit-memory 79 --search-time-limit 270",
-    ]
 
 
 def test_build_apex_refuses_what_is_not_an_apex_source_tree(tmp_path):

@@ -3,7 +3,7 @@ and what tests/kernels/test_host_path.py runs (a process of its own: it stubs Tr
 
     python tests/kernels/host_path_layer.py [--calls N] [--profile] [--tokens T] [--hidden H] [--ffn F]
 
-Eager COAT is bound by the host (``benchmarks/host_overhead.py`` on a GPU). Its Python -- argument
+Eager COAT is bound by the host (benchmarks/results/host-time-layer-1gpu on a GPU). Its Python -- argument
 checks, allocations, views, autograd, the Triton launch path -- can be measured without a GPU: this
 runs COAT's ops of one transformer layer (``LayerOps``: what its modules call, no attention and no
 Megatron around them) on small CPU tensors with
@@ -14,7 +14,7 @@ Megatron around them) on small CPU tensors with
 - the GEMMs (on a CPU tensor: their torch references) replaced by stubs that allocate their output.
 
 So the figures are the layer's host time *less* the launches' own cost (measured on the GPU by
-``host_overhead.py``: about 15 us per Triton launch on an H100 host) on this machine's CPU. They are
+``git show 94757c2:benchmarks/host_overhead.py``: about 15 us per Triton launch on an H100 host) on this machine's CPU. They are
 for comparing versions of COAT's Python, never a performance figure. ``--profile`` prints cProfile's
 table of the functions that take the time.
 """
