@@ -181,7 +181,9 @@ for (layout, mode), row in sorted(rows.items()):
           f"| {ratio(row['peak'], eager.get('peak'))} | {' | '.join(losses(row, layout, mode))} "
           f"| {ratio(tps, te.get('tokens_s'))} | {ratio(tps, plain.get('tokens_s'))} | {row['memory']} | {row['status']} |")
 PY
-cp "$out"/*.log "$out"/summary.md "$dest"/
-for stacks in "$out"/stacks-*/; do [ -d "$stacks" ] && [ "$out" != "$dest" ] && cp -r "$stacks" "$dest"/; done
-[ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/
+if [ "$(realpath -m "$out")" != "$(realpath -m "$dest")" ]; then  # RES=OUT (the evidence parts): written in place
+  cp "$out"/*.log "$out"/summary.md "$dest"/
+  for stacks in "$out"/stacks-*/; do [ -d "$stacks" ] && cp -r "$stacks" "$dest"/; done
+  [ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/
+fi
 true

@@ -83,7 +83,9 @@ def test_every_part_the_evidence_and_the_index_name_exists():
     named = {}
     for commands in RESULTS.glob("*/commands.txt"):
         retired = retired_note(commands)
-        for part in re.findall(r"gpu_evidence\.sh (?:--each-gpu \"?)?([a-z0-9-]+)", commands.read_text()):
+        for part in re.findall(
+            r"gpu_evidence\.sh (?:--each-gpu \"?(?:[A-Z_][A-Z0-9_]*=\S+\s+)*)?([a-z0-9-]+)", commands.read_text()
+        ):
             if part not in retired:
                 named.setdefault(part, commands.parent.name)
     index = (ROOT / "docs" / "results.md").read_text()
