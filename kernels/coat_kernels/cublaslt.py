@@ -1,7 +1,7 @@
 """cuBLASLt's FP8 GEMM through ctypes, with a plan (descriptors and algorithm) cached per shape.
 
 ``torch._scaled_mm`` asks cuBLASLt's heuristic for an algorithm on every call, which costs more host
-time than the rest of the call (cProfile of ``benchmarks/host_overhead.py``, docs/results.md; a COAT
+time than the rest of the call (cProfile of ``host_overhead.py`` (retired: ``git show 94757c2:benchmarks/host_overhead.py``), docs/results.md; a COAT
 layer runs 12 GEMMs), where eager training is bound by its host. Here the heuristic runs once per
 (device, shape, dtypes, fast accumulation, buffer alignment) and a call costs a few ctypes calls
 (the descriptor's scale pointers are set only when they change). The same binding computes

@@ -478,7 +478,7 @@ def _alignment(offsets: list[int]) -> int:
 
 def step_blocks(group_size: int) -> tuple[int, int]:
     """(groups per program, num_warps): 2048 elements per program with 128-element groups, 4 warps
-    (16 elements per thread): the fastest tiling of ``benchmarks/optimizer.py --sweep`` (docs/results.md)."""
+    (16 elements per thread): the fastest tiling of ``optimizer.py --sweep`` (retired: ``git show 94757c2:benchmarks/optimizer.py``) (docs/results.md)."""
     return max(1, 2048 // group_size), 4
 
 

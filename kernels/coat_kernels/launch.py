@@ -1,6 +1,6 @@
 """A leaner way to launch the same compiled Triton kernels: less host time per launch in eager mode.
 
-Eager COAT is bound by its host (``benchmarks/host_overhead.py``; figures in docs/results.md): a
+Eager COAT is bound by its host (``host_overhead.py`` (retired: ``git show 94757c2:benchmarks/host_overhead.py``); figures in docs/results.md): a
 Triton launch through ``kernel[grid](...)`` spends most of its host time in Python (argument binding,
 specialization key, cache lookup, knobs, hooks) rather than in the driver call itself, and a layer
 issues dozens.

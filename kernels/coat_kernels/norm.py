@@ -298,7 +298,7 @@ _STATS_BLOCKS: dict[int, tuple[int, int]] = {}
 
 def _stats_blocks(n_cols: int, group_size: int) -> tuple[int, int]:
     """(rows per program, num_warps) of the stats pass: one row per program by default. Two or four
-    rows per program (fewer amax tickets) were no faster in ``benchmarks/ops.py``'s tile sweep
+    rows per program (fewer amax tickets) were no faster in ``ops.py`` (retired: ``git show 94757c2:benchmarks/ops.py``)'s tile sweep
     (docs/results.md)."""
     block_n = max(group_size, next_power_of_2(n_cols))
     if block_n in _STATS_BLOCKS:

@@ -130,7 +130,9 @@ _AMAX_BLOCKS = (64, 256, 8)  # (BLOCK_M, BLOCK_N, num_warps) of the tile-amax pa
 
 def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the quantizing pass."""
-    if transpose:  # 64x128 tiles, 4 warps: the fastest of benchmarks/quantize.py --sweep (docs/results.md)
+    if (
+        transpose
+    ):  # 64x128 tiles, 4 warps: the fastest of git show 94757c2:benchmarks/quantize.py --sweep (docs/results.md)
         return 64, min(128, max(16, next_power_of_2(n_cols))), 4
     block_n = min(256, max(16, next_power_of_2(n_cols)))
     return max(1, 8192 // block_n), block_n, 8
@@ -162,7 +164,7 @@ def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
     return transpose and dtype != torch.float32
 
 
-# (BLOCK_M, BLOCK_N, num_warps) of the byte transpose (``benchmarks/quantize.py --sweep`` times others;
+# (BLOCK_M, BLOCK_N, num_warps) of the byte transpose (``quantize.py --sweep`` (retired: ``git show 94757c2:benchmarks/quantize.py``) times others;
 # benchmarks/results/kernel-bandwidth-1gpu)
 _TRANSPOSE_BLOCKS = (64, 128, 4)  # faster than 64 x 64 (docs/results.md, "quantization kernels")
 
@@ -340,7 +342,7 @@ def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool):
 
 # What a quantizing call works out from its input's shape and dtype and its options, made once per
 # (shape, dtype, format, transpose, codes): its host time per call is what eager training waits on.
-# (A sweep that patches _quantize_blocks must also give _plans a fresh dict: benchmarks/quantize.py.)
+# (A sweep that patches _quantize_blocks must also give _plans a fresh dict: git show 94757c2:benchmarks/quantize.py.)
 _plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 1024
 

@@ -40,7 +40,7 @@ from .scaling import abs_or_inf, abs_or_inf_reference, quantize_with_inverse, sc
 
 # (BLOCK_M, BLOCK_N (columns of each half), num_warps) of each kernel: the input's quantization, the
 # forward (its amax pass and its quantizing pass) and the backward. The best of 8 tiles each at
-# Llama-2-7B's and gpt-1b's shapes (benchmarks/ops.py's tile sweep; docs/results.md)
+# Llama-2-7B's and gpt-1b's shapes (git show 94757c2:benchmarks/ops.py's tile sweep; docs/results.md)
 _BLOCKS = {"input": (8, 256, 4), "forward": (4, 1024, 4), "backward": (8, 256, 4)}
 
 
