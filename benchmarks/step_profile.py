@@ -121,8 +121,9 @@ def profile_mode(preset, mode, graphs: str = "none", *, seed: int, steps: int, t
     from torch.profiler import ProfilerActivity, profile
 
     from coat_compare import parallel
-    from coat_compare.build import build_gpt, set_learning_rate
-    from coat_compare.train import forward_backward_function, train_step, training_windows
+    from coat_compare.build import build_gpt
+    from coat_compare.corpus import training_windows
+    from coat_compare.train import forward_backward_function, set_learning_rate, train_step
 
     parallel.free_memory()
     parallel.seed_everything(seed)

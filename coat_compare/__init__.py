@@ -3,7 +3,9 @@
 One module per concept, in the order the ``coat-compare`` command uses them:
 
     cli.py       the command line: the sub-commands and their options, checked before any work (Options)
-    run.py       the sub-commands (run, search, resume, layouts, summarize, protocol), each job's rows and report
+    job.py       the command: each sub-command (run, search, resume, layouts, summarize, protocol) as a job
+                 whose rows come from its module's measure, kept as they come; the report; the exit status
+    run.py       run: each mode in each CUDA graph configuration; one run of a job in its own processes (--probe)
     presets.py   the model shapes (one layer, or a GPT trained end to end)
     modes.py     the recipes compared (bf16, te-fp8-*, coat) and why one cannot run here
     parallel.py  device, torch.distributed and Megatron's parallel state (TP x PP x DP processes)
@@ -13,7 +15,7 @@ One module per concept, in the order the ``coat-compare`` command uses them:
     memory.py    what weights, gradients, optimizer states and activations occupy
     comm.py      bytes moved by all-gathers, by process group (sequence parallel, DP) and width
     checkpoint.py  Megatron dist checkpoints of the model and its distributed optimizer
-    probe.py     one run of the job in fresh processes (torchrun for several)
+    probe.py     one run of a job: its row's identity, its command line, in fresh processes (torchrun for several)
     search.py    search: the largest micro-batch that fits (doubling, bisection, a process per try)
     resume.py    resume: a checkpoint written at DP n resumed at DP 1 and DP n, against the uninterrupted run
     layouts.py   layouts: one model in several parallel layouts, step by step against the first (the rule)

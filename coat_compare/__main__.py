@@ -2,7 +2,7 @@
 
 import sys
 
-from .run import main
+from .job import main
 
 if __name__ == "__main__":  # the checkpoint writer's worker processes re-import __main__
     sys.exit(main())

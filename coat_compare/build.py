@@ -19,12 +19,6 @@ import torch.nn.functional as F
 from .modes import Mode
 from .presets import Preset
 
-LR_WARMUP_FRACTION = 0.1
-# ... but never fewer than the preset's lr_warmup_min_steps, and with no cap at a fraction of a short
-# run. Every mode, BF16 included, starts with a loss spike past ln(vocab) when Adam's first,
-# sign-like updates come at a high rate after a few steps; the harness's initialisation is Megatron's
-# default (N(0, 0.02) embedding and output layer, output projections scaled by 1/sqrt(2 layers)),
-# and a longer warm-up lowers the spike without removing it (benchmarks/results/warmup-spike-1gpu).
 # TE's layer spec fuses each norm into the next linear; its weights are the local spec's norms.
 TE_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -416,58 +410,7 @@ def _ddp_stream(graphs: str):
     torch.cuda.current_stream().wait_stream(stream)
 
 
-def lr_warmup_steps(preset: Preset) -> int:
-    """``preset.lr_warmup_steps`` where given, else 10% of the steps, at least
-    ``preset.lr_warmup_min_steps`` (also where that is more than the run)."""
-    if preset.lr_warmup_steps is not None:
-        return preset.lr_warmup_steps
-    return max(1, int(LR_WARMUP_FRACTION * preset.steps), preset.lr_warmup_min_steps)
-
-
 WEIGHT_DECAY = 0.1
-
-
-LR_DECAYS = ("constant", "cosine", "linear", "wsd")
-
-
-def learning_rate(preset: Preset, step: int) -> float:
-    """The learning rate of optimizer step ``step`` (0-based) of a ``preset.steps``-step run: a
-    linear warm-up over ``lr_warmup_steps`` steps to ``preset.lr``, then ``preset.lr_decay``:
-    constant, or cosine / linear down to ``lr_min_ratio`` x the peak at the last step (Megatron's
-    OptimizerParamScheduler, whose decay also starts where the warm-up ends), or "wsd"
-    (warm-up, stable, decay): the peak until the last ``lr_cooldown_steps`` steps, then linear down
-    to ``lr_min_ratio`` x the peak at the last step. Under "wsd" the rate before the cool-down does
-    not depend on ``preset.steps``, so a shorter run loaded from a longer one's checkpoint is a
-    cool-down branch of the same trunk."""
-    if preset.lr_decay not in LR_DECAYS:
-        raise ValueError(f"lr_decay {preset.lr_decay!r}: use one of {', '.join(LR_DECAYS)}")
-    warmup = lr_warmup_steps(preset)
-    if step + 1 <= warmup or preset.lr_decay == "constant":
-        return preset.lr * min(1.0, (step + 1) / warmup)
-    floor = preset.lr * preset.lr_min_ratio
-    if preset.lr_decay == "wsd":
-        cooldown = preset.lr_cooldown_steps
-        if cooldown is None or not 0 < cooldown <= preset.steps - warmup:
-            raise ValueError(
-                f"lr_decay wsd needs a cool-down of 1 to {preset.steps - warmup} steps after the {warmup}-step warm-up "
-                f"(--lr-cooldown-steps), not {cooldown}"
-            )
-        progress = max(0.0, (step + 1 - (preset.steps - cooldown)) / cooldown)
-        return preset.lr - (preset.lr - floor) * min(1.0, progress)
-    progress = min(1.0, (step + 1 - warmup) / max(1, preset.steps - warmup))
-    if preset.lr_decay == "cosine":
-        return floor + (preset.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return preset.lr - (preset.lr - floor) * progress
-
-
-def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
-    """``learning_rate(preset, step)`` into every group, and each group's weight decay as
-    Megatron's scheduler sets it (``WEIGHT_DECAY`` x the group's ``wd_mult``: 0 for biases and
-    norm weights), which the groups do not hold until a scheduler writes it."""
-    lr = learning_rate(preset, step)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-        group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
 
 
 def unwrap_optimizers(optimizer) -> list:

@@ -45,7 +45,6 @@ import argparse
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -151,6 +150,11 @@ class Options:
                 coat = replace(coat, wgrad_accumulate=self.wgrad_accumulate)
             modes.append(replace(mode, wgrad_fusion=self.wgrad_fusion == "on", coat=coat))
         return modes
+
+    @cached_property
+    def trained_layouts(self) -> list[tuple[int, int, int, int]]:
+        """The layouts (TP, PP, VPP, DP) the job trains in: ``layouts``' for that sub-command, else its own."""
+        return parse_layouts(self.layouts) if self.layouts else [(self.tp, self.pp, self.vpp, self.dp)]
 
     @property
     def search(self) -> bool:
@@ -568,7 +572,7 @@ def check_args(o: Options) -> None:
 def check_schedule(preset: Preset) -> None:
     """Raise ValueError, naming the fix, where the learning-rate schedule cannot run: a wsd decay
     without a cool-down that fits after the warm-up, or a cool-down without wsd."""
-    from .build import lr_warmup_steps
+    from .train import lr_warmup_steps
 
     if preset.kind != "train":
         return
@@ -593,7 +597,7 @@ def check_layout(preset: Preset, args) -> None:
     layer = preset.kind == "layer"
     if layer and (args.pp > 1 or args.vpp > 1):
         raise ValueError(f"{preset.name} is one layer: pipeline stages (--pp, --vpp) need {END_TO_END}")
-    layouts = parse_layouts(args.layouts) if args.layouts else [(args.tp, args.pp, args.vpp, args.dp)]
+    layouts = args.trained_layouts
     for tp, pp, vpp, dp in layouts:
         check_one_layout(preset, tp, pp, vpp, dp)
         if not layer and args.global_batch is not None:
@@ -828,7 +832,7 @@ def check_processes(args) -> None:
                 "run coat-compare with plain python, not under torchrun: it starts the "
                 f"{processes} processes of each run itself (one per GPU)"
             )
-        layouts = parse_layouts(args.layouts) if args.layouts else [(args.tp, args.pp, args.vpp, args.dp)]
+        layouts = list(args.trained_layouts)
         if args.resume_at:
             layouts += parse_layouts(args.resume_at)
         processes = max(tp * pp * dp for tp, pp, _, dp in layouts)
@@ -843,22 +847,6 @@ def check_processes(args) -> None:
             f"a run of --tp x --pp x --dp = {processes} processes needs {processes} GPUs, one each; this machine has "
             f"{torch.cuda.device_count()}: give a layout of at most {torch.cuda.device_count()} GPUs"
         )
-
-
-def check_directory(path: str, option: str, create: bool = True) -> None:
-    """Make ``path`` (when ``create``) and prove it writable by writing and deleting a file there;
-    raise ValueError naming the fix when it is not a directory this job can write into."""
-    fix = f"give {option} a directory you can write to"
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"{option} {path} is a file, not a directory: {fix}")
-    try:
-        if create:
-            os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".coat-compare-write-check-", dir=path)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"{option} {path}: cannot write there ({e.strerror or type(e).__name__}): {fix}") from None
 
 
 def parse_steps(text: str) -> tuple[int, ...]:

@@ -21,7 +21,8 @@ cache directory (``$COAT_CORPUS_DIR``, else ``~/.cache/coat-megatron/corpus``) w
 (every file and its split, the packages' versions, the SHA-256 of each split) and reads it back.
 
 ``TrainingWindows`` serves training batches that never repeat a byte; ``validation_windows`` the
-fixed held-out windows every mode and seed is evaluated on.
+fixed held-out windows every mode and seed is evaluated on; ``training_windows`` and
+``validation_set`` are both at a preset's sequence, global batch and corpus.
 """
 
 from __future__ import annotations
@@ -440,6 +441,34 @@ def validation_batches(windows: torch.Tensor, batch_size: int, vocab_size: int =
     if len(windows) % batch_size:
         raise ValueError(f"{len(windows)} validation windows do not split into batches of {batch_size}")
     return [_as_tokens(windows[i : i + batch_size], vocab_size) for i in range(0, len(windows), batch_size)]
+
+
+def training_windows(preset, data_seed: int, dp: int = 1, corpus: Corpus | None = None) -> TrainingWindows:
+    """The training batches of ``preset``'s corpus (or of its ``data_pool``) in the order of
+    ``data_seed``: the global batch (``preset.global_batch_for(dp)`` windows) per step, checked to
+    last ``preset.steps`` steps without repeating a byte."""
+    if corpus is None:
+        corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
+    data = TrainingWindows(
+        corpus.train,
+        preset.seq,
+        preset.global_batch_for(dp),
+        seed=data_seed,
+        vocab_size=preset.vocab,
+        pool=preset.data_pool,
+    )
+    data.check_steps(preset.steps)
+    return data
+
+
+def validation_set(preset, corpus: Corpus, dp: int = 1) -> tuple[list[dict], str]:
+    """The validation batches (global batches of micro-batch x ``dp`` windows: ``preset.eval_windows``
+    rounded up to a multiple) and the SHA-256 of their bytes, which names them in the report."""
+    global_batch = preset.micro_batch * dp
+    count = -(-preset.eval_windows // global_batch) * global_batch
+    windows = validation_windows(corpus.valid, preset.seq, count)
+    digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
+    return validation_batches(windows, global_batch, preset.vocab), digest
 
 
 class ByteBatches:

@@ -486,7 +486,7 @@ def batches(preset: Preset, seed: int, count: int, first: int) -> list[list[dict
     """``count`` global batches of the preset's training data (data order ``seed``) from step
     ``first``, as micro-batches on this device."""
     from . import parallel
-    from .train import training_windows
+    from .corpus import training_windows
 
     data = training_windows(replace(preset, steps=first + count), seed)
     n = preset.global_batch_for(1) // preset.micro_batch

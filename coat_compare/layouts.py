@@ -23,12 +23,37 @@ The rule, fixed before any run it judges (``judge``): against the first layout,
 from __future__ import annotations
 
 import re
+import sys
+
+from .probe import new_row, run_args, run_probe
 
 FIRST_STEP_RELATIVE = 2e-3
 DRIFT_ABSOLUTE = 0.05
 BF16_DRIFT_FACTOR = 3.0
 
 _SIZE = re.compile(r"^(tp|pp|vpp|dp)([1-9][0-9]*)$")
+
+
+def measure(o, keep) -> None:
+    """The ``layouts`` sub-command: every mode trained in every layout given (each run in processes
+    of its own), then one row per (mode, layout) judged against the first layout (``layout_rows``)."""
+    preset, graphs = o.preset, o.cuda_graphs[0]
+    layouts = parse_layouts(o.layouts)
+    names = [layout_name(*layout) for layout in layouts]
+    runs = {}
+    for mode in o.modes:
+        for (tp, pp, vpp, dp), name in zip(layouts, names):
+            run = new_row("train", preset, mode, o, graphs)
+            if run.get("status") != "skipped":
+                print(f"{preset.name} {mode.name}: layout {name}", file=sys.stderr, flush=True)
+                line = run_args(
+                    o, preset, mode.name, graphs=graphs, micro_batch=preset.micro_batch, layout=(tp, pp, vpp, dp)
+                )
+                result = run_probe(line, tp * pp * dp, timeout_s=o.run_timeout)
+                run = result.row if result.row is not None else {**run, "status": "failed", "reason": result.error}
+            runs[(mode.name, name)] = {**run, "layout": name}
+    for row in layout_rows(runs, names, [m.name for m in o.modes]):
+        keep(row)
 
 
 def parse_layouts(text: str) -> list[tuple[int, int, int, int]]:

@@ -204,6 +204,14 @@ def unavailable_reason(mode: Mode, kind: str) -> str | None:
     return None
 
 
+def why_not_here(preset, mode: Mode) -> str | None:
+    """Why ``mode`` cannot run ``preset`` on this machine, or None."""
+    reason = unavailable_reason(mode, preset.kind)
+    if reason is None and preset.needs_gpu and not torch.cuda.is_available():
+        reason = f"preset {preset.name} needs a CUDA GPU; on a CPU run --preset tiny (or tiny-layer)"
+    return reason
+
+
 def _block_scaling_unsupported() -> str | None:
     from megatron.core.utils import is_te_min_version
 

@@ -40,7 +40,7 @@ class Preset:
         global batch).
     steps, warmup_steps: optimizer steps of a train preset, and how many of the first ones are
         left out of the timing and memory statistics (allocation, FP8 scale start-up).
-    lr: peak learning rate, reached by a linear warm-up (``build.lr_warmup_steps``), then held or
+    lr: peak learning rate, reached by a linear warm-up (``train.lr_warmup_steps``), then held or
         decayed (``lr_decay``).
     lr_warmup_steps: the warm-up's length in steps; None: 10% of the steps, at least
         ``lr_warmup_min_steps`` (20; the tiny presets 10; Llama-2-7B 50 and 13B 100), also where

@@ -6,8 +6,9 @@ Every mode of a comparison on a GPU or on several processes, each try of the mic
 (``layouts``) is such a run: an out-of-memory error, and whatever state it leaves in the CUDA
 caching allocator, TE or Megatron, dies with its processes, a rank that dies or stalls takes its
 run down and not the job, and each run can have its own number of processes (a checkpoint written
-by 2 resumes in 1). ``run_args`` builds a run's command line from the job's. The probe prints its
-one row as a line starting with ``PROBE_MARK``.
+by 2 resumes in 1). ``new_row`` is a run's row before it runs (what it is, or why it cannot run
+here); ``run_args`` builds a run's command line from the job's. The probe prints its one row as a
+line starting with ``PROBE_MARK``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import parallel
+from .modes import why_not_here
 
 PROBE_MARK = "COAT-COMPARE-PROBE "
 
@@ -113,8 +119,6 @@ def run_environment(args: list[str]) -> dict[str, str]:
         communication with the GEMMs only in launch order), ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as
         ``coat-megatron-run`` sets it (``coat_patches.device_connections``). A value the job was started
     with is left as it is."""
-    import torch
-
     from coat_patches.device_connections import gpu_compute_capability_major, megatron_requires_one_connection
 
     if "CUDA_DEVICE_MAX_CONNECTIONS" in os.environ:  # the job's own setting, kept as given
@@ -263,3 +267,56 @@ def data_args(args, **overrides) -> list[str]:
         if value is not None:
             given += [f"--{name.replace('_', '-')}", str(value)]
     return given
+
+
+def new_row(kind: str, preset, mode, args, graphs: str = "none") -> dict:
+    """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
+    row = {
+        "kind": kind,
+        "preset": preset.name,
+        "mode": mode.name,
+        "family": mode.family,
+        "spec": mode.resolved_spec(),
+        "shape": shape(preset),
+        "device": parallel.device_name(),
+        "software": versions(),
+        "seed": args.seed,
+        "tp": args.tp,
+        "pp": args.pp,
+        "vpp": args.vpp,
+        "dp": args.dp,
+        "graphs": graphs,
+        "deterministic": args.deterministic,
+    }
+    if preset.kind == "train":
+        row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
+    if args.repeat is not None:
+        row["repeat"] = args.repeat
+    if mode.family == "coat":  # the recipe itself: what a mode name meant when the row was written
+        row["coat_config"] = asdict(mode.coat_config())
+    reason = why_not_here(preset, mode)
+    if reason is None and graphs != "none" and not torch.cuda.is_available():
+        reason = "CUDA graphs need a CUDA GPU"
+    return row if reason is None else {**row, "status": "skipped", "reason": reason}
+
+
+def shape(preset) -> str:
+    kv = f", {preset.kv_heads} KV heads" if preset.kv_heads else ""
+    layers = f"{preset.layers} layers, " if preset.kind == "train" else ""
+    batch = (
+        f", global batch {preset.global_batch}" if preset.kind == "train" and preset.global_batch is not None else ""
+    )
+    return f"{layers}hidden {preset.hidden}, FFN {preset.ffn}, {preset.heads} heads{kv}, seq {preset.seq} x micro-batch {preset.micro_batch}{batch}"
+
+
+def versions() -> str:
+    import megatron.core
+
+    from coat_megatron.optional import transformer_engine_available
+
+    te = "not installed"
+    if transformer_engine_available():
+        import transformer_engine
+
+        te = transformer_engine.__version__
+    return f"torch {torch.__version__}, megatron-core {megatron.core.__version__}, TransformerEngine {te}"

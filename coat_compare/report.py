@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from .flops import FORMULA, FORMULA_FULL_ATTN
-from .goals import NOT_APPLICABLE, Goal, best, group_name, groups, layout
+from .goals import NOT_APPLICABLE, Goal, best, evaluate, group_name, groups, layout
 from .layouts import BF16_DRIFT_FACTOR, DRIFT_ABSOLUTE, FIRST_STEP_RELATIVE
+from .plots import draw
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
@@ -552,11 +554,50 @@ def markdown(title: str, header: list[str], rows: list[dict], goals: list[Goal],
 
 def write_report(
     out: str, name: str, title: str, header: list[str], rows: list[dict], goals: list[Goal], notes: list[str]
-) -> tuple[str, str]:
-    """``{out}/{name}.jsonl`` (rows, then goals) and ``{out}/{name}.md``; returns both paths."""
+) -> str:
+    """``{out}/{name}.jsonl`` (rows, then goals) and ``{out}/{name}.md``, which it prints; returns its path."""
     os.makedirs(out, exist_ok=True)
     jsonl, md = os.path.join(out, f"{name}.jsonl"), os.path.join(out, f"{name}.md")
     write_jsonl(jsonl, rows + [g.as_row() for g in goals])
+    text = markdown(title, header, rows, goals, notes)
     with open(md, "w") as f:
-        f.write(markdown(title, header, rows, goals, notes))
-    return jsonl, md
+        f.write(text)
+    print(text)
+    return md
+
+
+def report(out: str, name: str, header: str, rows: list[dict], plots: bool = True) -> None:
+    """A job's report (``write_report``): ``header`` and what the rows trained on over the tables,
+    the goals judged on the rows, the plots (``plots.draw``)."""
+    os.makedirs(out, exist_ok=True)
+    notes = []
+    if plots:
+        try:
+            _, note = draw(out, name, rows)
+        except Exception as e:  # noqa: BLE001 - a plot that fails must not cost the tables
+            note = f"Plots failed ({type(e).__name__}: {e}); the tables hold every number."
+        notes.append(note)
+    md = write_report(out, name, f"coat-compare: {name}", [header, *data_lines(rows)], rows, evaluate(rows), notes)
+    print(f"report: {md} (and {name}.jsonl)", file=sys.stderr)
+
+
+def data_lines(rows: list[dict]) -> list[str]:
+    """What the end-to-end rows trained and were validated on (corpus splits by SHA-256), one
+    line per distinct corpus."""
+    lines = []
+    for r in rows:
+        if r.get("kind") != "train" or r.get("status") != "ok" or "corpus" not in r:
+            continue
+        line = (
+            f"Data: the {r['corpus']} corpus ({r['corpus_files']} files), train split {r['corpus_train_bytes']:,} bytes "
+            f"(SHA-256 {r['corpus_train_sha256']}), validation split {r['corpus_valid_bytes']:,} bytes (SHA-256 {r['corpus_valid_sha256']}); "
+            "each training window used at most once"
+        )
+        if r.get("eval_every"):
+            line += (
+                f"; validation loss on {r['eval_windows']} held-out windows of {r['seq'] + 1} bytes (SHA-256 {r['valid_windows_sha256'][:16]}) "
+                f"every {r['eval_every']} steps and after the last"
+            )
+        if line + "." not in lines:
+            lines.append(line + ".")
+    return lines

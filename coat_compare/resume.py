@@ -23,10 +23,28 @@ requantized on load): a resume at another TP or PP also moves within that roundi
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 from .layouts import layout_name, parse_layouts
-from .probe import run_args, run_probe
+from .probe import new_row, run_args, run_probe
+
+
+def measure(o, keep) -> None:
+    """The ``resume`` sub-command: the check (``resume_check``) of each mode, each row handed to
+    ``keep`` when done."""
+    for mode in o.modes:
+        row = new_row("resume", o.preset, mode, o)
+        if row.get("status") != "skipped":
+            resumed = ", ".join(layout_name(*layout) for layout in resume_layouts(o))
+            saved = layout_name(o.tp, o.pp, o.vpp, o.dp)
+            print(
+                f"{o.preset.name} {mode.name}: a checkpoint at {saved}, resumed at {resumed}",
+                file=sys.stderr,
+                flush=True,
+            )
+            row = resume_check(o, o.preset, mode, row)
+        keep(row)
 
 
 def resume_layouts(args) -> list[tuple[int, int, int, int]]:

@@ -6,7 +6,7 @@ between the last success and the first failure. A time limit or a largest micro-
 stops it early; the answer then says what is known (``largest`` fits, ``smallest_failure`` does
 not, or is None when nothing failed).
 
-``probe_fits`` is the real ``fits``: it runs ``coat-compare --probe`` in a new process (a few
+``measure`` is the ``search`` sub-command: each mode's search, a row each. ``probe_fits`` is the real ``fits``: it runs ``coat-compare --probe`` in a new process (a few
 steps at one micro-batch; ``probe``), so that an out-of-memory error, and whatever state it
 leaves in the CUDA caching allocator, TE or Megatron, dies with that process. ``--fit-memory GIB`` makes a try
 fail when its peak memory exceeds that many GiB, which emulates a smaller GPU (and lets the search
@@ -15,11 +15,65 @@ run on a CPU, where nothing runs out of memory).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .probe import run_probe
+from .probe import new_row, run_args, run_probe
+
+
+def measure(o, keep) -> None:
+    """The largest micro-batch of each mode (end-to-end presets), each try a fresh process; each row
+    handed to ``keep`` when done."""
+    preset = o.preset
+    for mode, graphs in [(m, g) for m in o.modes for g in o.cuda_graphs]:
+        row = new_row("search", preset, mode, o, graphs)
+        if row.get("status") == "skipped":
+            keep(row)
+            continue
+        # a try measures fit and speed: no validation
+        line = run_args(o, preset, mode.name, graphs=graphs, steps=o.search_steps, eval_every=0, global_batch=None)
+        fits = probe_fits(line, o.tp * o.pp * o.dp, o.fit_memory, micro_batches=o.search_micro_batches, dp=o.dp)
+        label = f"{preset.name} {mode.name}" + ("" if graphs == "none" else f" (graphs: {graphs})")
+
+        def reporting(n, fits=fits, label=label):
+            t = fits(n)
+            fit = "fits" if t.fits else "does not fit: " + t.reason
+            print(f"{label}: micro-batch {n} {fit} ({t.seconds:.0f} s)", file=sys.stderr, flush=True)
+            return t
+
+        result = largest_micro_batch(
+            reporting, start=o.search_start, limit=o.search_max_micro_batch, time_limit_s=o.search_time_limit
+        )
+        top = result.best().result if result.best() else {}
+        keep(
+            {
+                **row,
+                "status": "ok",
+                "micro_batches_per_step": o.search_micro_batches,
+                "largest_micro_batch": result.largest,
+                "smallest_failure": result.smallest_failure,
+                "stopped": result.stopped,
+                "tries": [
+                    {"micro_batch": t.micro_batch, "fits": t.fits, "reason": t.reason, "seconds": round(t.seconds, 1)}
+                    for t in result.tries
+                ],
+                # at the largest micro-batch; the model FLOPs are the train row's (coat_compare.flops)
+                **{
+                    k: top.get(k)
+                    for k in (
+                        "tokens_per_s",
+                        "peak_MiB",
+                        "tokens_per_s_per_gpu",
+                        "step_ms",
+                        "model_tflops_per_gpu",
+                        "mfu_bf16",
+                        "mfu_fp8",
+                    )
+                },  # fmt: skip
+            }
+        )
 
 
 @dataclass

@@ -21,7 +21,7 @@ step (``comm``) are rank 0's.
 from __future__ import annotations
 
 import gc
-import hashlib
+import math
 import os
 import statistics
 import time
@@ -31,42 +31,72 @@ from dataclasses import dataclass, field
 import torch
 
 from . import parallel
-from .build import build_gpt, fused_wgrad_linears, lr_warmup_steps, set_learning_rate, unwrap_optimizers
+from .build import WEIGHT_DECAY, build_gpt, fused_wgrad_linears, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
-from .corpus import Corpus, TrainingWindows, load_corpus, validation_batches, validation_windows
+from .corpus import TrainingWindows, load_corpus, training_windows, validation_set
 from .flops import utilisation
 from .memory import MIB, SavedTensors, static_parts
 from .modes import Mode
 from .presets import Preset
 
-
-def training_windows(preset: Preset, data_seed: int, dp: int = 1, corpus: Corpus | None = None) -> TrainingWindows:
-    """The training batches of ``preset``'s corpus (or of its ``data_pool``) in the order of
-    ``data_seed``: the global batch (``preset.global_batch_for(dp)`` windows) per step, checked to
-    last ``preset.steps`` steps without repeating a byte."""
-    if corpus is None:
-        corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
-    data = TrainingWindows(
-        corpus.train,
-        preset.seq,
-        preset.global_batch_for(dp),
-        seed=data_seed,
-        vocab_size=preset.vocab,
-        pool=preset.data_pool,
-    )
-    data.check_steps(preset.steps)
-    return data
+LR_WARMUP_FRACTION = 0.1
+# ... but never fewer than the preset's lr_warmup_min_steps, and with no cap at a fraction of a short
+# run. Every mode, BF16 included, starts with a loss spike past ln(vocab) when Adam's first,
+# sign-like updates come at a high rate after a few steps; the harness's initialisation is Megatron's
+# default (N(0, 0.02) embedding and output layer, output projections scaled by 1/sqrt(2 layers)),
+# and a longer warm-up lowers the spike without removing it (benchmarks/results/warmup-spike-1gpu).
 
 
-def validation_set(preset: Preset, corpus: Corpus, dp: int = 1) -> tuple[list[dict], str]:
-    """The validation batches (global batches of micro-batch x ``dp`` windows: ``preset.eval_windows``
-    rounded up to a multiple) and the SHA-256 of their bytes, which names them in the report."""
-    global_batch = preset.micro_batch * dp
-    count = -(-preset.eval_windows // global_batch) * global_batch
-    windows = validation_windows(corpus.valid, preset.seq, count)
-    digest = hashlib.sha256(windows.contiguous().numpy().tobytes()).hexdigest()
-    return validation_batches(windows, global_batch, preset.vocab), digest
+def lr_warmup_steps(preset: Preset) -> int:
+    """``preset.lr_warmup_steps`` where given, else 10% of the steps, at least
+    ``preset.lr_warmup_min_steps`` (also where that is more than the run)."""
+    if preset.lr_warmup_steps is not None:
+        return preset.lr_warmup_steps
+    return max(1, int(LR_WARMUP_FRACTION * preset.steps), preset.lr_warmup_min_steps)
+
+
+LR_DECAYS = ("constant", "cosine", "linear", "wsd")
+
+
+def learning_rate(preset: Preset, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of a ``preset.steps``-step run: a
+    linear warm-up over ``lr_warmup_steps`` steps to ``preset.lr``, then ``preset.lr_decay``:
+    constant, or cosine / linear down to ``lr_min_ratio`` x the peak at the last step (Megatron's
+    OptimizerParamScheduler, whose decay also starts where the warm-up ends), or "wsd"
+    (warm-up, stable, decay): the peak until the last ``lr_cooldown_steps`` steps, then linear down
+    to ``lr_min_ratio`` x the peak at the last step. Under "wsd" the rate before the cool-down does
+    not depend on ``preset.steps``, so a shorter run loaded from a longer one's checkpoint is a
+    cool-down branch of the same trunk."""
+    if preset.lr_decay not in LR_DECAYS:
+        raise ValueError(f"lr_decay {preset.lr_decay!r}: use one of {', '.join(LR_DECAYS)}")
+    warmup = lr_warmup_steps(preset)
+    if step + 1 <= warmup or preset.lr_decay == "constant":
+        return preset.lr * min(1.0, (step + 1) / warmup)
+    floor = preset.lr * preset.lr_min_ratio
+    if preset.lr_decay == "wsd":
+        cooldown = preset.lr_cooldown_steps
+        if cooldown is None or not 0 < cooldown <= preset.steps - warmup:
+            raise ValueError(
+                f"lr_decay wsd needs a cool-down of 1 to {preset.steps - warmup} steps after the {warmup}-step warm-up "
+                f"(--lr-cooldown-steps), not {cooldown}"
+            )
+        progress = max(0.0, (step + 1 - (preset.steps - cooldown)) / cooldown)
+        return preset.lr - (preset.lr - floor) * min(1.0, progress)
+    progress = min(1.0, (step + 1 - warmup) / max(1, preset.steps - warmup))
+    if preset.lr_decay == "cosine":
+        return floor + (preset.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return preset.lr - (preset.lr - floor) * progress
+
+
+def set_learning_rate(optimizer, preset: Preset, step: int) -> None:
+    """``learning_rate(preset, step)`` into every group, and each group's weight decay as
+    Megatron's scheduler sets it (``WEIGHT_DECAY`` x the group's ``wd_mult``: 0 for biases and
+    norm weights), which the groups do not hold until a scheduler writes it."""
+    lr = learning_rate(preset, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = WEIGHT_DECAY * group.get("wd_mult", 1.0)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from coat_compare import cli, parallel, run
+from coat_compare import cli, job, parallel, probe, report, resume, run, search
 from coat_compare.goals import evaluate
 from coat_compare.report import RowLog, goals_table, read_jsonl
 from coat_compare.search import Try
@@ -39,8 +39,10 @@ def no_work(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("the job started work on a command line it should have refused")
 
-    for name in ("run_mode", "run_in_processes", "search_all", "resume_all", "layouts_all"):
+    for name in ("run_mode", "run_in_processes"):
         monkeypatch.setattr(run, name, started)
+    for command in ("search", "resume", "layouts"):
+        monkeypatch.setitem(job.MEASURES, command, started)
     monkeypatch.setattr(parallel, "initialize", started)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -49,7 +51,7 @@ def no_work(monkeypatch):
 def refused(argv, capsys) -> str:
     """Run the job in-process on ``argv``; assert exit status 2 and one short line; return it."""
     with pytest.raises(SystemExit) as e:
-        run.main(argv)
+        job.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -160,7 +162,7 @@ def test_a_directory_that_is_no_checkpoint_is_refused(tmp_path, capsys, no_work)
     """Reading the checkpoint imports Megatron, which on a machine without CUDA may log a line of
     its own first (torch's cpp_extension): the refusal is the last line."""
     with pytest.raises(SystemExit) as e:
-        run.main(["--modes", "coat", "--load", str(tmp_path), "--out", str(tmp_path / "out")])
+        job.main(["--modes", "coat", "--load", str(tmp_path), "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert e.value.code == 2 and len(lines) < 4 and "Traceback" not in err, err
@@ -184,7 +186,7 @@ def test_an_out_that_cannot_be_written_is_refused_at_once(where, tmp_path, capsy
         def denied(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
 
-        monkeypatch.setattr(cli.tempfile, "mkstemp", denied)
+        monkeypatch.setattr(job.tempfile, "mkstemp", denied)
     line = refused(["--out", out], capsys)
     assert f"--out {out}" in line and "give --out a directory you can write to" in line
     why = {
@@ -198,7 +200,7 @@ def test_an_out_that_cannot_be_written_is_refused_at_once(where, tmp_path, capsy
 
 
 def test_the_out_check_leaves_no_file_behind(tmp_path):
-    cli.check_directory(str(tmp_path / "new" / "out"), "--out")
+    job.check_directory(str(tmp_path / "new" / "out"), "--out")
     assert (tmp_path / "new" / "out").is_dir() and list((tmp_path / "new" / "out").iterdir()) == []
 
 
@@ -231,14 +233,14 @@ def test_a_job_that_dies_after_its_first_row_keeps_it(tmp_path):
     """A real bf16 row, then the coat run is interrupted: the bf16 row is on disk."""
     driver = (
         "import sys\n"
-        "from coat_compare import run\n"
+        "from coat_compare import job, run\n"
         "real = run.run_mode\n"
         "def run_mode(preset, mode, args, graphs='none'):\n"
         "    if mode.name == 'coat':\n"
         "        raise KeyboardInterrupt\n"
         "    return real(preset, mode, args, graphs)\n"
         "run.run_mode = run_mode\n"
-        "sys.exit(run.main(sys.argv[1:]))\n"
+        "sys.exit(job.main(sys.argv[1:]))\n"
     )
     argv = ["--modes", "bf16,coat", "--steps", "3", "--out", str(tmp_path), "--no-plots"]
     proc = subprocess.run(
@@ -257,7 +259,7 @@ def _fake_run_mode(statuses: dict):
 
     def run_mode(preset, mode, args, graphs="none"):
         status, reason = statuses[mode.name]
-        return {**run.new_row(preset.kind, preset, mode, args, graphs), "status": status, "reason": reason}
+        return {**probe.new_row(preset.kind, preset, mode, args, graphs), "status": status, "reason": reason}
 
     return run_mode
 
@@ -283,9 +285,9 @@ def test_rows_measured_before_the_report_fails_stay_on_disk(tmp_path, monkeypatc
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(run, "write_report", disk_full)
+    monkeypatch.setattr(report, "write_report", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        run.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"])
+        job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"])
     rows = read_jsonl(tmp_path / "tiny.partial.jsonl")
     assert [(r["mode"], r["status"]) for r in rows] == [("bf16", "oom"), ("coat", "oom")]
 
@@ -296,7 +298,7 @@ def test_a_failed_row_exits_1_after_the_report(tmp_path, monkeypatch, capsys, in
         "run_mode",
         _fake_run_mode({"bf16": ("oom", "out of memory at micro-batch 8"), "coat": ("failed", "RuntimeError: boom")}),
     )
-    assert run.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 1
+    assert job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 1
     assert "| coat | none | failed: RuntimeError: boom |" in (tmp_path / "tiny.md").read_text()
     assert [r["status"] for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"] == ["oom", "failed"]
     assert not (tmp_path / "tiny.partial.jsonl").exists()  # the report replaced it
@@ -312,7 +314,7 @@ def test_out_of_memory_and_skipped_rows_exit_0(tmp_path, monkeypatch, in_process
             {"bf16": ("oom", "out of memory at micro-batch 8"), "coat": ("skipped", "CUDA graphs need a CUDA GPU")}
         ),
     )
-    assert run.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 0
+    assert job.main(["--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"]) == 0
     assert [r["status"] for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"] == ["oom", "skipped"]
 
 
@@ -322,20 +324,20 @@ def test_search_rows_are_kept_as_each_mode_is_done(tmp_path, monkeypatch, in_pro
             raise KeyboardInterrupt
         return lambda n: Try(n, n <= 2, "" if n <= 2 else "OOM", {"tokens_per_s": 100.0 * n, "peak_MiB": 10.0 * n})
 
-    monkeypatch.setattr(run, "probe_fits", probe_fits)
+    monkeypatch.setattr(search, "probe_fits", probe_fits)
     with pytest.raises(KeyboardInterrupt):
-        run.main(["search", "--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"])
+        job.main(["search", "--modes", "bf16,coat", "--out", str(tmp_path), "--no-plots"])
     (row,) = read_jsonl(tmp_path / "tiny-search.partial.jsonl")
     assert (row["kind"], row["mode"], row["largest_micro_batch"]) == ("search", "bf16", 2)
 
 
 def test_a_failed_resume_check_exits_1(tmp_path, monkeypatch, in_process):
     monkeypatch.setattr(
-        run,
+        resume,
         "resume_check",
         lambda args, preset, mode, row: {**row, "status": "failed", "reason": "resumed_1: it died"},
     )
-    assert run.main(["resume", "--modes", "coat", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
+    assert job.main(["resume", "--modes", "coat", "--dp", "2", "--out", str(tmp_path), "--no-plots"]) == 1
     (row,) = read_jsonl(tmp_path / "tiny-resume.jsonl")
     assert (row["kind"], row["status"]) == ("resume", "failed")
     assert not (tmp_path / "tiny-resume.partial.jsonl").exists()
@@ -365,7 +367,7 @@ def test_summary_leaves_out_the_rows_of_a_job_that_did_not_finish(tmp_path, caps
     }
     (tmp_path / "tiny.jsonl").write_text(json.dumps(row) + "\n")
     (tmp_path / "tiny.partial.jsonl").write_text(json.dumps({**row, "mode": "coat", "family": "coat"}) + "\n")
-    assert run.summarize(str(tmp_path)) == 0
+    assert job.summarize(str(tmp_path)) == 0
     rows = [r for r in read_jsonl(tmp_path / "summary.jsonl") if r["kind"] != "goal"]
     assert [r["mode"] for r in rows] == ["bf16"]  # the finished report of the same name holds the job's rows
     md = (tmp_path / "summary.md").read_text()
@@ -377,7 +379,7 @@ def test_summary_of_a_job_that_was_stopped_is_marked_partial(tmp_path, capsys):
     """After Ctrl-C the measured rows are in NAME.partial.jsonl, and no NAME.jsonl: they count."""
     row = {"kind": "train", "preset": "tiny", "mode": "bf16", "family": "bf16", "status": "oom", "reason": "oom"}
     (tmp_path / "gpt.partial.jsonl").write_text(json.dumps(row) + "\n")
-    assert run.summarize(str(tmp_path)) == 0
+    assert job.summarize(str(tmp_path)) == 0
     assert [r["mode"] for r in read_jsonl(tmp_path / "summary.jsonl") if r["kind"] != "goal"] == ["bf16"]
     md = (tmp_path / "summary.md").read_text()
     assert md.startswith("# coat-compare summary (partial)\n")

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from coat_compare import cli, probe, run
-from coat_compare.corpus import load_corpus
+from coat_compare.corpus import load_corpus, training_windows
 from coat_compare.presets import get_preset
 from coat_compare.report import read_jsonl
-from coat_compare.train import training_windows
 
 
 def coat_compare(out, *args, env=None):
@@ -132,8 +131,9 @@ def _validation_loss_both_ways(mode_name: str) -> tuple[float, float, bool]:
     inference mode (graphed runs), and whether training afterwards still works."""
     from coat_compare import parallel
     from coat_compare.build import build_gpt
+    from coat_compare.corpus import validation_set
     from coat_compare.modes import MODES
-    from coat_compare.train import train_step, validation_loss, validation_set
+    from coat_compare.train import train_step, validation_loss
 
     parallel.seed_everything(1234)
     preset = get_preset("tiny")

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from coat_compare import plots
+from coat_compare.job import summarize
 from coat_compare.report import read_jsonl
-from coat_compare.run import summarize
 from coat_compare.search import probe_fits
 from coat_megatron.optional import transformer_engine_available
 
@@ -343,17 +343,17 @@ def test_cuda_graph_configurations_are_rows_of_their_own(tmp_path):
 def test_a_configuration_runs_in_processes_of_its_own(tmp_path, monkeypatch):
     """What every job does on a GPU (each mode x configuration in processes of its own), run here
     with the eager configuration: the row comes back from the child whole."""
-    from coat_compare import cli, run
+    from coat_compare import cli, job, run
     from coat_compare.presets import get_preset
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = cli.parse_args(["--preset", "tiny", "--steps", "4", "--out", str(tmp_path)])
     preset = get_preset("tiny").with_overrides(steps=4)
-    assert run.measure_here(preset, args)  # one process on a CPU: here
-    assert not run.measure_here(preset, cli.parse_args(["--preset", "tiny", "--tp", "2"]))  # several: their own
-    monkeypatch.setattr(run, "measure_here", lambda preset, args: False)  # as on a GPU
-    assert run.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
+    assert run.measure_here(preset, 1, args.load)  # one process on a CPU: here
+    assert not run.measure_here(preset, 2, None)  # several: their own
+    monkeypatch.setattr(run, "measure_here", lambda preset, processes, load: False)  # as on a GPU
+    assert job.main(["--preset", "tiny", "--modes", "coat", "--steps", "4", "--out", str(tmp_path), "--no-plots"]) == 0
     rows = [r for r in read_jsonl(tmp_path / "tiny.jsonl") if r["kind"] == "train"]
     assert len(rows) == 1 and rows[0]["status"] == "ok" and rows[0]["graphs"] == "none" and len(rows[0]["losses"]) == 4
 
@@ -399,7 +399,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     """--search end to end with a fake try (the real one: test_one_search_try_in_a_fresh_process):
     bf16 fits up to 5, coat up to 12; the rows, the table and the tokens/s goal follow (the rows
     named as measured on a GPU: on a CPU a speed goal is not applicable)."""
-    from coat_compare import parallel, run
+    from coat_compare import job, parallel, search
     from coat_compare.search import Try
 
     limits = {"bf16": 5, "coat": 12}
@@ -421,10 +421,10 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
             },
         )
 
-    monkeypatch.setattr(run, "probe_fits", fake_probe_fits)
+    monkeypatch.setattr(search, "probe_fits", fake_probe_fits)
     monkeypatch.setattr(parallel, "device_name", lambda: "NVIDIA H100 80GB HBM3")
     assert (
-        run.main(["search", "--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--out", str(tmp_path), "--no-plots"])
+        job.main(["search", "--preset", "tiny", "--modes", "bf16,te-fp8,coat", "--out", str(tmp_path), "--no-plots"])
         == 0
     )
     rows = read_jsonl(tmp_path / "tiny-search.jsonl")
@@ -454,7 +454,7 @@ def test_search_rows_and_their_report(tmp_path, monkeypatch):
     per_step.clear()
     out = tmp_path / "accumulated"
     assert (
-        run.main(
+        job.main(
             [
                 "search",
                 "--preset",
@@ -496,7 +496,8 @@ from coat_compare import parallel
 from coat_compare.build import build_gpt
 from coat_compare.modes import MODES
 from coat_compare.presets import get_preset
-from coat_compare.train import set_learning_rate, token_loss_totals, training_windows
+from coat_compare.corpus import training_windows
+from coat_compare.train import set_learning_rate, token_loss_totals
 with contextlib.ExitStack() as stack:
     parallel.initialize(1, 1, stack)
     preset = replace(get_preset("tiny"), micro_batch=2, global_batch=8, steps=3)

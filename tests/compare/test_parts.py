@@ -222,8 +222,8 @@ def test_start_up_goal_judges_every_mode_after_step_10_against_ln_vocab():
 def test_learning_rate_warm_up_is_10_percent_but_never_shorter_than_the_presets_minimum():
     from dataclasses import replace
 
-    from coat_compare.build import lr_warmup_steps
     from coat_compare.presets import get_preset
+    from coat_compare.train import lr_warmup_steps
 
     gpt = get_preset("gpt-1b")
     assert lr_warmup_steps(replace(gpt, steps=10)) == 20  # a timing run never reaches the peak
@@ -242,8 +242,8 @@ def test_learning_rate_schedules_warm_up_then_hold_or_decay_to_a_tenth():
 
     import pytest as _pytest
 
-    from coat_compare.build import learning_rate
     from coat_compare.presets import get_preset
+    from coat_compare.train import learning_rate
 
     gpt = replace(get_preset("gpt-1b"), steps=120, lr=6e-4, lr_warmup_steps=20)
     for decay in ("constant", "cosine", "linear"):

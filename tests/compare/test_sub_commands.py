@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from coat_compare import cli, run
+from coat_compare import cli, job
 from coat_compare import protocol as P
 
 
@@ -28,7 +28,7 @@ OWN = {  # options only that sub-command takes
 @pytest.mark.parametrize("command", list(cli.SUB_COMMANDS))
 def test_each_sub_command_has_its_help(command, capsys):
     with pytest.raises(SystemExit) as e:
-        run.main([command, "--help"])
+        job.main([command, "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     if command == "protocol":  # its own parser: coat_compare.protocol
@@ -91,18 +91,18 @@ def test_the_options_are_built_once_and_handed_to_the_sub_command_whole(monkeypa
 
     monkeypatch.setattr(cli, "Options", Counted)
     for command in ("run", "search", "resume", "layouts", "summarize"):
-        monkeypatch.setitem(run.SUB_COMMANDS, command, lambda o: given.append(o) or 0)
+        monkeypatch.setitem(job.SUB_COMMANDS, command, lambda o: given.append(o) or 0)
     out = ["--out", str(tmp_path)]
     for argv in (["--modes", "coat", *out], ["search", *out], ["resume", "--dp", "2", *out],
                  ["layouts", "1,dp2", "--global-batch", "16", *out], ["summarize", *out]):  # fmt: skip
         built.clear()
         given.clear()
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-        assert run.main(argv) == 0
+        assert job.main(argv) == 0
         assert len(built) == 1 and len(given) == 1 and given[0] is built[0], argv  # one object, the one parsed
         assert given[0].command == (argv[0] if argv[0] in cli.SUB_COMMANDS else "run")
 
 
 def test_protocol_hands_its_command_line_to_the_protocols(capsys):
-    assert run.main(["protocol", "show", "gpt-125m-wsd"]) == 0
+    assert job.main(["protocol", "show", "gpt-125m-wsd"]) == 0
     assert "gpt-125m-wsd" in capsys.readouterr().out

@@ -37,9 +37,9 @@ import sys
 import pytest
 
 from coat_compare import report
+from coat_compare.job import main as coat_compare
+from coat_compare.job import summarize
 from coat_compare.report import read_jsonl
-from coat_compare.run import main as coat_compare
-from coat_compare.run import summarize
 
 SEQ, MICRO_BATCH, HIDDEN, LAYERS = 64, 8, 64, 2  # the tiny presets
 U = (SEQ // 2) * MICRO_BATCH * HIDDEN * 2  # one rank's BF16 slice at TP 2: 32768 bytes
