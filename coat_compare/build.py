@@ -26,8 +26,25 @@ TE_NAMES = {
 }
 
 
-# --cuda-graphs value -> Megatron's TransformerConfig.cuda_graph_impl
+# --cuda-graphs value -> Megatron's TransformerConfig.cuda_graph_impl (under pipeline parallelism: cuda_graph_impl)
 CUDA_GRAPHS = {"none": "none", "local": "local", "full": "full_iteration"}
+# eager steps before TE-based graphs are captured: inside the timing's warm-up (2 steps for tiny)
+TE_GRAPH_WARMUP_STEPS = 1
+
+
+def cuda_graph_impl(graphs: str, pp: int) -> tuple[str, str | None]:
+    """Megatron's ``cuda_graph_impl`` for ``--cuda-graphs graphs`` at ``pp`` pipeline stages, and
+    where per-layer graphs run eagerly, why (one line). Under pipeline parallelism, for every mode,
+    what ``coat-megatron-run --coat-fp8`` picks there (``coat_patches.arguments.pipeline_cuda_graphs``):
+    Megatron's TE-based graphs (``train.te_graphs``) where TransformerEngine is installed, else none."""
+    from coat_megatron.optional import transformer_engine_available
+    from coat_patches.arguments import pipeline_cuda_graphs
+
+    if graphs != "local" or pp == 1:
+        return CUDA_GRAPHS[graphs], None
+    impl, why = pipeline_cuda_graphs(transformer_engine_available())
+    return (impl, None) if impl else ("none", f"--cuda-graphs local under pipeline parallelism runs eagerly: {why}")
+
 
 # te-fp8-pa's OptimizerConfig fields: what megatron.training makes of --use-precision-aware-optimizer
 # --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 (arguments.py maps 'fp8' to torch.uint8, TE FusedAdam's
@@ -60,7 +77,7 @@ def transformer_config(
     installed: the same for every mode, like the attention kernel) and, under DDP (``ddp``:
     parameters have a ``main_grad``), weight-gradient accumulation into main_grad where apex
     provides it (the local output layer needs apex's kernel for it); on a CPU every fusion off
-    (they need CUDA). ``graphs``: Megatron's CUDA graphs (``CUDA_GRAPHS``). ``pp`` pipeline
+    (they need CUDA). ``graphs``: Megatron's CUDA graphs (``cuda_graph_impl``). ``pp`` pipeline
     stages, each of ``vpp`` virtual stages (interleaved schedule) where ``vpp`` > 1; the stages
     exchange BF16 hidden states.
 
@@ -105,9 +122,11 @@ def transformer_config(
         bias_activation_fusion=cuda,
         apply_rope_fusion=cuda and transformer_engine_available(),
         cross_entropy_loss_fusion=False,
-        cuda_graph_impl=CUDA_GRAPHS[graphs],
+        cuda_graph_impl=cuda_graph_impl(graphs, pp)[0],
         deterministic_mode=deterministic,
     )
+    if fields["cuda_graph_impl"] == "transformer_engine":
+        fields.update(cuda_graph_warmup_steps=TE_GRAPH_WARMUP_STEPS)
     if not cuda:
         fields.update(bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False)
     if fp32:
@@ -334,7 +353,8 @@ def build_gpt(
     with FP8 states for te-fp8-pa, or COAT's FP8 AdamW. Untied embeddings, RoPE, the mode's
     gradient buffers (``Mode.grad_fp32``).
     ``graphs``: Megatron's CUDA graphs: "local" (per layer, captured by its schedule after the
-    first step) or "full" (the whole forward+backward of a step: ``train`` wraps the schedule).
+    first step; under pipeline parallelism TE's, captured by ``train.te_graphs``: ``cuda_graph_impl``)
+    or "full" (the whole forward+backward of a step: ``train`` wraps the schedule).
     ``overlap_grad_reduce`` / ``overlap_param_gather``: Megatron's DDP options (the gradient
     reduce-scatter in buckets during backward; the parameter all-gather during the next forward),
     with the schedule hooks megatron.training installs for them."""

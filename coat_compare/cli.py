@@ -398,8 +398,9 @@ def _training_options(p: argparse.ArgumentParser) -> None:
         type=parse_graphs,
         metavar="LIST",
         help="end-to-end presets: run every mode in each of these CUDA graph configurations (comma-separated): "
-        "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local), full (the whole forward+backward "
-        "of a step in one graph, Megatron's full_iteration); default none",
+        "none (eager), local (Megatron's per-layer graphs, cuda_graph_impl=local; under --pp its TE-based ones, as "
+        "coat-megatron-run --coat-fp8 picks there: eager, saying why, without TransformerEngine), full (the whole "
+        "forward+backward of a step in one graph, Megatron's full_iteration); default none",
     )
 
 
@@ -502,8 +503,8 @@ def _layouts_options(p: argparse.ArgumentParser) -> None:
         "layouts",
         metavar="LAYOUTS",
         help="comma-separated, each 1 or x-joined tpN, ppN, vppN, dpN (e.g. 1,tp2,pp2,dp2,tp2xdp2,tp2xpp2): each "
-        "mode trains in each at one global batch and seed, and every layout's losses are compared step by step "
-        "with the first's",
+        "mode trains in each (and in each --cuda-graphs configuration: pp2/local) at one global batch and seed, "
+        "and every run's losses are compared step by step with the first's",
     )
 
 
@@ -622,8 +623,11 @@ def check_layout(preset: Preset, args) -> None:
     if args.layouts:
         if layer:
             raise ValueError(f"layouts trains each layout end to end: use {END_TO_END}")
-        if len(layouts) < 2:
-            raise ValueError("layouts compares layouts with the first: give two or more, e.g. 1,tp2,dp2")
+        if len(layouts) * len(args.cuda_graphs) < 2:
+            raise ValueError(
+                "layouts compares layouts with the first: give two or more, e.g. 1,tp2,dp2 (or one, with two "
+                "--cuda-graphs configurations: pp2 --cuda-graphs none,local)"
+            )
     if layer and args.dp > 1:
         raise ValueError(
             f"{preset.name} is one layer's fwd+bwd, which has no data-parallel communication: "

@@ -49,12 +49,8 @@ def job(o: Options) -> int:
         report(o.out, name, header, log.rows, plots=not o.no_plots)
     except BaseException as e:
         if log.path and log.rows:
-            print(
-                f"coat-compare: the job stopped ({type(e).__name__}); the rows it measured ({len(log.rows)}) are in "
-                f"{log.path}",
-                file=sys.stderr,
-                flush=True,
-            )
+            kept = f"the rows it measured ({len(log.rows)}) are in {log.path}"
+            print(f"coat-compare: the job stopped ({type(e).__name__}); {kept}", file=sys.stderr, flush=True)
         raise
     log.finish()
     return exit_status(log.rows)
@@ -112,13 +108,8 @@ def exit_status(rows: list[dict]) -> int:
     failed = [r for r in rows if r.get("status") == "failed"]
     if not failed:
         return 0
-    first = failed[0]
-    print(
-        f"coat-compare: {len(failed)} of {len(rows)} rows failed, the first {first.get('mode')} "
-        f"(graphs: {first.get('graphs', 'none')}): {first.get('reason', '')}",
-        file=sys.stderr,
-        flush=True,
-    )
+    first = f"{failed[0].get('mode')} (graphs: {failed[0].get('graphs', 'none')}): {failed[0].get('reason', '')}"
+    print(f"coat-compare: {len(failed)} of {len(rows)} rows failed, the first {first}", file=sys.stderr, flush=True)
     return 1
 
 

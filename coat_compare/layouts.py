@@ -7,7 +7,9 @@ Every layout trains each mode from the same full weights (``build.init_weights_b
 rank keeps its slice of the one-GPU tensor, a pipeline stage its layers), on the same global
 batches in the same order, each in processes of its own (``probe``). A layout is written ``1``
 (one GPU) or as ``x``-joined sizes: ``tp2``, ``pp2``, ``vpp2``, ``dp2``, ``tp2xdp2``,
-``tp2xpp2xvpp2``. What differs between two layouts is the order of reductions (BF16 GEMMs split
+``tp2xpp2xvpp2``. With several ``--cuda-graphs`` configurations each layout trains in each (a
+run named ``pp2/local``), judged as a layout: ``layouts pp2 --cuda-graphs none,local`` holds
+graphed PP 2 to eager PP 2. What differs between two layouts is the order of reductions (BF16 GEMMs split
 over TP, gradients summed over DP) and, for COAT, the data each per-tensor FP8 scale is taken
 from (a TP rank's sequence slice, a DP rank's micro-batch): never the math.
 
@@ -35,20 +37,20 @@ _SIZE = re.compile(r"^(tp|pp|vpp|dp)([1-9][0-9]*)$")
 
 
 def measure(o, keep) -> None:
-    """The ``layouts`` sub-command: every mode trained in every layout given (each run in processes
-    of its own), then one row per (mode, layout) judged against the first layout (``layout_rows``)."""
-    preset, graphs = o.preset, o.cuda_graphs[0]
-    layouts = parse_layouts(o.layouts)
-    names = [layout_name(*layout) for layout in layouts]
+    """The ``layouts`` sub-command: every mode trained in every layout given, in each ``--cuda-graphs``
+    configuration (each run in processes of its own), then one row per (mode, layout, configuration)
+    judged against the first (``layout_rows``; a run is named LAYOUT/CONFIGURATION where there are several)."""
+    preset, several = o.preset, len(o.cuda_graphs) > 1
+    trained = [(layout, graphs) for layout in o.trained_layouts for graphs in o.cuda_graphs]
+    names = [layout_name(*layout) + (f"/{graphs}" if several else "") for layout, graphs in trained]
     runs = {}
     for mode in o.modes:
-        for (tp, pp, vpp, dp), name in zip(layouts, names):
+        for ((tp, pp, vpp, dp), graphs), name in zip(trained, names):
             run = new_row("train", preset, mode, o, graphs)
             if run.get("status") != "skipped":
                 print(f"{preset.name} {mode.name}: layout {name}", file=sys.stderr, flush=True)
-                line = run_args(
-                    o, preset, mode.name, graphs=graphs, micro_batch=preset.micro_batch, layout=(tp, pp, vpp, dp)
-                )
+                layout = (tp, pp, vpp, dp)
+                line = run_args(o, preset, mode.name, graphs=graphs, micro_batch=preset.micro_batch, layout=layout)
                 result = run_probe(line, tp * pp * dp, timeout_s=o.run_timeout)
                 run = result.row if result.row is not None else {**run, "status": "failed", "reason": result.error}
             runs[(mode.name, name)] = {**run, "layout": name}

@@ -202,30 +202,9 @@ def run_args(
     ``layout``: (TP, PP, VPP, DP), default the job's; ``data_overrides`` replace the job's data
     options (``data_args``)."""
     tp, pp, vpp, dp = layout or (args.tp, args.pp, args.vpp, args.dp)
-    line = [
-        "--preset",
-        preset.name,
-        "--modes",
-        mode,
-        "--seq",
-        str(preset.seq),
-        "--seed",
-        str(args.seed),
-        "--tp",
-        str(tp),
-        "--pp",
-        str(pp),
-        "--vpp",
-        str(vpp),
-        "--dp",
-        str(dp),
-        "--cuda-graphs",
-        graphs,
-        "--gc",
-        args.gc,
-        "--wgrad-fusion",
-        args.wgrad_fusion,
-    ]
+    given = {"--preset": preset.name, "--modes": mode, "--seq": preset.seq, "--seed": args.seed, "--tp": tp, "--pp": pp,
+             "--vpp": vpp, "--dp": dp, "--cuda-graphs": graphs, "--gc": args.gc, "--wgrad-fusion": args.wgrad_fusion}  # fmt: skip
+    line = [word for flag, value in given.items() for word in (flag, str(value))]
     if preset.kind == "train":  # a per-layer preset takes no optimizer steps
         line += ["--steps", str(preset.steps if steps is None else steps)]
     if micro_batch is not None:
@@ -248,21 +227,8 @@ def data_args(args, **overrides) -> list[str]:
     """The data options given on the command line (or in ``overrides``), the global batch among
     them, and the run's ``--repeat`` label, to pass on to the runs a job starts."""
     given = []
-    for name in (
-        "global_batch",
-        "lr_warmup_steps",
-        "lr_decay",
-        "lr_cooldown_steps",
-        "lr_min_ratio",
-        "lr",
-        "adam_eps",
-        "data_seed",
-        "repeat",
-        "corpus",
-        "corpus_bytes",
-        "eval_every",
-        "eval_windows",
-    ):
+    for name in ("global_batch", "lr_warmup_steps", "lr_decay", "lr_cooldown_steps", "lr_min_ratio", "lr", "adam_eps",
+                 "data_seed", "repeat", "corpus", "corpus_bytes", "eval_every", "eval_windows"):  # fmt: skip
         value = overrides.get(name, getattr(args, name, None))
         if value is not None:
             given += [f"--{name.replace('_', '-')}", str(value)]
@@ -271,23 +237,10 @@ def data_args(args, **overrides) -> list[str]:
 
 def new_row(kind: str, preset, mode, args, graphs: str = "none") -> dict:
     """A row's identity; already ``status: skipped`` with the reason when the mode cannot run here."""
-    row = {
-        "kind": kind,
-        "preset": preset.name,
-        "mode": mode.name,
-        "family": mode.family,
-        "spec": mode.resolved_spec(),
-        "shape": shape(preset),
-        "device": parallel.device_name(),
-        "software": versions(),
-        "seed": args.seed,
-        "tp": args.tp,
-        "pp": args.pp,
-        "vpp": args.vpp,
-        "dp": args.dp,
-        "graphs": graphs,
-        "deterministic": args.deterministic,
-    }
+    row = {"kind": kind, "preset": preset.name, "mode": mode.name, "family": mode.family, "spec": mode.resolved_spec(),
+           "shape": shape(preset), "device": parallel.device_name(), "software": versions(), "seed": args.seed,
+           "tp": args.tp, "pp": args.pp, "vpp": args.vpp, "dp": args.dp, "graphs": graphs,
+           "deterministic": args.deterministic}  # fmt: skip
     if preset.kind == "train":
         row["data_seed"] = args.seed if args.data_seed is None else args.data_seed
     if args.repeat is not None:

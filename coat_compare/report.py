@@ -102,7 +102,14 @@ def _table(head: list[str], rows: list[dict], lines_of, lead=lambda r: [r["mode"
 
 
 def _mode_and_graphs(r: dict) -> list[str]:
-    return [r["mode"], r.get("graphs", "none")]
+    return [r["mode"], _graphs(r)]
+
+
+def _graphs(r: dict) -> str:
+    """The CUDA graph configuration, and under pipeline parallelism what ran it: TE's per-layer
+    graphs, or none (the row's ``cuda_graph_note`` says why)."""
+    impl = {"transformer_engine": " (TE's)", "none": " (eager)"}.get(r.get("cuda_graph_impl"), "")
+    return r.get("graphs", "none") + (impl if r.get("graphs") == "local" else "")
 
 
 def _several_gpus(rows: list[dict]) -> bool:
@@ -239,7 +246,7 @@ def train_table(rows: list[dict]) -> list[str]:
 
     def lines_of(r):
         line = (
-            f"| {r['mode']} | {r.get('graphs', 'none')} | {r['micro_batch']} | {_fmt(r.get('global_batch', r['micro_batch'] * r.get('dp', 1)), 0)} | "
+            f"| {r['mode']} | {_graphs(r)} | {r['micro_batch']} | {_fmt(r.get('global_batch', r['micro_batch'] * r.get('dp', 1)), 0)} | "
             f"{_fmt(r['step_ms'])} | {_spread(r)} | {_fmt(r['tokens_per_s'], 0)} | {_ratio(r, bf16_s, 'tokens_per_s')} | "
             f"{_ratio(r, te_s, 'tokens_per_s')} | {_tflops(r)} | {_mfu(r)} | {_fmt(r['peak_MiB'], 1)} | {_ratio(r, bf16_m, 'peak_MiB')} | {_ratio(r, te_m, 'peak_MiB')} | "
             f"{_fmt(r['weights_MiB'], 1)} | {_fmt(r['grads_MiB'], 1)} | {_fmt(r['optimizer_MiB'], 1)} | {_fmt(r['activations_MiB'], 1)} | "
@@ -287,7 +294,7 @@ def budget_table(rows: list[dict]) -> list[str]:
         b = r["bytes_per_param"]
         counted = sum(b.get(k, 0.0) for k, _ in BUDGET_PARTS)
         return [
-            f"| {r['mode']} | {r.get('graphs', 'none')} | "
+            f"| {r['mode']} | {_graphs(r)} | "
             + " | ".join(_fmt(b.get(k)) for k, _ in BUDGET_PARTS)
             + f" | {_fmt(counted)} | {_fmt(b.get('other'))} | {_fmt(r['activations_MiB'], 1)} | {_fmt(r['peak_MiB'], 1)} | "
             f"{_fmt(r.get('peak_reserved_MiB'), 1)} | {_ratio(r, bf16_m, 'peak_MiB')} |"

@@ -24,6 +24,7 @@ import gc
 import math
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import parallel
-from .build import WEIGHT_DECAY, build_gpt, fused_wgrad_linears, unwrap_optimizers
+from .build import WEIGHT_DECAY, build_gpt, cuda_graph_impl, fused_wgrad_linears, unwrap_optimizers
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import AllGatherBytes, all_gather_fields, per_step
 from .corpus import TrainingWindows, load_corpus, training_windows, validation_set
@@ -106,8 +107,9 @@ class TrainOptions:
     ``data_seed``: the order of the training windows (default: ``train``'s ``seed``).
 
     ``graphs``: "none" (eager), "local" (Megatron's per-layer CUDA graphs, captured at the end of
-    the first step) or "full" (the forward+backward of a whole step in one graph, captured at the
-    second step); either way before the timed steps. Validation runs eagerly either way
+    the first step; under pipeline parallelism its TE-based ones, before the second: ``te_graphs``)
+    or "full" (the forward+backward of a whole step in one graph, captured at the second step);
+    either way before the timed steps. Validation runs eagerly either way
     (``validation_loss``).
 
     ``tp``, ``pp`` (with ``vpp`` virtual stages each), ``dp``: the layout, set up by
@@ -159,18 +161,11 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
     corpus = load_corpus(preset.corpus, preset.corpus_max_bytes)
     data = training_windows(preset, data_seed, o.dp, corpus)
     validation, validation_sha256 = validation_set(preset, corpus, o.dp) if preset.eval_every else (None, None)
-    chunks, optimizer = build_gpt(
-        preset,
-        mode,
-        seed,
-        o.tp,
-        graphs=o.graphs,
-        pp=o.pp,
-        vpp=o.vpp,
-        overlap_grad_reduce=o.overlap_grad_reduce,
-        overlap_param_gather=o.overlap_param_gather,
-        deterministic=o.deterministic,
-    )
+    impl, eager_why = cuda_graph_impl(o.graphs, o.pp)
+    if eager_why and parallel.is_main_rank():
+        print(f"coat-compare: {eager_why}", file=sys.stderr, flush=True)
+    chunks, optimizer = build_gpt(preset, mode, seed, o.tp, graphs=o.graphs, pp=o.pp, vpp=o.vpp, deterministic=o.deterministic,
+                                  overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)  # fmt: skip
     if o.save is not None:
         os.makedirs(o.save, exist_ok=True)
     first = first_step(preset, chunks, optimizer, o)
@@ -182,6 +177,8 @@ def train(preset: Preset, mode: Mode, seed: int, *, progress=None, **options) ->
         "micro_batches": micro_batches,
         "seq": preset.seq,
         "graphs": o.graphs,
+        "cuda_graph_impl": impl,  # Megatron's implementation of them (under PP: TE's, or none: cuda_graph_note)
+        **({"cuda_graph_note": eager_why} if eager_why else {}),
         "gc": o.gc_mode,
         "steps": preset.steps,
         "first_step": first,
@@ -301,6 +298,7 @@ def train_steps(
             for i in range(count)
         ]
 
+    capture_graphs = te_graphs(chunks, optimizer, preset, micro_batches, o)
     cuda = device.type == "cuda"
     log = StepLog()
     collect = o.gc_mode == "manual"
@@ -316,6 +314,8 @@ def train_steps(
                 save_checkpoint(o.save, chunks, optimizer, step=step, sharding_type=o.checkpoint_format)
                 if o.stop_after_save:
                     break
+            if capture_graphs is not None:
+                capture_graphs(step - first)
             set_learning_rate(optimizer, preset, step)
             measure = step == first + preset.warmup_steps
             if measure and cuda:
@@ -350,6 +350,45 @@ def train_steps(
     if progress is not None:
         progress.close()
     return log
+
+
+def te_graphs(chunks: list, optimizer, preset: Preset, micro_batches: int, o: TrainOptions):
+    """Megatron's TE-based per-layer CUDA graphs (``build.cuda_graph_impl``), driven as
+    megatron.training's ``train()`` drives them (None for any other ``cuda_graph_impl``): the
+    function returned, called with the steps done before each step, captures each layer's graph for
+    each micro-batch (in the schedule's order) after ``config.cuda_graph_warmup_steps`` eager steps;
+    the layers replay them in training mode. ``parallel.free_memory`` releases them."""
+    from megatron.core.num_microbatches_calculator import (
+        init_num_microbatches_calculator,
+        unset_num_microbatches_calculator,
+    )
+    from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    if config.cuda_graph_impl != "transformer_engine":
+        return None
+    helper = TECudaGraphHelper(chunks, config, preset.seq, preset.micro_batch, optimizers=[optimizer])
+
+    def capture(done: int) -> None:
+        if helper.capture_finished() or done != config.cuda_graph_warmup_steps:
+            return
+        # the helper reads the micro-batches of a step where megatron.training keeps them
+        global_batch = preset.micro_batch * micro_batches * o.dp
+        init_num_microbatches_calculator(parallel.rank(), None, global_batch, preset.micro_batch, o.dp)
+        hooks = chunks if o.overlap_param_gather else []  # the parameter all-gather's hooks: not captured
+        for chunk in hooks:
+            chunk.disable_forward_pre_hook(param_sync=False)
+        try:
+            helper.create_cudagraphs()
+        finally:
+            unset_num_microbatches_calculator()
+        for chunk in hooks:
+            chunk.enable_forward_pre_hook()
+        if hooks:
+            helper.cuda_graph_set_manual_hooks()
+
+    return capture
 
 
 def memory_fields(chunks: list, optimizer, log: StepLog, params: int, o: TrainOptions) -> dict:

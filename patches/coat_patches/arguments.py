@@ -237,23 +237,31 @@ def cuda_graphs_by_default(args: argparse.Namespace, cuda: bool, te: bool) -> tu
     off = "--coat-cuda-graphs off keeps the layers eager"
     if args.pipeline_model_parallel_size == 1:
         return "local", f"--coat-fp8 turns on Megatron's per-layer CUDA graphs (--cuda-graph-impl local); {off}"
+    impl, why = pipeline_cuda_graphs(te)
+    if impl is None:
+        return None, f"{eager} under pipeline parallelism: {why}"
+    return (
+        impl,
+        f"--coat-fp8 turns on Megatron's TE-based per-layer CUDA graphs under pipeline parallelism {why}; {off}",
+    )
+
+
+def pipeline_cuda_graphs(te: bool) -> tuple[str | None, str]:
+    """Megatron's per-layer CUDA graphs under pipeline parallelism, for every recipe (BF16 and TE's
+    too): ``transformer_engine`` (its TE-based graphs; megatron-core 0.19's local ones do not run
+    there) where TransformerEngine (``te``) is installed and the allocator's settings let them run,
+    else None (eager); and why, in words for a log line."""
     if not te:
-        return None, (
-            f"{eager} under pipeline parallelism: {PIPELINE_GRAPHS}, and they need TransformerEngine "
-            "(pip install 'coat-megatron[te]')"
-        )
+        return None, f"{PIPELINE_GRAPHS}, and they need TransformerEngine (pip install 'coat-megatron[te]')"
     if (
         "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         and os.environ.get("NCCL_GRAPH_REGISTER", "") != "0"
     ):
         return None, (
-            f"{eager} under pipeline parallelism: Megatron's TE-based graphs with PYTORCH_CUDA_ALLOC_CONF="
-            "expandable_segments:True need NCCL_GRAPH_REGISTER=0 in the environment"
+            "Megatron's TE-based graphs with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True need "
+            "NCCL_GRAPH_REGISTER=0 in the environment"
         )
-    return "transformer_engine", (
-        "--coat-fp8 turns on Megatron's TE-based per-layer CUDA graphs under pipeline parallelism "
-        f"(--cuda-graph-impl transformer_engine: the local ones do not run under PP); {off}"
-    )
+    return "transformer_engine", "(--cuda-graph-impl transformer_engine: the local ones do not run under PP)"
 
 
 def choose_cuda_graphs(args: argparse.Namespace) -> None:
