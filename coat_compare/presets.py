@@ -236,8 +236,7 @@ PRESETS: dict[str, Preset] = {
             eval_every=24,
             eval_windows=768,
             description="gpt-1b's layers, 17 of them (1.005B parameters; gpt-1b's 16 count 0.953B), trained for the accuracy "
-            "protocols (coat_compare.protocol, whose settings override these defaults: 262,144 tokens per step, 96 steps, "
-            "learning rate to zero)",
+            "protocol (coat_compare.protocol): 262,144 tokens per step, 96 steps, learning rate to zero",
         ),
         Preset(
             "llama2-7b",
