@@ -3,7 +3,8 @@ recomputed here from the rows of its evidence folder (benchmarks/results/<claim>
 coat-compare rows as they were written, each file's rows after a {"kind": "source"} line naming the
 commit and path they were restored from), with the rounding the README uses, and must appear in the
 README row's "measured" cell; where docs/results.md quotes the same folder's figures, its row's "figure"
-cell is checked the same way. Figures without rows are listed below, so the gap stays visible."""
+cell is checked the same way (the index's other rows: tests/test_results_figures.py). Figures without rows are
+listed below, so the gap stays visible."""
 
 import gzip
 import json
@@ -94,18 +95,31 @@ def check(claim: str, figures: list[str]) -> None:
     assert not missing, f"recomputed from the rows but not in README.md's row {claim!r}: {missing}\n{text}"
 
 
-def results_index_figure(folder: str) -> str:
-    """The "figure" cell of the one docs/results.md row whose evidence is the folder."""
+def results_index_rows() -> list[list[str]]:
+    """The cells of each docs/results.md table row that names an evidence folder."""
     text = (ROOT / "docs" / "results.md").read_text()
-    found = [line for line in text.splitlines() if line.startswith("| ") and f"benchmarks/results/{folder}/" in line]
-    assert len(found) == 1, f"docs/results.md has {len(found)} rows with evidence in {folder}"
-    return found[0].strip().strip("|").split(" | ")[1].replace("**", "")
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "benchmarks/results/" in line]
+    return [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in lines]
 
 
-def check_index(folder: str, figures: list[str]) -> None:
-    text = results_index_figure(folder)
+def results_index_row(key: str) -> list[str]:
+    """The cells of the one docs/results.md row a key names: the row's evidence folder, and where the folder is
+    the evidence of several rows, ": " and the start of the row's claim."""
+    folder, _, claim = key.partition(": ")
+    found = [c for c in results_index_rows() if f"benchmarks/results/{folder}/" in c[-3] and c[0].startswith(claim)]
+    assert len(found) == 1, f"docs/results.md has {len(found)} rows for {key!r}"
+    return found[0]
+
+
+def results_index_figure(key: str) -> str:
+    """The "figure" cell of the row a key names (results_index_row)."""
+    return results_index_row(key)[1].replace("**", "")
+
+
+def check_index(key: str, figures: list[str]) -> None:
+    text = results_index_figure(key)
     missing = [f for f in figures if f not in text]
-    assert not missing, f"recomputed from the rows but not in docs/results.md's row for {folder}: {missing}\n{text}"
+    assert not missing, f"recomputed from the rows but not in docs/results.md's row for {key}: {missing}\n{text}"
 
 
 def gib(mib: float) -> str:
