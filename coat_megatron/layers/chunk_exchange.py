@@ -23,11 +23,12 @@ the exchanges can be captured in a CUDA graph. Codes travel as uint8 views (gloo
 dtypes; NCCL takes either).
 
 Without ``overlap`` (the default): one all-gather before the first chunk is handed out, of the
-codes with each rank's scale packed behind them in the same message (a collective's launch costs
-the host more than the copy into the packed buffer), one reduce-scatter after the last partial is
-written. The chunks are the same and come
-in the same order, so the arithmetic is the same; only a reduce-scatter over more than two ranks
-may add its partials in another order (a different rounding of the sum).
+codes with each rank's scale packed behind them in the same message (one collective instead of
+two), one reduce-scatter after the last partial is written. COAT's producers of gathered tensors
+(the norms under SP, the row-parallel backward's dY) write their codes and scale in that layout in
+the first place, so the message goes out without a copy. The chunks are the same and come in the
+same order, so the arithmetic is the same; only a reduce-scatter over more than two ranks may add
+its partials in another order (a different rounding of the sum).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-SCALE_ROW = 4  # FP32 words per gathered scale: 16 bytes
+from coat_kernels.per_tensor import SCALE_ROW_BYTES, packed_message
+
+SCALE_ROW = SCALE_ROW_BYTES // 4  # FP32 words per gathered scale: 16 bytes
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -109,23 +112,30 @@ class CollectiveAllGather:
     """The same chunks, in the same order, from one blocking all-gather (``overlap`` off). Where the
     scales travel too, each rank sends one message: its codes, then its scale in a 16-byte row (so
     that every gathered chunk and every scale starts at a 16-byte aligned address: cuBLASLt takes
-    a scale pointer only there, status 15 otherwise)."""
+    a scale pointer only there, status 15 otherwise). A producer that wrote its codes and scale
+    packed that way (``coat_kernels.per_tensor.packed_message``) has its buffer sent as it is;
+    otherwise they are copied into one.
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None):
+    The scales handed out are views into the gathered message, alive as long as any is; with
+    ``keep_scales`` they are copied out instead (one small copy), for a caller that keeps them
+    (for its backward) without keeping the gathered codes."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None, keep_scales=False):
         self.rank, self.size = _rank_and_size(group)
         codes = codes.contiguous()
         n = codes.numel()
-        if scales is None and n % 16 == 0:
-            packed = torch.empty(n + 4 * SCALE_ROW, dtype=torch.uint8, device=codes.device)
-            packed[:n].copy_(codes.view(-1).view(torch.uint8))
-            packed[n : n + 4].view(torch.float32).copy_(scale.reshape(1))
-            gathered = torch.empty(self.size * packed.numel(), dtype=torch.uint8, device=codes.device)
-            dist.all_gather_into_tensor(gathered, packed, group=group)
-            gathered = gathered.view(self.size, packed.numel())
+        message = packed_message(codes, scale) if scales is None else None
+        if message is None and scales is None and n % 16 == 0:
+            message = torch.empty(n + 4 * SCALE_ROW, dtype=torch.uint8, device=codes.device)
+            message[:n].copy_(codes.view(-1).view(torch.uint8))
+            message[n : n + 4].view(torch.float32).copy_(scale.reshape(1))
+        if message is not None:
+            gathered = torch.empty(self.size * message.numel(), dtype=torch.uint8, device=codes.device)
+            dist.all_gather_into_tensor(gathered, message, group=group)
+            gathered = gathered.view(self.size, message.numel())
             self.chunks = [row[:n].view(codes.dtype).view(codes.shape) for row in gathered]
-            # the scales copied out: a backward that keeps them must not keep the gathered codes alive
-            kept = gathered[:, n:].view(torch.float32).clone()
-            self.scales = [row[0] for row in kept]
+            scales = gathered[:, n:].view(torch.float32)
+            self.scales = list((scales.clone() if keep_scales else scales)[:, 0].unbind())
             self.step = 0
             return
         gathered = torch.empty((self.size * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
@@ -151,11 +161,15 @@ class CollectiveAllGather:
         return j, self.chunks[j], self.scales[j]
 
 
-def all_gather_chunks(codes: torch.Tensor, scale: torch.Tensor | None, group, *, overlap: bool, scales=None):
+def all_gather_chunks(
+    codes: torch.Tensor, scale: torch.Tensor | None, group, *, overlap: bool, scales=None, keep_scales: bool = False
+):
     """Start gathering every rank's (R_c, N) FP8 ``codes`` (contiguous) and 0-d FP32 ``scale`` (or,
-    with ``scales`` given, the codes only); ``take()`` hands out the chunks, this rank's first."""
-    cls = RingAllGather if overlap else CollectiveAllGather
-    return cls(codes, scale, group, scales=scales)
+    with ``scales`` given, the codes only); ``take()`` hands out the chunks, this rank's first.
+    ``keep_scales``: the scales handed out may be kept without keeping the gathered codes alive."""
+    if overlap:  # each scale travels in a buffer of its own
+        return RingAllGather(codes, scale, group, scales=scales)
+    return CollectiveAllGather(codes, scale, group, scales=scales, keep_scales=keep_scales)
 
 
 class RingReduceScatter:

@@ -115,9 +115,10 @@ class _ColumnParallelSP(torch.autograd.Function):
             codes, scale = x.data_fp8, x.scale
         else:  # BF16 (or a 1xG tensor, which is no GEMM input): quantized with this rank's amax
             x = _plain(x)
-            codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False)
+            codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False, packed=True)
         local = _rows(codes)
-        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap)  # under way from here
+        # under way from here; the scales are kept for backward
+        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap, keep_scales=True)
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         n, r_c = len(gather), local.shape[0]
         y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
@@ -230,7 +231,7 @@ class _RowParallelSP(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)
         dy_q, dy_scale, dy_t = quantize_per_tensor(
-            _rows(dy.contiguous()), config.backward_format, transpose=True, check_finite=False
+            _rows(dy.contiguous()), config.backward_format, transpose=True, check_finite=False, packed=True
         )
         gather = all_gather_chunks(dy_q, dy_scale, group, overlap=config.tp_comm_overlap)
         dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None

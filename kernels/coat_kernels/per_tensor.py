@@ -138,18 +138,63 @@ def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
     return max(1, 8192 // block_n), block_n, 8
 
 
-def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, device):
+# A packed output's scale row: the codes, then the 0-d FP32 scale in a row of 16 bytes (so that n ranks'
+# packed outputs side by side still start every chunk and every scale 16-byte aligned: cuBLASLt takes a
+# scale pointer only there)
+SCALE_ROW_BYTES = 16
+
+
+def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, device, packed: bool = False):
     """Allocate (q, q_t, scale) for a per-tensor FP8 output; q_t is q itself when not transposing
     (a placeholder pointer the kernel never writes). The kernel writes the scale; for an empty
-    tensor, which launches none, it is 1 (no fill launch otherwise)."""
+    tensor, which launches none, it is 1 (no fill launch otherwise).
+
+    ``packed``: q and scale in one buffer, the codes then the scale in a ``SCALE_ROW_BYTES`` row,
+    as a sequence-parallel all-gather sends them (``packed_message``; no copy into a send buffer),
+    where the codes fill whole 16-byte rows; otherwise (or for an empty tensor) apart."""
+    n = n_rows * n_cols
+    if packed and n and n % SCALE_ROW_BYTES == 0:
+        message = torch.empty(n + SCALE_ROW_BYTES, dtype=torch.uint8, device=device)
+        q = message[:n].view(f.dtype).view(shape)
+        scale = message[n : n + 4].view(torch.float32).view(())
+        q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
+        return q, q_t, scale
     q = torch.empty(shape, dtype=f.dtype, device=device)
     q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
     scale = (
-        torch.empty((), dtype=torch.float32, device=device)
-        if n_rows * n_cols
-        else torch.ones((), dtype=torch.float32, device=device)
+        torch.empty((), dtype=torch.float32, device=device) if n else torch.ones((), dtype=torch.float32, device=device)
     )
     return q, q_t, scale
+
+
+def packed_message(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
+    """The (q.numel() + ``SCALE_ROW_BYTES``,) uint8 view of the one buffer that holds the codes
+    ``q`` and then their ``scale``, where a producer wrote them packed (``per_tensor_outputs``);
+    None where they are apart."""
+    n = q.numel()
+    storage = q.untyped_storage()
+    if (
+        scale.untyped_storage().data_ptr() != storage.data_ptr()
+        or storage.nbytes() != n + SCALE_ROW_BYTES
+        or q.storage_offset() != 0
+        or scale.storage_offset() * 4 != n
+        or not q.is_contiguous()
+    ):
+        return None
+    return q.view(torch.uint8).view(-1).as_strided((n + SCALE_ROW_BYTES,), (1,), 0)
+
+
+def _packed_copy(q: torch.Tensor, scale: torch.Tensor, f) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) in packed outputs where their size allows (``per_tensor_outputs``): for the
+    reference paths, which compute the values apart."""
+    n = q.numel()
+    if not n or n % SCALE_ROW_BYTES:
+        return q, scale
+    n_cols = q.shape[-1]
+    pq, _, ps = per_tensor_outputs(q.shape, n // n_cols, n_cols, f, False, q.device, packed=True)
+    pq.view(torch.uint8).copy_(q.view(torch.uint8))
+    ps.copy_(scale)
+    return pq, ps
 
 
 def transpose_in_pass(transpose: bool, dtype: torch.dtype) -> bool:
@@ -275,6 +320,7 @@ def quantize_per_tensor(
     transpose: bool = False,
     amax: torch.Tensor | None = None,
     check_finite: bool = True,
+    packed: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, ...]:
     """Quantize ``x`` to FP8 with one just-in-time scale for the whole tensor.
@@ -288,11 +334,13 @@ def quantize_per_tensor(
             reduced here). Without it a group-scaling pass computes it.
         check_finite: raise ``NonFiniteInputError`` if x holds inf or NaN (one device sync).
             With False, the returned scale is +inf for such input, and the codes are zero.
+        packed: write q and scale into one buffer, the message a sequence-parallel all-gather
+            sends (``packed_message``; where the codes fill whole 16-byte rows). The same values.
     Returns:
         ``(q, scale)`` or ``(q, scale, q_t)``: FP8 codes of x's shape, a 0-d FP32 scale, and the
         per-tensor FP8 transpose.
     """
-    q, scale, q_t = _quantize(x, fmt, transpose, amax, backend, codes=True)
+    q, scale, q_t = _quantize(x, fmt, transpose, amax, backend, codes=True, packed=packed)
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor")
     return (q, scale, q_t) if transpose else (q, scale)
@@ -317,12 +365,14 @@ def quantize_per_tensor_transposed(
     return q_t, scale
 
 
-def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool):
+def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, packed: bool = False):
     """(q, scale, q_t) of the per-tensor quantization: q_t None without ``transpose``; q None
-    where ``codes`` is False and the pass writes q_t from its registers (the codes then unwritten)."""
+    where ``codes`` is False and the pass writes q_t from its registers (the codes then unwritten);
+    q and scale in one buffer where ``packed`` (``per_tensor_outputs``)."""
     if not use_triton(x, backend):
         out = quantize_per_tensor_reference(x, fmt, transpose=transpose, amax=amax)
-        return out[0], out[1], out[2] if transpose else None
+        q, scale = _packed_copy(out[0], out[1], fp8_format(fmt)) if packed else out[:2]
+        return q, scale, out[2] if transpose else None
     rows = as_rows(x)
     plan = _plans.get((x.shape, x.dtype, fmt, transpose, codes))
     if plan is None:
@@ -330,7 +380,7 @@ def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool):
     f, n_rows, n_cols, in_pass, store_q, grid, launch = plan
     amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
     if store_q:
-        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
+        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device, packed)
     else:  # q_t alone; it also stands in for the codes' pointer, which the kernel never writes
         q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device)
         q = q_t

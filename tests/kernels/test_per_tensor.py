@@ -186,3 +186,31 @@ def test_strided_rows_and_rejected_layouts(device):
 def test_empty_input(device):
     q, scale, q_t = quantize_on(device, torch.empty(0, 24), "e4m3", transpose=True)
     assert q.shape == (0, 24) and q_t.shape == (24, 0) and scale == 1.0
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (3, 5, 160), (2, 8), (1, 17), (5, 3), (0, 32)], ids=str)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transpose"])
+def test_packed_outputs_hold_the_same_codes_and_scale_in_one_message(device, shape, backend, transpose, seed):
+    """A packed output (what a sequence-parallel all-gather sends) is the unpacked one's bytes: its
+    codes, then its scale in a 16-byte row; where the codes fill no whole rows it stays apart."""
+    from coat_kernels.per_tensor import SCALE_ROW_BYTES, packed_message
+
+    x = random_activations(shape, seed=seed).to(device)
+    if x.numel():
+        x.view(-1)[0] = 300.0  # an outlier: the scale is not 1
+    apart = quantize_per_tensor(x, "e5m2", transpose=transpose, backend=backend)
+    packed = quantize_per_tensor(x, "e5m2", transpose=transpose, backend=backend, packed=True)
+    for a, b in zip(apart, packed):
+        assert a.shape == b.shape and torch.equal(
+            a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)
+        )
+    message = packed_message(packed[0], packed[1])
+    n = x.numel()
+    if n and n % SCALE_ROW_BYTES == 0:
+        assert message is not None and message.shape == (n + SCALE_ROW_BYTES,) and message.dtype == torch.uint8
+        assert torch.equal(message[:n].cpu(), as_bytes(apart[0]).reshape(-1))
+        assert torch.equal(message[n : n + 4].view(torch.float32).cpu(), apart[1].reshape(1).cpu())
+    else:
+        assert message is None
+    assert packed_message(apart[0], apart[1]) is None
