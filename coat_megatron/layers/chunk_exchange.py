@@ -70,6 +70,7 @@ class RingAllGather:
         self.group = group
         self.scales = scales
         self.held = (self.rank, codes, scale if scales is None else scales[self.rank])
+        self.taken_scales: list = [None] * self.size
         self.step = 0
         self.pending: list = []
         self.arriving = None
@@ -105,7 +106,14 @@ class RingAllGather:
             self.held, self.arriving = self.arriving, None
             self._pass_on()
         self.step += 1
+        self.taken_scales[self.held[0]] = self.held[2]
         return self.held
+
+    def scale_vector(self) -> torch.Tensor:
+        """(n,) FP32, every chunk's scale by rank (after every chunk was taken), each 16-byte aligned
+        (stride ``SCALE_ROW``, as cuBLASLt takes a scale pointer): one small copy."""
+        rows = [s.reshape(1, 1).expand(1, SCALE_ROW) for s in self.taken_scales]
+        return torch.cat(rows)[:, 0]
 
 
 class CollectiveAllGather:
@@ -135,7 +143,8 @@ class CollectiveAllGather:
             gathered = gathered.view(self.size, message.numel())
             self.chunks = [row[:n].view(codes.dtype).view(codes.shape) for row in gathered]
             scales = gathered[:, n:].view(torch.float32)
-            self.scales = list((scales.clone() if keep_scales else scales)[:, 0].unbind())
+            self._scale_rows = scales.clone() if keep_scales else scales
+            self.scales = list(self._scale_rows[:, 0].unbind())
             self.step = 0
             return
         gathered = torch.empty((self.size * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
@@ -146,6 +155,7 @@ class CollectiveAllGather:
                 gathered_scales, scale.reshape(1, 1).expand(1, SCALE_ROW).contiguous(), group=group
             )
             scales = [row[0] for row in gathered_scales]
+        self._scale_rows = None
         self.chunks, self.scales = list(gathered.chunk(self.size)), scales
         self.whole = gathered  # every chunk, in rank order, as one (n * R_c, N) tensor
         self.step = 0
@@ -159,6 +169,13 @@ class CollectiveAllGather:
         j = (self.rank - self.step) % self.size
         self.step += 1
         return j, self.chunks[j], self.scales[j]
+
+    def scale_vector(self) -> torch.Tensor:
+        """(n,) FP32, every chunk's scale by rank, each 16-byte aligned (stride ``SCALE_ROW``): a
+        view of the gathered (or, with ``keep_scales``, the copied) scale rows, else a small copy."""
+        if self._scale_rows is not None:
+            return self._scale_rows[:, 0]
+        return torch.cat([s.reshape(1, 1).expand(1, SCALE_ROW) for s in self.scales])[:, 0]
 
 
 def all_gather_chunks(

@@ -20,8 +20,9 @@ Column-parallel, X = [X_0; ...; X_{n-1}] (R, h) gathered, W (out/n, h):
     dgrad  dX_c = dY_c W          for c = r - 1, r - 2, ..., r: the partial of chunk c, added to what
                                   arrived from rank r - 1 and sent on to rank r + 1 (reduce-scatter, BF16)
     wgrad  dW = dY^T X            one GEMM over the whole sequence: dY's chunk j is quantized against
-                                  X_j's scale s_j (``folded_amaxes``), so that every chunk pair has
-                                  the same product of scales
+                                  X_j's scale s_j (``coat_kernels.per_tensor.quantize_folded_chunks``:
+                                  all chunks in one pass), so that every chunk pair has the same
+                                  product of scales
 
 Row-parallel, X (R, in/n) this rank's full-sequence slice of the input, W (h, in/n):
 
@@ -53,6 +54,7 @@ import torch.distributed as dist
 
 from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
 from coat_kernels.gemm import fp8_gemm
+from coat_kernels.per_tensor import quantize_folded_chunks
 
 from ..config import CoatConfig
 from ..fp8.handoff import AmaxHandoff, OutputForm, take_grad_amax
@@ -94,20 +96,6 @@ def _reduced_amax(handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tens
     return amax.reshape(()) if amax.numel() == 1 else amax.amax()
 
 
-def folded_amaxes(amax: torch.Tensor, x_scales: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The amax to quantize chunk c of a column-parallel linear's dY with, so that its scale times
-    the scale of X's chunk c (``x_scales[c]``, its producer's) is the same for every chunk:
-    amax * max_j(s_j) / s_c. The wgrad dW = sum_c (dY_c^T * g_c) @ (X_c * s_c) is then one GEMM over
-    the whole sequence with the scales (g_0, s_0), instead of one accumulating GEMM per chunk that
-    reads and writes all of dW again. A chunk whose X scale is below the largest uses less of E5M2's
-    range (its values end up max_j(s_j) / s_c times smaller, no larger than the format's maximum):
-    in a floating-point format that costs precision only below its smallest normal number, 2^29
-    below its largest, and nothing is clipped."""
-    s = torch.stack([t.reshape(()) for t in x_scales])
-    folded = amax.reshape(()) * (s.max() / s)
-    return list(folded.unbind())
-
-
 class _ColumnParallelSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, config, output_form, main_grad, group):
@@ -122,41 +110,38 @@ class _ColumnParallelSP(torch.autograd.Function):
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         n, r_c = len(gather), local.shape[0]
         y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
-        scales = [None] * n
         for _ in range(n):
-            j, chunk, scales[j] = gather.take()
-            _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scales[j], w_q, w_scale, config, bias=bias, fprop=True)
-        ctx.save_for_backward(local, weight, *scales)
+            j, chunk, scale_j = gather.take()
+            _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scale_j, w_q, w_scale, config, bias=bias, fprop=True)
+        ctx.save_for_backward(local, weight, gather.scale_vector())
         ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad)
         out, ctx.handoff = quantize_output(y.view(n * x.shape[0], *x.shape[1:-1], weight.shape[0]), output_form, config)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        local, weight, *scales = ctx.saved_tensors
+        local, weight, x_scales = ctx.saved_tensors
         config, group, has_bias, x_shape, x_dtype, main_grad = ctx.meta
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        n, r_c = len(scales), local.shape[0]
+        n, r_c = x_scales.shape[0], local.shape[0]
         overlap = config.tp_comm_overlap
+        scales = list(x_scales.unbind())
         # the input's codes again, for wgrad: under way while dY is quantized and the dgrad runs
         gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
         amax = _reduced_amax(ctx.handoff, dy, dy_rows)
-        # dY is this rank's whole (R, out/n), quantized chunk by chunk (each chunk's transposed codes,
-        # the wgrad operand, come out of the same pass), chunk c against X's chunk c (folded_amaxes):
-        # then every chunk pair has one product of scales, and the wgrad is one GEMM over the sequence
-        amaxes = folded_amaxes(amax, scales) if need_dw else [amax] * n
-        dy_chunks = [
-            quantize_per_tensor(
-                dy_rows[c * r_c : (c + 1) * r_c],
-                config.backward_format,
-                transpose=need_dw,
-                amax=amaxes[c],
-                check_finite=False,
-            )
-            for c in range(n)
-        ]
+        # dY is this rank's whole (R, out/n), quantized chunk by chunk in one pass (with the chunks'
+        # transposed codes side by side, the wgrad operand), chunk c against X's chunk c: then every
+        # chunk pair has one product of scales, and the wgrad is one GEMM over the sequence
+        dy_q, dy_scales, dy_t = quantize_folded_chunks(
+            dy_rows,
+            config.backward_format,
+            chunks=n,
+            amax=amax,
+            x_scales=x_scales if need_dw else None,
+            transpose=need_dw,
+        )
         scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
         scatter = scatter if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
@@ -165,8 +150,7 @@ class _ColumnParallelSP(torch.autograd.Function):
             taken = gather.take() if gather else None  # posts the transfer of the next chunk
             if scatter:
                 c, part = scatter.partial()
-                dy_q, dy_scale = dy_chunks[c][:2]
-                _gemm_into(part, dy_q, dy_scale, w_t, w_scale, config)
+                _gemm_into(part, dy_q[c * r_c : (c + 1) * r_c], dy_scales[c], w_t, w_scale, config)
                 scatter.reduce(part)
             if taken:
                 j, x_chunks[j], _ = taken
@@ -174,10 +158,9 @@ class _ColumnParallelSP(torch.autograd.Function):
         dw = None
         if need_dw:
             x_all = gather.whole if getattr(gather, "whole", None) is not None else _cat_codes(x_chunks, 0)
-            dy_t = _cat_codes([c[2] for c in dy_chunks], 1)  # (out/n, R)
             wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
             # scale_c * s_c is the same number for every chunk c (to FP32 rounding): chunk 0's pair
-            wgrad.add(dy_t, dy_chunks[0][1], transpose_codes(x_all).t(), scales[0])
+            wgrad.add(dy_t, dy_scales[0], transpose_codes(x_all).t(), scales[0])
             dw = wgrad.result()
         db = dy_rows.float().sum(dim=0).to(weight.dtype) if has_bias and need_db else None
         return dx, dw, db, None, None, None, None, None

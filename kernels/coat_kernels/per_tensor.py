@@ -390,6 +390,161 @@ def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, pac
     return (q if store_q else None), scale, (q_t if transpose else None)
 
 
+# Folded chunks: the per-tensor quantization of a sequence-parallel column-parallel linear's dY, chunk by chunk.
+#
+# dY (R, N) is n chunks of R_c = R / n rows; chunk c meets chunk c of the other wgrad operand X, whose
+# per-tensor scale s_c its producer chose. Quantizing chunk c with the amax amax * max_j(s_j) / s_c makes
+# the product of the two scales the same number for every chunk pair, so that dW = dY^T X is one GEMM
+# over the whole sequence. One pass writes every chunk's codes (R, N), the transposed codes (N, R)
+# (the chunks' transposes side by side: the wgrad operand) and the n scales.
+
+SCALE_STRIDE = tl.constexpr(SCALE_ROW_BYTES // 4)  # the n scales' stride in FP32 words: each 16-byte aligned
+
+
+@lean
+@triton.jit
+def _quantize_folded_chunks_kernel(
+    x_ptr,
+    amax_ptr,
+    s_ptr,
+    q_ptr,
+    qt_ptr,
+    scales_ptr,
+    n_rows,
+    n_cols,
+    stride_x,
+    chunk_rows,
+    n_chunks,
+    stride_s,
+    FMAX: tl.constexpr,
+    FOLD: tl.constexpr,
+    TRANSPOSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols[None, :] < n_cols)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.load(amax_ptr)
+    chunk = rows // chunk_rows
+    if FOLD:  # amax * max_j(s_j) / s_c, each operation IEEE-rounded as torch's reference does it
+        chunks = tl.arange(0, BLOCK_C)
+        s_max = tl.max(tl.load(s_ptr + chunks * stride_s, mask=chunks < n_chunks, other=0.0), axis=0)
+        s_c = tl.load(s_ptr + chunk * stride_s, mask=row_ok, other=1.0)
+        chunk_amax = amax * tl.div_rn(s_max, s_c)
+    else:
+        chunk_amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + amax
+    scale = scale_from_amax(chunk_amax, FMAX)
+    if tl.program_id(1) == 0:  # every row writes its chunk's scale: the same value, as often as it has rows
+        tl.store(scales_ptr + chunk * SCALE_STRIDE, scale, mask=row_ok)
+    q = quantize_with_inverse(x, tl.div_rn(1.0, scale)[:, None], FMAX).to(q_ptr.dtype.element_ty)
+    rows64 = rows.to(tl.int64)
+    tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
+    if TRANSPOSE:
+        mask_t = (cols[:, None] < n_cols) & row_ok[None, :]
+        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
+
+
+def folded_chunk_amaxes(amax: torch.Tensor, x_scales: torch.Tensor) -> torch.Tensor:
+    """The amax to quantize chunk c of dY with: amax * max_j(s_j) / s_c, for the (n,) FP32 scales
+    ``x_scales`` of the other operand's chunks (``quantize_folded_chunks``). A chunk whose s_c is
+    below the largest uses less of the format's range (its values end up max_j(s_j) / s_c times
+    smaller, no larger than the format's maximum): in a floating-point format that costs precision
+    only below its smallest normal number, 2^29 below its largest (E5M2), and nothing is clipped."""
+    return amax.reshape(()) * (x_scales.max() / x_scales)
+
+
+def quantize_folded_chunks_reference(
+    x: torch.Tensor, fmt: str, *, chunks: int, amax: torch.Tensor, x_scales: torch.Tensor | None, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    rows = as_rows(x)
+    r_c = rows.shape[0] // chunks
+    amaxes = folded_chunk_amaxes(amax, x_scales.float()) if x_scales is not None else amax.reshape(1).expand(chunks)
+    parts = [
+        quantize_per_tensor_reference(rows[c * r_c : (c + 1) * r_c], fmt, transpose=transpose, amax=amaxes[c])
+        for c in range(chunks)
+    ]
+    q = torch.cat([p[0].view(torch.uint8) for p in parts]).view(parts[0][0].dtype)
+    scales = torch.ones((chunks, SCALE_ROW_BYTES // 4), dtype=torch.float32, device=x.device)
+    scales[:, 0] = torch.stack([p[1] for p in parts])
+    q_t = torch.cat([p[2].view(torch.uint8) for p in parts], dim=1).view(q.dtype) if transpose else None
+    return q, scales[:, 0], q_t
+
+
+def quantize_folded_chunks(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    chunks: int,
+    amax: torch.Tensor,
+    x_scales: torch.Tensor | None = None,
+    transpose: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize the ``chunks`` equal blocks of rows of ``x`` per tensor each, in one pass (see above).
+
+    Args:
+        x: (R, N) (or (..., N), read as R rows), BF16/FP16/FP32, R a multiple of ``chunks``.
+        fmt: the FP8 format ("e5m2" for a gradient).
+        amax: x's 0-d FP32 amax (``tensor_amax``, or handed over by x's producer).
+        x_scales: (chunks,) FP32 (any stride): the per-tensor scales of the other operand's chunks,
+            against which chunk c is folded (its amax is ``folded_chunk_amaxes(amax, x_scales)[c]``);
+            None: every chunk is quantized with ``amax`` itself (one scale).
+        transpose: also write the (N, R) transposed codes (every chunk's transpose side by side).
+    Returns:
+        ``(q, scales, q_t)``: the (R, N) codes (chunk c: rows [c R_c, (c + 1) R_c)), the (chunks,)
+        FP32 scales (each element 16-byte aligned, as cuBLASLt takes a scale pointer; stride 4),
+        and q_t or None. Bit for bit what ``quantize_per_tensor`` of each chunk with its folded amax
+        gives (``quantize_folded_chunks_reference``).
+    """
+    rows = as_rows(x)
+    n_rows, n_cols = rows.shape
+    if n_rows % chunks:
+        raise ValueError(f"{n_rows} rows do not split into {chunks} equal chunks")
+    if x_scales is not None and (x_scales.shape != (chunks,) or x_scales.dtype != torch.float32):
+        raise ValueError(f"x_scales must be {chunks} FP32 scales, got {x_scales.dtype} {tuple(x_scales.shape)}")
+    if not use_triton(x, backend):
+        return quantize_folded_chunks_reference(
+            x, fmt, chunks=chunks, amax=amax, x_scales=x_scales, transpose=transpose
+        )
+    f = fp8_format(fmt)
+    q = torch.empty((n_rows, n_cols), dtype=f.dtype, device=x.device)
+    q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=x.device) if transpose else None
+    scales = torch.empty((chunks, SCALE_ROW_BYTES // 4), dtype=torch.float32, device=x.device)
+    if n_rows * n_cols == 0:
+        scales.fill_(1.0)
+        return q, scales[:, 0], q_t
+    in_pass = transpose_in_pass(transpose, x.dtype)
+    block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
+    fold = x_scales is not None
+    _quantize_folded_chunks_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+        rows,
+        _reduce_amax(amax, x),
+        x_scales if fold else scales,
+        q,
+        q_t if in_pass else q,
+        scales,
+        n_rows,
+        n_cols,
+        rows.stride(0),
+        n_rows // chunks,
+        chunks,
+        x_scales.stride(0) if fold else 0,
+        FMAX=f.max,
+        FOLD=fold,
+        TRANSPOSE=in_pass,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_C=max(2, next_power_of_2(chunks)),
+        num_warps=warps,
+    )
+    finish_transpose(q, q_t, transpose, in_pass)
+    return q, scales[:, 0], q_t
+
+
 # What a quantizing call works out from its input's shape and dtype and its options, made once per
 # (shape, dtype, format, transpose, codes): its host time per call is what eager training waits on.
 # (A sweep that patches _quantize_blocks must also give _plans a fresh dict: git show 94757c2:benchmarks/quantize.py.)

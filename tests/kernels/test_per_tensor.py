@@ -214,3 +214,83 @@ def test_packed_outputs_hold_the_same_codes_and_scale_in_one_message(device, sha
     else:
         assert message is None
     assert packed_message(apart[0], apart[1]) is None
+
+
+FOLDED_CASES = [  # (chunks, rows, cols): ragged tiles (rows or cols no multiple of a block), one chunk, many
+    (2, 64, 96),
+    (3, 33, 40),
+    (4, 4, 16),
+    (1, 7, 24),
+    (2, 130, 257),
+]
+
+
+def _chunk_by_chunk(x, fmt, chunks, amax, x_scales, transpose):
+    """What the sequence-parallel column-parallel backward did before the one-pass kernel: the folded
+    amaxes in torch, then quantize_per_tensor of each chunk with its own, the transposes side by side."""
+    rows = x.reshape(-1, x.shape[-1])
+    r_c = rows.shape[0] // chunks
+    amaxes = amax * (x_scales.max() / x_scales) if x_scales is not None else [amax] * chunks
+    parts = [
+        quantize_per_tensor_reference(rows[c * r_c : (c + 1) * r_c], fmt, transpose=transpose, amax=amaxes[c])
+        for c in range(chunks)
+    ]
+    q = torch.cat([as_bytes(p[0]) for p in parts])
+    q_t = torch.cat([as_bytes(p[2]) for p in parts], dim=1) if transpose else None
+    return q, torch.stack([p[1] for p in parts]), q_t
+
+
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "one-amax"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transpose"])
+def test_folded_chunks_in_one_pass_are_each_chunk_quantized_with_its_folded_amax(
+    device, case, dtype, fold, transpose, seed
+):
+    """``quantize_folded_chunks`` (one launch) against the chunk-by-chunk path it replaces, codes as
+    bytes and scales: x scales 2^112 apart, a zero chunk, outliers."""
+    from coat_kernels.per_tensor import quantize_folded_chunks
+
+    chunks, n_rows, n_cols = case
+    x = random_activations((n_rows, n_cols), dtype, seed=seed)
+    r_c = n_rows // chunks
+    if chunks > 1:
+        x[r_c : 2 * r_c] = 0.0  # a chunk of zeros
+    x[0, -1] = 2000.0  # an outlier
+    x_scales = torch.tensor([0.75, 2.0**-100, 3.5e3, 1e-3][:chunks], dtype=torch.float32)
+    amax = x.float().abs().max()
+    q, scales, q_t = quantize_folded_chunks(
+        x.to(device),
+        "e5m2",
+        chunks=chunks,
+        amax=amax.to(device),
+        x_scales=x_scales.to(device) if fold else None,
+        transpose=transpose,
+        backend="triton",
+    )
+    want_q, want_scales, want_q_t = _chunk_by_chunk(x, "e5m2", chunks, amax, x_scales if fold else None, transpose)
+    assert q.shape == (n_rows, n_cols) and torch.equal(as_bytes(q), want_q)
+    assert torch.equal(scales.cpu(), want_scales)
+    assert all(s.data_ptr() % 16 == 0 for s in scales.unbind())  # cuBLASLt takes scale pointers there
+    if transpose:
+        assert q_t.shape == (n_cols, n_rows) and torch.equal(as_bytes(q_t), want_q_t)
+    else:
+        assert q_t is None
+    if fold and chunks > 1:  # the fold: one product of scales for every chunk pair
+        products = scales.cpu() * x_scales
+        assert torch.allclose(products, products[0].expand(chunks), rtol=1e-6, atol=0)
+
+
+def test_folded_chunks_of_a_zero_tensor_and_bad_arguments():
+    from coat_kernels.per_tensor import quantize_folded_chunks
+
+    x = torch.zeros(8, 32, dtype=torch.bfloat16)
+    for backend in ("triton", "reference"):
+        q, scales, _ = quantize_folded_chunks(
+            x, "e5m2", chunks=2, amax=torch.zeros(()), x_scales=torch.tensor([1.0, 2.0]), backend=backend
+        )
+        assert torch.equal(scales, torch.ones(2)) and not as_bytes(q).any()
+    with pytest.raises(ValueError, match="equal chunks"):
+        quantize_folded_chunks(x, "e5m2", chunks=3, amax=torch.zeros(()))
+    with pytest.raises(ValueError, match="x_scales"):
+        quantize_folded_chunks(x, "e5m2", chunks=2, amax=torch.zeros(()), x_scales=torch.ones(3))
