@@ -203,6 +203,10 @@ class RingReduceScatter:
     def __len__(self) -> int:
         return self.size
 
+    def all_partials(self) -> None:
+        """None: the ring passes each partial sum on as soon as it is written (see ``partial``)."""
+        return None
+
     def partial(self) -> tuple[int, torch.Tensor]:
         """(c, buffer): the chunk whose partial sum this rank computes next, and where to write it."""
         if self.step >= self.size:
@@ -241,6 +245,14 @@ class CollectiveReduceScatter:
 
     def __len__(self) -> int:
         return self.size
+
+    def all_partials(self) -> torch.Tensor:
+        """The (n * R_c, N) buffer of every chunk's partial sum in chunk order, for a caller that
+        writes them all at once (one GEMM over every row), in place of ``partial``/``reduce``."""
+        if self.step:
+            raise RuntimeError(f"{self.step} partial sums were made one by one already")
+        self.step = self.size
+        return self.partials
 
     def partial(self) -> tuple[int, torch.Tensor]:
         if self.step >= self.size:

@@ -27,6 +27,7 @@ Column-parallel, X = [X_0; ...; X_{n-1}] (R, h) gathered, W (out/n, h):
 Row-parallel, X (R, in/n) this rank's full-sequence slice of the input, W (h, in/n):
 
     fprop  Y_c = X_c W^T          for c = r - 1, ..., r: the partial of chunk c, reduce-scattered as above
+                                  (X has one scale: without the ring, one GEMM writes every chunk's)
     dgrad  dX_j = dY_j W          for each chunk j of the gathered dY as it arrives (E5M2, scale s_j:
                                   each rank quantizes its own dY with its own amax)
     wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, each with its pair of scales (the dY chunks'
@@ -40,7 +41,7 @@ gathered chunks instead would save n times that per linear (n - 1 more chunks of
 hidden size, for linear_qkv and linear_fc1 of every layer) to spare a transfer that runs hidden
 behind the dgrad GEMMs.
 
-Transposed operands of the wgrad GEMMs: the column-parallel dY^T from the passes that quantize dY's
+Transposed operands of the wgrad GEMMs: the column-parallel dY^T from the pass that quantizes dY's
 chunks (placed side by side) and X^T by one byte transpose of the gathered codes; the row-parallel
 ones per chunk (the GEMM's token dimension is the chunk's): gathered dY_j^T by a byte transpose of
 the chunk's codes, and X_c^T by its producer's recompute of those rows
@@ -172,7 +173,7 @@ class _RowParallelSP(torch.autograd.Function):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         fmt = config.forward_format
         r_c = x.numel() // x.shape[-1] // n
-        x_t = x_orig = x_amax = x_t_fn = None
+        x_t = x_orig = x_amax = x_t_fn = codes = None
         if isinstance(x, Fp8Tensor) and x.group_size is None:
             codes, x_scale = _rows(x.data_fp8), x.scale
             x_t, x_t_fn = x.transposed, x.transposed_fn
@@ -196,10 +197,14 @@ class _RowParallelSP(torch.autograd.Function):
         scatter = reduce_scatter_chunks(
             (r_c, weight.shape[0]), x.dtype, x_scale.device, group, overlap=config.tp_comm_overlap
         )
-        for _ in range(n):
-            c, part = scatter.partial()
-            _gemm_into(part, chunks[c], x_scale, w_q, w_scale, config, fprop=True)
-            scatter.reduce(part)
+        whole = scatter.all_partials() if codes is not None else None
+        if whole is not None:  # every chunk's partial in one GEMM: X has one scale (each row the same product)
+            _gemm_into(whole, codes, x_scale, w_q, w_scale, config, fprop=True)
+        else:
+            for _ in range(n):
+                c, part = scatter.partial()
+                _gemm_into(part, chunks[c], x_scale, w_q, w_scale, config, fprop=True)
+                scatter.reduce(part)
         y = scatter.result().view(x.shape[0] // n, *x.shape[1:-1], weight.shape[0])
         saved_t = x_t if isinstance(x_t, list) else [x_t]
         ctx.save_for_backward(x_orig, x_amax, x_scale, weight, *saved_t)

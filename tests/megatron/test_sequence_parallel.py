@@ -318,7 +318,9 @@ def test_overlap_on_and_off_compute_the_same(n):
     """The ring and the collectives hand the same chunks to the same GEMMs in the same order: the
     same outputs and weight gradients bit for bit; the input gradients too where the reduce-scatter
     adds two partial sums (TP 2), within rounding over more ranks."""
-    for fn, source in ((_column, "norm"), (_row, "swiglu")):
+    # the ring runs one GEMM per chunk where the collectives run one over every row (the row-parallel
+    # forward, X from SwiGLU or requantized from a kept input): the same products
+    for fn, source in ((_column, "norm"), (_row, "swiglu"), (_row, "saved")):
         on = run_distributed(fn, n, args=(torch.bfloat16, True, source, False), tensor_parallel=n)
         off = run_distributed(fn, n, args=(torch.bfloat16, False, source, False), tensor_parallel=n)
         for a, b in zip(on, off):
