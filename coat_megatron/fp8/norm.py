@@ -14,6 +14,7 @@ import torch
 
 from coat_kernels import dequantize_per_group
 from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8
+from coat_kernels.per_tensor import transpose_chunk_codes
 
 from ..config import INPUT_STORES
 from .tensor import Fp8Tensor
@@ -70,7 +71,7 @@ class _NormToFp8(torch.autograd.Function):
             x_q, x_scales, mean, rstd, amax, dtype = r.x_q, r.x_scales, r.mean, r.rstd, r.amax, x.dtype
             x_exact = x.detach() if exact else None
 
-            def transposed_fn(rows=slice(None)):
+            def transposed_fn(rows=slice(None), chunks=1):
                 h = x_q.shape[-1]
                 if x_exact is not None:
                     x_saved = x_exact.reshape(-1, h)[rows]
@@ -79,7 +80,10 @@ class _NormToFp8(torch.autograd.Function):
                         x_q.view(-1, h)[rows], x_scales.view(-1, h // group_size)[rows], group_size, dtype
                     )
                 mean_rows = mean[rows] if mean is not None else None
-                return norm_quantize(x_saved, w, b, mean_rows, rstd[rows], amax, out_fmt=out_fmt, transpose=True)[2]
+                out = norm_quantize(x_saved, w, b, mean_rows, rstd[rows], amax, out_fmt=out_fmt, transpose=chunks == 1)
+                if chunks == 1:
+                    return out[2]
+                return transpose_chunk_codes(out[0].view(chunks, -1, h), chunk_major=True)
 
         return Fp8Tensor(r.q, r.scale, transposed=r.q_t, transposed_fn=transposed_fn, dtype=x.dtype)
 

@@ -141,7 +141,8 @@ class CollectiveAllGather:
             gathered = torch.empty(self.size * message.numel(), dtype=torch.uint8, device=codes.device)
             dist.all_gather_into_tensor(gathered, message, group=group)
             gathered = gathered.view(self.size, message.numel())
-            self.chunks = [row[:n].view(codes.dtype).view(codes.shape) for row in gathered]
+            self._codes = gathered[:, :n].view(codes.dtype).view(self.size, *codes.shape)
+            self.chunks = list(self._codes.unbind())
             scales = gathered[:, n:].view(torch.float32)
             self._scale_rows = scales.clone() if keep_scales else scales
             self.scales = list(self._scale_rows[:, 0].unbind())
@@ -156,8 +157,8 @@ class CollectiveAllGather:
             )
             scales = [row[0] for row in gathered_scales]
         self._scale_rows = None
-        self.chunks, self.scales = list(gathered.chunk(self.size)), scales
-        self.whole = gathered  # every chunk, in rank order, as one (n * R_c, N) tensor
+        self._codes = gathered.view(self.size, *codes.shape)
+        self.chunks, self.scales = list(self._codes.unbind()), scales
         self.step = 0
 
     def __len__(self) -> int:
@@ -170,9 +171,15 @@ class CollectiveAllGather:
         self.step += 1
         return j, self.chunks[j], self.scales[j]
 
+    def chunk_codes(self) -> torch.Tensor:
+        """(n, R_c, N): every chunk's codes by rank, where they were gathered (a view; between the
+        chunks lie their scale rows where the scales travelled with them)."""
+        return self._codes
+
     def scale_vector(self) -> torch.Tensor:
-        """(n,) FP32, every chunk's scale by rank, each 16-byte aligned (stride ``SCALE_ROW``): a
-        view of the gathered (or, with ``keep_scales``, the copied) scale rows, else a small copy."""
+        """(n,) FP32, every chunk's scale by rank, each 16-byte aligned (as cuBLASLt takes a scale
+        pointer; a strided vector): a view of the gathered scale rows (with ``keep_scales``, of their
+        copy), or where the scales did not travel, a small copy of those given."""
         if self._scale_rows is not None:
             return self._scale_rows[:, 0]
         return torch.cat([s.reshape(1, 1).expand(1, SCALE_ROW) for s in self.scales])[:, 0]

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
 from coat_kernels.gemm import fp8_gemm
-from coat_kernels.per_tensor import quantize_folded_chunks
+from coat_kernels.per_tensor import packed_message, quantize_folded_chunks, transpose_chunk_codes
 
 from ..config import CoatConfig
 from ..fp8.handoff import AmaxHandoff, OutputForm, take_grad_amax
@@ -106,29 +106,37 @@ class _ColumnParallelSP(torch.autograd.Function):
             x = _plain(x)
             codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False, packed=True)
         local = _rows(codes)
-        # under way from here; the scales are kept for backward
-        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap, keep_scales=True)
+        overlap = config.tp_comm_overlap
+        # without the ring, codes and scale packed in one message (as COAT's producers write them) are
+        # sent again in backward, scale and all: nothing else to keep; otherwise the n scales are kept
+        resend = not overlap and packed_message(local, scale) is not None
+        gather = all_gather_chunks(local, scale, group, overlap=overlap, keep_scales=not resend)  # under way from here
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         n, r_c = len(gather), local.shape[0]
         y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
         for _ in range(n):
             j, chunk, scale_j = gather.take()
             _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scale_j, w_q, w_scale, config, bias=bias, fprop=True)
-        ctx.save_for_backward(local, weight, gather.scale_vector())
-        ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad)
+        ctx.save_for_backward(local, weight, scale if resend else gather.scale_vector())
+        ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad, n, resend)
         out, ctx.handoff = quantize_output(y.view(n * x.shape[0], *x.shape[1:-1], weight.shape[0]), output_form, config)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        local, weight, x_scales = ctx.saved_tensors
-        config, group, has_bias, x_shape, x_dtype, main_grad = ctx.meta
+        local, weight, saved_scale = ctx.saved_tensors
+        config, group, has_bias, x_shape, x_dtype, main_grad, n, resend = ctx.meta
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        n, r_c = x_scales.shape[0], local.shape[0]
+        r_c = local.shape[0]
         overlap = config.tp_comm_overlap
-        scales = list(x_scales.unbind())
         # the input's codes again, for wgrad: under way while dY is quantized and the dgrad runs
-        gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
+        gather = x_scales = None
+        if need_dw and resend:  # this rank's message again: every chunk's scale comes with its codes
+            gather = all_gather_chunks(local, saved_scale, group, overlap=False)
+            x_scales = gather.scale_vector()
+        elif need_dw:
+            x_scales = saved_scale
+            gather = all_gather_chunks(local, None, group, overlap=overlap, scales=list(x_scales.unbind()))
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
         amax = _reduced_amax(ctx.handoff, dy, dy_rows)
@@ -140,7 +148,7 @@ class _ColumnParallelSP(torch.autograd.Function):
             config.backward_format,
             chunks=n,
             amax=amax,
-            x_scales=x_scales if need_dw else None,
+            x_scales=x_scales,
             transpose=need_dw,
         )
         scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
@@ -158,13 +166,33 @@ class _ColumnParallelSP(torch.autograd.Function):
         dx = scatter.result().view(x_shape) if need_dx else None
         dw = None
         if need_dw:
-            x_all = gather.whole if getattr(gather, "whole", None) is not None else _cat_codes(x_chunks, 0)
+            if overlap:
+                x_t = transpose_codes(_cat_codes(x_chunks, 0))
+            else:  # (h, R) from the gathered chunks where they lie (between the scale rows) in one pass
+                x_t = transpose_chunk_codes(gather.chunk_codes())
             wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
             # scale_c * s_c is the same number for every chunk c (to FP32 rounding): chunk 0's pair
-            wgrad.add(dy_t, dy_scales[0], transpose_codes(x_all).t(), scales[0])
+            wgrad.add(dy_t, dy_scales[0], x_t.t(), x_scales[0])
             dw = wgrad.result()
         db = dy_rows.float().sum(dim=0).to(weight.dtype) if has_bias and need_db else None
         return dx, dw, db, None, None, None, None, None
+
+
+def _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t: bool, n: int, r_c: int):
+    """The (in/n, R_c) transposed codes of each chunk of a row-parallel linear's X (indexed by
+    chunk), made in one go for the whole sequence: kept per chunk by the forward; requantized
+    from the kept BF16 input with the forward's amax (the same codes) and transposed chunk by chunk
+    in one pass; rearranged from the producer's transposed copy; or recomputed by the producer."""
+    if chunked_t:
+        return saved_t
+    if x_orig is not None:
+        config = ctx.meta[0]
+        codes = quantize_per_tensor(_rows(x_orig), config.forward_format, amax=x_amax, check_finite=False)[0]
+        return transpose_chunk_codes(codes.view(n, r_c, codes.shape[-1]), chunk_major=True)
+    if saved_t[0] is not None:  # (in/n, R) -> (n, in/n, R_c): one copy
+        x_t = saved_t[0]
+        return x_t.view(torch.uint8).view(x_t.shape[0], n, r_c).transpose(0, 1).contiguous().view(x_t.dtype)
+    return ctx.x_t_fn(chunks=n)
 
 
 class _RowParallelSP(torch.autograd.Function):
@@ -226,25 +254,14 @@ class _RowParallelSP(torch.autograd.Function):
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
         wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None
 
-        def x_t_of(j: int) -> torch.Tensor:  # (in/n, R_c): the transposed codes of chunk j of X
-            rows = slice(j * r_c, (j + 1) * r_c)
-            if chunked_t:
-                return saved_t[j]
-            if x_orig is not None:
-                return quantize_per_tensor(
-                    _rows(x_orig)[rows], config.forward_format, transpose=True, amax=x_amax, check_finite=False
-                )[2]
-            if saved_t[0] is not None:
-                return saved_t[0][:, rows].contiguous()
-            return ctx.x_t_fn(rows)
-
+        x_t = _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t, n, r_c) if need_dw else None
         for _ in range(n):
             j, chunk, chunk_scale = gather.take()
             if need_dx:
                 _gemm_into(dx[j * r_c : (j + 1) * r_c], chunk, chunk_scale, w_t, w_scale, config)
             if need_dw:
                 chunk_t = dy_t if j == rank else transpose_codes(chunk)
-                wgrad.add(chunk_t, chunk_scale, x_t_of(j).t(), x_scale)
+                wgrad.add(chunk_t, chunk_scale, x_t[j].t(), x_scale)
         dx = dx.view(x_shape) if need_dx else None
         dw = wgrad.result() if need_dw else None
         return dx, dw, None, None, None, None, None

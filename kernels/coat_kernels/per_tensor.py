@@ -216,15 +216,33 @@ _TRANSPOSE_BLOCKS = (64, 128, 4)  # faster than 64 x 64 (docs/results.md, "quant
 
 @lean
 @triton.jit
-def _transpose_codes_kernel(q_ptr, qt_ptr, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _transpose_codes_kernel(
+    q_ptr,
+    qt_ptr,
+    n_rows,
+    n_cols,
+    chunk_rows,
+    q_chunk_stride,
+    qt_chunk_stride,
+    qt_row_len,
+    CHUNKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
-    q = tl.load(
-        q_ptr + rows64[:, None] * n_cols + cols[None, :], mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    )
+    if CHUNKED:  # row r of chunk c at c * q_chunk_stride + r * n_cols; its column at c * qt_chunk_stride + r
+        chunk = rows64 // chunk_rows
+        in_chunk = rows64 - chunk * chunk_rows
+        q_offs = chunk[:, None] * q_chunk_stride + in_chunk[:, None] * n_cols + cols[None, :]
+        qt_offs = chunk[None, :] * qt_chunk_stride + cols.to(tl.int64)[:, None] * qt_row_len + in_chunk[None, :]
+    else:
+        q_offs = rows64[:, None] * n_cols + cols[None, :]
+        qt_offs = cols.to(tl.int64)[:, None] * n_rows + rows64[None, :]
+    q = tl.load(q_ptr + q_offs, mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
     mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
-    tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
+    tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
 
 
 def transpose_codes(q: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -242,6 +260,50 @@ def transpose_codes(q: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return q_t
 
 
+def transpose_chunk_codes(chunks: torch.Tensor, *, chunk_major: bool = False, backend: str = "auto") -> torch.Tensor:
+    """The transposed codes of n chunks of R_c rows of N FP8 codes each, in one 1-byte pass.
+
+    Args:
+        chunks: (n, R_c, N) FP8 codes, each chunk's rows contiguous, the chunks at any stride (the
+            codes of an all-gather's messages, say, with a scale row after each chunk).
+        chunk_major: the layout of the result (below).
+    Returns:
+        (N, n R_c) row-major, the transpose of the chunks stacked (a wgrad operand over the whole
+        sequence); with ``chunk_major``, (n, N, R_c): each chunk's transpose contiguous (the
+        operand of one GEMM per chunk).
+    """
+    n, r_c, n_cols = chunks.shape
+    if (n_cols > 1 and chunks.stride(2) != 1) or (r_c > 1 and chunks.stride(1) != n_cols):
+        raise ValueError(
+            f"each chunk's rows must be contiguous, got strides {chunks.stride()} for {tuple(chunks.shape)}"
+        )
+    shape = (n, n_cols, r_c) if chunk_major else (n_cols, n * r_c)
+    q_t = torch.empty(shape, dtype=chunks.dtype, device=chunks.device)
+    if not use_triton(chunks, backend):
+        t = chunks.view(torch.uint8).transpose(1, 2)  # (n, N, R_c)
+        q_t.view(torch.uint8).copy_(t if chunk_major else t.transpose(0, 1).reshape(n_cols, n * r_c))
+        return q_t
+    if q_t.numel() == 0:
+        return q_t
+    block_m, block_n, warps = _TRANSPOSE_BLOCKS
+    n_rows = n * r_c
+    _transpose_codes_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+        chunks.view(torch.uint8),
+        q_t.view(torch.uint8),
+        n_rows,
+        n_cols,
+        r_c,
+        chunks.stride(0),
+        n_cols * r_c if chunk_major else r_c,
+        r_c if chunk_major else n_rows,
+        CHUNKED=True,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
+    return q_t
+
+
 def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pass: bool) -> None:
     """Write q_t (N, R) from the codes q (R rows of N) when the quantizing pass did not."""
     if not transpose or in_pass or q.numel() == 0:
@@ -250,7 +312,9 @@ def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pas
     codes, codes_t = q.view(torch.uint8), q_t.view(torch.uint8)
     block_m, block_n, warps = _TRANSPOSE_BLOCKS
     grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n))
-    _transpose_codes_kernel[grid](codes, codes_t, n_rows, n_cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+    _transpose_codes_kernel[grid](
+        codes, codes_t, n_rows, n_cols, 0, 0, 0, 0, CHUNKED=False, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps
+    )
 
 
 def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -294,3 +294,26 @@ def test_folded_chunks_of_a_zero_tensor_and_bad_arguments():
         quantize_folded_chunks(x, "e5m2", chunks=3, amax=torch.zeros(()))
     with pytest.raises(ValueError, match="x_scales"):
         quantize_folded_chunks(x, "e5m2", chunks=2, amax=torch.zeros(()), x_scales=torch.ones(3))
+
+
+@pytest.mark.parametrize("chunks,r_c,n_cols", [(2, 32, 96), (3, 33, 40), (1, 70, 129), (4, 1, 16), (2, 65, 3)], ids=str)
+@pytest.mark.parametrize("gap", [0, 16], ids=["stacked", "messages"])
+@pytest.mark.parametrize("chunk_major", [False, True], ids=["stacked-transpose", "chunk-major"])
+def test_transpose_chunk_codes_matches_a_byte_transpose(device, chunks, r_c, n_cols, gap, chunk_major):
+    """Chunks side by side or with a 16-byte scale row between them (gathered messages), to the
+    transpose of the stacked chunks or each chunk's transpose: every byte where it belongs."""
+    from coat_kernels.per_tensor import transpose_chunk_codes
+
+    g = torch.Generator().manual_seed(chunks * 1000 + r_c)
+    message = r_c * n_cols + gap
+    buffer = torch.randint(0, 256, (chunks * message,), generator=g, dtype=torch.uint8)
+
+    def as_chunks(buffer):
+        return buffer.view(chunks, message)[:, : r_c * n_cols].view(torch.float8_e5m2).view(chunks, r_c, n_cols)
+
+    codes = as_chunks(buffer)
+    stacked = torch.cat([as_bytes(c) for c in codes.unbind()])  # (n R_c, N)
+    want = torch.stack([c.t() for c in stacked.split(r_c)]) if chunk_major else stacked.t()
+    got = transpose_chunk_codes(as_chunks(buffer.to(device)), chunk_major=chunk_major, backend="triton")
+    assert got.dtype == torch.float8_e5m2 and got.is_contiguous() and torch.equal(as_bytes(got), want)
+    assert torch.equal(as_bytes(transpose_chunk_codes(codes, chunk_major=chunk_major, backend="reference")), want)
