@@ -42,10 +42,11 @@ hidden size, for linear_qkv and linear_fc1 of every layer) to spare a transfer t
 behind the dgrad GEMMs.
 
 Transposed operands of the wgrad GEMMs: the column-parallel dY^T from the pass that quantizes dY's
-chunks (placed side by side) and X^T by one byte transpose of the gathered codes; the row-parallel
-ones per chunk (the GEMM's token dimension is the chunk's): gathered dY_j^T by a byte transpose of
-the chunk's codes, and X_c^T by its producer's recompute of those rows
-(``Fp8Tensor.transposed_codes(rows)``) or by quantizing those rows with the tensor's one scale.
+chunks (placed side by side) and X^T by one byte transpose of the gathered codes, read where they
+were gathered; the row-parallel ones per chunk (the GEMM's token dimension is the chunk's), each
+made for every chunk in one pass: the gathered dY_j^T by a byte transpose of the gathered codes
+(with the ring, chunk by chunk as they arrive), and X_j^T by its producer's recompute of the whole
+sequence (``transposed_fn(chunks=n)``) or by requantizing the kept input with the forward's scale.
 """
 
 from __future__ import annotations
@@ -246,10 +247,18 @@ class _RowParallelSP(torch.autograd.Function):
         config, group, n, rank, r_c, x_shape, x_dtype, main_grad, chunked_t = ctx.meta
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)
-        dy_q, dy_scale, dy_t = quantize_per_tensor(
-            _rows(dy.contiguous()), config.backward_format, transpose=True, check_finite=False, packed=True
+        overlap = config.tp_comm_overlap
+        # the wgrad's dY_j^T: with the ring, each chunk's as it arrives (this rank's from its quantizing
+        # pass); without, every chunk's in one pass where they were gathered
+        dy_q, dy_scale, *own_t = quantize_per_tensor(
+            _rows(dy.contiguous()),
+            config.backward_format,
+            transpose=need_dw and overlap,
+            check_finite=False,
+            packed=True,
         )
-        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=config.tp_comm_overlap)
+        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=overlap)
+        dy_t = transpose_chunk_codes(gather.chunk_codes(), chunk_major=True) if need_dw and not overlap else None
         dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
         wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None
@@ -260,7 +269,7 @@ class _RowParallelSP(torch.autograd.Function):
             if need_dx:
                 _gemm_into(dx[j * r_c : (j + 1) * r_c], chunk, chunk_scale, w_t, w_scale, config)
             if need_dw:
-                chunk_t = dy_t if j == rank else transpose_codes(chunk)
+                chunk_t = dy_t[j] if dy_t is not None else own_t[0] if j == rank else transpose_codes(chunk)
                 wgrad.add(chunk_t, chunk_scale, x_t[j].t(), x_scale)
         dx = dx.view(x_shape) if need_dx else None
         dw = wgrad.result() if need_dw else None

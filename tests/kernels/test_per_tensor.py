@@ -317,3 +317,25 @@ def test_transpose_chunk_codes_matches_a_byte_transpose(device, chunks, r_c, n_c
     got = transpose_chunk_codes(as_chunks(buffer.to(device)), chunk_major=chunk_major, backend="triton")
     assert got.dtype == torch.float8_e5m2 and got.is_contiguous() and torch.equal(as_bytes(got), want)
     assert torch.equal(as_bytes(transpose_chunk_codes(codes, chunk_major=chunk_major, backend="reference")), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks,n_rows,n_cols", [(2, 8192, 2048), (4, 4096, 7168), (2, 4098, 1024)], ids=str)
+def test_folded_chunks_and_chunk_transposes_of_layer_shapes_on_gpu(chunks, n_rows, n_cols, seed):
+    """The one-pass dY quantization and the chunk transposes at a layer's shapes on the GPU, against the
+    chunk-by-chunk torch path on the CPU (codes as bytes)."""
+    from coat_kernels.per_tensor import quantize_folded_chunks, transpose_chunk_codes
+
+    x = random_activations((n_rows, n_cols), seed=seed)
+    x_scales = torch.tensor([0.02, 3e-5, 1.5, 7e-3][:chunks])
+    amax = x.float().abs().max()
+    cuda = torch.device("cuda")
+    q, scales, q_t = quantize_folded_chunks(
+        x.to(cuda), "e5m2", chunks=chunks, amax=amax.to(cuda), x_scales=x_scales.to(cuda), transpose=True
+    )
+    want_q, want_scales, want_q_t = _chunk_by_chunk(x, "e5m2", chunks, amax, x_scales, True)
+    assert torch.equal(as_bytes(q), want_q) and torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(as_bytes(q_t), want_q_t)
+    r_c = n_rows // chunks
+    major = transpose_chunk_codes(q.view(chunks, r_c, n_cols), chunk_major=True)
+    assert torch.equal(as_bytes(major), torch.stack([c.t() for c in want_q.split(r_c)]))
