@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
+from coat_kernels import quantize_per_tensor, quantize_per_tensor_transposed, tensor_amax, transpose_codes
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.per_tensor import packed_message, quantize_folded_chunks, transpose_chunk_codes
 
@@ -183,13 +183,12 @@ def _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t: bool, n: int, r_
     """The (in/n, R_c) transposed codes of each chunk of a row-parallel linear's X (indexed by
     chunk), made in one go for the whole sequence: kept per chunk by the forward; requantized
     from the kept BF16 input with the forward's amax (the same codes) and transposed chunk by chunk
-    in one pass; rearranged from the producer's transposed copy; or recomputed by the producer."""
+    (one pass); rearranged from the producer's transposed copy; or recomputed by the producer."""
     if chunked_t:
         return saved_t
-    if x_orig is not None:
-        config = ctx.meta[0]
-        codes = quantize_per_tensor(_rows(x_orig), config.forward_format, amax=x_amax, check_finite=False)[0]
-        return transpose_chunk_codes(codes.view(n, r_c, codes.shape[-1]), chunk_major=True)
+    if x_orig is not None:  # one pass writes every chunk's transposed codes (a BF16 input's from registers)
+        fmt = ctx.meta[0].forward_format
+        return quantize_per_tensor_transposed(_rows(x_orig), fmt, amax=x_amax, chunks=n, check_finite=False)[0]
     if saved_t[0] is not None:  # (in/n, R) -> (n, in/n, R_c): one copy
         x_t = saved_t[0]
         return x_t.view(torch.uint8).view(x_t.shape[0], n, r_c).transpose(0, 1).contiguous().view(x_t.dtype)

@@ -169,7 +169,7 @@ def _norm_quantize_kernel(
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = _normalize(x, mean, rstd[:, None], w[None, :], b, IS_LAYERNORM, HAS_BIAS)
-    store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, True)
+    store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, True, 0)
 
 
 @lean

@@ -72,10 +72,13 @@ def store_per_tensor_tile(
     FMAX: tl.constexpr,
     TRANSPOSE: tl.constexpr,
     STORE_Q: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
 ):
     """Quantize the FP32 tile y (rows x cols of an n_rows x n_cols tensor) with the scale of the
     reduced amax at amax_ptr; store its codes (STORE_Q), its transposed codes (TRANSPOSE) and,
-    from the first program, the scale. Shared by every kernel that writes a per-tensor FP8 output."""
+    from the first program, the scale. Shared by every kernel that writes a per-tensor FP8 output.
+    CHUNK_ROWS (0: none): the transposed codes of each block of that many rows on their own,
+    chunk-major ((n_rows / CHUNK_ROWS, n_cols, CHUNK_ROWS)), in place of the (n_cols, n_rows) one."""
     scale = scale_from_amax(tl.load(amax_ptr), FMAX)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(scale_ptr, scale)
@@ -86,7 +89,16 @@ def store_per_tensor_tile(
         tl.store(q_ptr + rows64[:, None] * n_cols + cols[None, :], q, mask=mask)
     if TRANSPOSE:
         mask_t = (cols[:, None] < n_cols) & (rows[None, :] < n_rows)
-        tl.store(qt_ptr + cols.to(tl.int64)[:, None] * n_rows + rows64[None, :], tl.trans(q), mask=mask_t)
+        if CHUNK_ROWS > 0:
+            chunk = rows64 // CHUNK_ROWS
+            qt_offs = (
+                chunk[None, :] * n_cols * CHUNK_ROWS
+                + cols.to(tl.int64)[:, None] * CHUNK_ROWS
+                + (rows64 - chunk * CHUNK_ROWS)[None, :]
+            )
+        else:
+            qt_offs = cols.to(tl.int64)[:, None] * n_rows + rows64[None, :]
+        tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
 
 
 @lean
@@ -105,13 +117,26 @@ def _quantize_per_tensor_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STORE_Q: tl.constexpr,
+    CHUNK_ROWS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     store_per_tensor_tile(
-        x.to(tl.float32), amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, STORE_Q
+        x.to(tl.float32),
+        amax_ptr,
+        q_ptr,
+        qt_ptr,
+        scale_ptr,
+        rows,
+        cols,
+        n_rows,
+        n_cols,
+        FMAX,
+        TRANSPOSE,
+        STORE_Q,
+        CHUNK_ROWS,
     )
 
 
@@ -415,6 +440,7 @@ def quantize_per_tensor_transposed(
     fmt: str = "e4m3",
     *,
     amax: torch.Tensor | None = None,
+    chunks: int = 1,
     check_finite: bool = True,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,35 +448,53 @@ def quantize_per_tensor_transposed(
     bit-identical to ``quantize_per_tensor(x, fmt, transpose=True, amax=amax)``'s, without writing
     the codes of x itself (for BF16/FP16 input, whose pass writes the transpose from registers; an
     FP32 x takes the codes' byte pass, as there). What a backward needs of a weight whose codes
-    are not kept: W^T for the dgrad."""
-    _, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False)
+    are not kept: W^T for the dgrad. ``chunks`` = n: the R rows as n equal blocks (a sequence
+    parallel linear's chunks), each transposed on its own: q_t chunk-major, (n, N, R / n)."""
+    if chunks == 1:
+        _, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False)
+    else:
+        n_rows = x.numel() // x.shape[-1]
+        if n_rows % chunks:
+            raise ValueError(f"{n_rows} rows do not split into {chunks} equal chunks")
+        q, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False, chunks=chunks)
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor_transposed")
     return q_t, scale
 
 
-def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, packed: bool = False):
+def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, packed: bool = False, chunks: int = 1):
     """(q, scale, q_t) of the per-tensor quantization: q_t None without ``transpose``; q None
     where ``codes`` is False and the pass writes q_t from its registers (the codes then unwritten);
-    q and scale in one buffer where ``packed`` (``per_tensor_outputs``)."""
+    q and scale in one buffer where ``packed`` (``per_tensor_outputs``); q_t chunk-major,
+    (chunks, N, R / chunks), where ``chunks`` > 1 (``quantize_per_tensor_transposed``)."""
     if not use_triton(x, backend):
         out = quantize_per_tensor_reference(x, fmt, transpose=transpose, amax=amax)
         q, scale = _packed_copy(out[0], out[1], fp8_format(fmt)) if packed else out[:2]
-        return q, scale, out[2] if transpose else None
+        q_t = out[2] if transpose else None
+        if q_t is not None and chunks > 1:
+            q_t = q_t.view(torch.uint8).view(q_t.shape[0], chunks, -1).transpose(0, 1).contiguous().view(q_t.dtype)
+        return q, scale, q_t
     rows = as_rows(x)
-    plan = _plans.get((x.shape, x.dtype, fmt, transpose, codes))
+    plan = _plans.get((x.shape, x.dtype, fmt, transpose, codes, chunks))
     if plan is None:
-        plan = _make_plan(x, fmt, transpose, codes)
+        plan = _make_plan(x, fmt, transpose, codes, chunks)
     f, n_rows, n_cols, in_pass, store_q, grid, launch = plan
     amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
-    if store_q:
-        q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device, packed)
+    if store_q:  # (a chunk-major q_t from a byte pass is allocated there)
+        q, q_t, scale = per_tensor_outputs(
+            x.shape, n_rows, n_cols, f, transpose and (in_pass or chunks == 1), x.device, packed
+        )
     else:  # q_t alone; it also stands in for the codes' pointer, which the kernel never writes
         q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device)
         q = q_t
+        if chunks > 1:
+            q_t = q_t.view(chunks, n_cols, n_rows // chunks)  # the same buffer, laid out chunk-major
     if grid is not None:  # None: an empty tensor, no launch (the scale is 1)
         _quantize_per_tensor_kernel[grid](rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0), **launch)
-        finish_transpose(q, q_t, transpose, in_pass)
+        if chunks > 1 and transpose and not in_pass:  # the codes' byte pass, chunk by chunk
+            q_t = transpose_chunk_codes(q.view(chunks, n_rows // chunks, n_cols), chunk_major=True)
+        else:
+            finish_transpose(q, q_t, transpose, in_pass)
     return (q if store_q else None), scale, (q_t if transpose else None)
 
 
@@ -616,7 +660,7 @@ _plans: dict[tuple, tuple] = {}
 _MAX_PLANS = 1024
 
 
-def _make_plan(x: torch.Tensor, fmt: str, transpose: bool, codes: bool) -> tuple:
+def _make_plan(x: torch.Tensor, fmt: str, transpose: bool, codes: bool, chunks: int = 1) -> tuple:
     f = fp8_format(fmt)
     n_cols = x.shape[-1]
     n_rows = x.numel() // n_cols if n_cols else 0
@@ -624,11 +668,19 @@ def _make_plan(x: torch.Tensor, fmt: str, transpose: bool, codes: bool) -> tuple
     block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
     grid = (cdiv(n_rows, block_m), cdiv(n_cols, block_n)) if n_rows * n_cols else None
     store_q = codes or not in_pass
-    launch = dict(FMAX=f.max, TRANSPOSE=in_pass, BLOCK_M=block_m, BLOCK_N=block_n, STORE_Q=store_q, num_warps=warps)
+    launch = dict(
+        FMAX=f.max,
+        TRANSPOSE=in_pass,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        STORE_Q=store_q,
+        CHUNK_ROWS=n_rows // chunks if chunks > 1 else 0,
+        num_warps=warps,
+    )
     plan = (f, n_rows, n_cols, in_pass, store_q, grid, launch)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
-    _plans[(x.shape, x.dtype, fmt, transpose, codes)] = plan
+    _plans[(x.shape, x.dtype, fmt, transpose, codes, chunks)] = plan
     return plan
 
 

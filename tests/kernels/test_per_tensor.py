@@ -339,3 +339,25 @@ def test_folded_chunks_and_chunk_transposes_of_layer_shapes_on_gpu(chunks, n_row
     r_c = n_rows // chunks
     major = transpose_chunk_codes(q.view(chunks, r_c, n_cols), chunk_major=True)
     assert torch.equal(as_bytes(major), torch.stack([c.t() for c in want_q.split(r_c)]))
+
+
+@pytest.mark.parametrize("shape,chunks", [((64, 96), 2), ((3, 11, 40), 3), ((4, 16), 4), ((2, 130, 257), 2)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_transposed_chunk_by_chunk_is_each_chunks_transpose(device, shape, chunks, dtype, seed):
+    """``quantize_per_tensor_transposed(chunks=n)``, every chunk's transposed codes in one pass (from
+    registers for BF16, a byte pass for FP32), against the whole tensor's transpose cut into chunks,
+    bytes and scale, with the forward's amax given (a zero row and an outlier)."""
+    x = random_activations(shape, dtype, seed=seed)
+    x.view(-1, shape[-1])[0] = 0.0
+    x.view(-1)[-1] = 700.0
+    amax = x.float().abs().max()
+    q_t, scale = quantize_per_tensor_transposed(
+        x.to(device), "e4m3", amax=amax.to(device), chunks=chunks, check_finite=False, backend="triton"
+    )
+    want_q_t, want_scale = quantize_per_tensor_transposed(x, "e4m3", amax=amax, backend="reference")
+    n_cols, n_rows = want_q_t.shape
+    want = as_bytes(want_q_t).view(n_cols, chunks, n_rows // chunks).transpose(0, 1)
+    assert q_t.shape == (chunks, n_cols, n_rows // chunks) and q_t.is_contiguous()
+    assert torch.equal(as_bytes(q_t), want) and torch.equal(scale.cpu(), want_scale)
+    ref = quantize_per_tensor_transposed(x, "e4m3", amax=amax, chunks=chunks, backend="reference")[0]
+    assert torch.equal(as_bytes(ref), want)
