@@ -65,6 +65,18 @@ def test_the_bf16_layer_is_counted_the_same_way():
     assert (got["launches"], got["allocations"]) == BEFORE["bf16"]
 
 
+def test_weight_codes_are_made_once_per_step_where_the_recipe_keeps_them():
+    """A micro-batch after the first of a step makes no FP8 weight copy where the recipe keeps W's and
+    W^T's codes ("cached": refreshed once per step, by the first micro-batch after an optimizer step);
+    the "memory" recipe keeps none and quantizes W in forward and W^T in backward, per linear."""
+    memory = run_distributed(count_layer, 2, args=("coat", "memory"), tensor_parallel=2, timeout=300)[0]
+    cached = run_distributed(count_layer, 2, args=("coat", "cached"), tensor_parallel=2, timeout=300)[0]
+    refreshes = [k for k in cached["by_launch"] if "refresh" in k]
+    assert not refreshes, refreshes
+    quantizes = [got["by_launch"]["triton:_quantize_per_tensor_kernel"] for got in (memory, cached)]
+    assert quantizes[0] - quantizes[1] == 2 * 4, quantizes  # W and W^T of each of the 4 linears
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_launches_on_two_gpus(recipe):
