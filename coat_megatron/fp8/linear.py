@@ -198,7 +198,25 @@ class WeightGradient:
         weight.grad_added_to_main_grad = True
         if getattr(weight, "zero_out_wgrad", False):
             return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
-        return torch.empty(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+        return _placeholder(weight.main_grad.shape, weight.dtype, weight.device)
+
+
+# (device, dtype) -> the buffer that every placeholder weight gradient of that dtype is a view of
+_placeholders: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A weight gradient that nobody reads (Megatron's DDP sees ``grad_added_to_main_grad`` and drops
+    it): a view of one buffer per device and dtype, as large as the largest asked for, instead of an
+    allocation per linear and micro-batch (the weight's size, as TE's ``get_dummy_wgrad`` keeps). While
+    a CUDA graph is captured, a fresh one: the graph's pool must not hand out memory used outside it."""
+    numel = shape.numel()
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffer = _placeholders.get((device, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = _placeholders[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
 
 
 def fp8_linear(

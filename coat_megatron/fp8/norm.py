@@ -14,6 +14,7 @@ import torch
 
 from coat_kernels import dequantize_per_group
 from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8
+from coat_kernels.per_tensor import transpose_chunk_codes
 
 from ..config import INPUT_STORES
 from .tensor import Fp8Tensor
@@ -29,7 +30,19 @@ def _multiplier(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor
 class _NormToFp8(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, weight, bias, eps, kind, group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, input_store
+        ctx,
+        x,
+        weight,
+        bias,
+        eps,
+        kind,
+        group_size,
+        zero_centered_gamma,
+        out_fmt,
+        saved_fmt,
+        transpose,
+        input_store,
+        packed,
     ):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved input); input_store: "fp8" (the 1xG copy is saved) or "bf16" (x itself)
@@ -47,6 +60,7 @@ class _NormToFp8(torch.autograd.Function):
             out_fmt=out_fmt,
             saved_fmt=saved_fmt,
             transpose=transpose == "store",
+            packed=packed,
         )
         exact = input_store == "bf16"
         # exact: x in the slots of the codes, no scales (the kernel wrote the 1xG copy anyway; it is dropped)
@@ -57,7 +71,7 @@ class _NormToFp8(torch.autograd.Function):
             x_q, x_scales, mean, rstd, amax, dtype = r.x_q, r.x_scales, r.mean, r.rstd, r.amax, x.dtype
             x_exact = x.detach() if exact else None
 
-            def transposed_fn(rows=slice(None)):
+            def transposed_fn(rows=slice(None), chunks=1):
                 h = x_q.shape[-1]
                 if x_exact is not None:
                     x_saved = x_exact.reshape(-1, h)[rows]
@@ -66,7 +80,10 @@ class _NormToFp8(torch.autograd.Function):
                         x_q.view(-1, h)[rows], x_scales.view(-1, h // group_size)[rows], group_size, dtype
                     )
                 mean_rows = mean[rows] if mean is not None else None
-                return norm_quantize(x_saved, w, b, mean_rows, rstd[rows], amax, out_fmt=out_fmt, transpose=True)[2]
+                out = norm_quantize(x_saved, w, b, mean_rows, rstd[rows], amax, out_fmt=out_fmt, transpose=chunks == 1)
+                if chunks == 1:
+                    return out[2]
+                return transpose_chunk_codes(out[0].view(chunks, -1, h), chunk_major=True)
 
         return Fp8Tensor(r.q, r.scale, transposed=r.q_t, transposed_fn=transposed_fn, dtype=x.dtype)
 
@@ -91,7 +108,7 @@ class _NormToFp8(torch.autograd.Function):
                 has_bias=has_bias,
                 dx_dtype=dtype,
             )
-        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 9)
+        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 10)
 
 
 def rmsnorm_to_fp8(
@@ -105,6 +122,7 @@ def rmsnorm_to_fp8(
     saved_fmt: str = "e4m3",
     transpose: str | None = "store",
     input_store: str = "fp8",
+    packed: bool = False,
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
@@ -114,9 +132,22 @@ def rmsnorm_to_fp8(
     none (a consumer that all-gathers its input makes its own).
     ``input_store``: "fp8" saves the 1xG copy of x (``saved_fmt``) for backward; "bf16" saves x
     itself, and the backward is the exact one (``CoatConfig.norm_input_store``).
+    ``packed``: the output's codes and scale in one buffer, the message that a sequence-parallel
+    consumer all-gathers as it is (``coat_kernels.per_tensor.packed_message``).
     """
     return _NormToFp8.apply(
-        x, weight, None, eps, "rmsnorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, input_store
+        x,
+        weight,
+        None,
+        eps,
+        "rmsnorm",
+        group_size,
+        zero_centered_gamma,
+        out_fmt,
+        saved_fmt,
+        transpose,
+        input_store,
+        packed,
     )
 
 
@@ -132,8 +163,20 @@ def layernorm_to_fp8(
     saved_fmt: str = "e4m3",
     transpose: str | None = "store",
     input_store: str = "fp8",
+    packed: bool = False,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
     return _NormToFp8.apply(
-        x, weight, bias, eps, "layernorm", group_size, zero_centered_gamma, out_fmt, saved_fmt, transpose, input_store
+        x,
+        weight,
+        bias,
+        eps,
+        "layernorm",
+        group_size,
+        zero_centered_gamma,
+        out_fmt,
+        saved_fmt,
+        transpose,
+        input_store,
+        packed,
     )

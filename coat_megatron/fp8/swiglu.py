@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from coat_kernels import quantize_per_tensor, tensor_amax
+from coat_kernels.per_tensor import transpose_chunk_codes
 from coat_kernels.swiglu import (
     quantize_swiglu_input,
     swiglu_backward,
@@ -45,9 +46,12 @@ class _SwigluFp8(torch.autograd.Function):
         ctx.handoff = handoff  # where dh's amax goes, for the backward of h's producer
         out_amax = r.amax  # the closure must not hold r: r.q is the output, which fc2 does not keep
 
-        def transposed(rows=slice(None)):  # the rows of h (as (R, 2F)) whose output to transpose
+        def transposed(rows=slice(None), chunks=1):  # the rows of h (as (R, 2F)) whose output to transpose
             q, scales = h_q.view(-1, h_q.shape[-1])[rows], h_scales.view(-1, h_scales.shape[-1])[rows]
-            return swiglu_to_fp8(q, scales, group_size, out_fmt, transpose=True, amax=out_amax, store_q=False).q_t
+            if chunks == 1:
+                return swiglu_to_fp8(q, scales, group_size, out_fmt, transpose=True, amax=out_amax, store_q=False).q_t
+            codes = swiglu_to_fp8(q, scales, group_size, out_fmt, amax=out_amax).q
+            return transpose_chunk_codes(codes.view(chunks, -1, codes.shape[-1]), chunk_major=True)
 
         return Fp8Tensor(r.q, r.scale, transposed_fn=transposed, dtype=h.dtype)
 
@@ -72,9 +76,12 @@ class _SwigluFromInput(torch.autograd.Function):
         ctx.save_for_backward(h)
         h_exact = h.detach()
 
-        def transposed(rows=slice(None)):  # recomputed from h with the forward's amax: the same codes
+        def transposed(rows=slice(None), chunks=1):  # recomputed from h with the forward's amax: the same codes
             a_rows = swiglu_from_input(h_exact.reshape(-1, h_exact.shape[-1])[rows])
-            return quantize_per_tensor(a_rows, out_fmt, transpose=True, amax=out_amax, check_finite=False)[2]
+            if chunks == 1:
+                return quantize_per_tensor(a_rows, out_fmt, transpose=True, amax=out_amax, check_finite=False)[2]
+            codes = quantize_per_tensor(a_rows, out_fmt, amax=out_amax, check_finite=False)[0]
+            return transpose_chunk_codes(codes.view(chunks, -1, codes.shape[-1]), chunk_major=True)
 
         return Fp8Tensor(q.view(*h.shape[:-1], a.shape[-1]), scale, transposed_fn=transposed, dtype=h.dtype)
 

@@ -8,9 +8,11 @@ device), and holds instead
   ``shape[:-1] + (N // G,)`` (1xG granularity, ``group_size`` = G);
 * for per-tensor GEMM inputs, the transposed codes ``(N, R)`` that the wgrad GEMM of the consuming
   linear needs, either written by the producer (``transposed``) or recomputable bit-exactly from
-  what the producer saved anyway (``transposed_fn(rows)``, e.g. the SwiGLU output from its saved
-  input: the ``(N, len(rows))`` transpose of the rows ``rows`` (a slice) of the ``(R, N)`` matrix,
-  all of them by default; a sequence-parallel linear asks for one sequence chunk at a time);
+  what the producer saved anyway (``transposed_fn(rows, chunks=1)``, e.g. the SwiGLU output from
+  its saved input: the ``(N, len(rows))`` transpose of the rows ``rows`` (a slice) of the ``(R, N)``
+  matrix, all of them by default; with ``chunks`` = n, each of n equal blocks of those rows
+  transposed on its own, ``(n, N, len(rows) / n)``: what a sequence-parallel linear's per-chunk
+  wgrad GEMMs take);
 * optionally ``handoff``: the ``AmaxHandoff`` between this tensor's producer and its consumer, the
   amaxes that each finds in its own pass for the other (fc1 finds SwiGLU's output amax; SwiGLU's
   backward finds dh's amax for fc1's), so that the one quantizing per tensor skips an amax pass.

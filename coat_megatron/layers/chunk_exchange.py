@@ -23,11 +23,12 @@ the exchanges can be captured in a CUDA graph. Codes travel as uint8 views (gloo
 dtypes; NCCL takes either).
 
 Without ``overlap`` (the default): one all-gather before the first chunk is handed out, of the
-codes with each rank's scale packed behind them in the same message (a collective's launch costs
-the host more than the copy into the packed buffer), one reduce-scatter after the last partial is
-written. The chunks are the same and come
-in the same order, so the arithmetic is the same; only a reduce-scatter over more than two ranks
-may add its partials in another order (a different rounding of the sum).
+codes with each rank's scale packed behind them in the same message (one collective instead of
+two), one reduce-scatter after the last partial is written. COAT's producers of gathered tensors
+(the norms under SP, the row-parallel backward's dY) write their codes and scale in that layout in
+the first place, so the message goes out without a copy. The chunks are the same and come in the
+same order, so the arithmetic is the same; only a reduce-scatter over more than two ranks may add
+its partials in another order (a different rounding of the sum).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-SCALE_ROW = 4  # FP32 words per gathered scale: 16 bytes
+from coat_kernels.per_tensor import SCALE_ROW_BYTES, packed_message
+
+SCALE_ROW = SCALE_ROW_BYTES // 4  # FP32 words per gathered scale: 16 bytes
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -67,6 +70,7 @@ class RingAllGather:
         self.group = group
         self.scales = scales
         self.held = (self.rank, codes, scale if scales is None else scales[self.rank])
+        self.taken_scales: list = [None] * self.size
         self.step = 0
         self.pending: list = []
         self.arriving = None
@@ -102,30 +106,46 @@ class RingAllGather:
             self.held, self.arriving = self.arriving, None
             self._pass_on()
         self.step += 1
+        self.taken_scales[self.held[0]] = self.held[2]
         return self.held
+
+    def scale_vector(self) -> torch.Tensor:
+        """(n,) FP32, every chunk's scale by rank (after every chunk was taken), each 16-byte aligned
+        (stride ``SCALE_ROW``, as cuBLASLt takes a scale pointer): one small copy."""
+        rows = [s.reshape(1, 1).expand(1, SCALE_ROW) for s in self.taken_scales]
+        return torch.cat(rows)[:, 0]
 
 
 class CollectiveAllGather:
     """The same chunks, in the same order, from one blocking all-gather (``overlap`` off). Where the
     scales travel too, each rank sends one message: its codes, then its scale in a 16-byte row (so
     that every gathered chunk and every scale starts at a 16-byte aligned address: cuBLASLt takes
-    a scale pointer only there, status 15 otherwise)."""
+    a scale pointer only there, status 15 otherwise). A producer that wrote its codes and scale
+    packed that way (``coat_kernels.per_tensor.packed_message``) has its buffer sent as it is;
+    otherwise they are copied into one.
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None):
+    The scales handed out are views into the gathered message, alive as long as any is; with
+    ``keep_scales`` they are copied out instead (one small copy), for a caller that keeps them
+    (for its backward) without keeping the gathered codes."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None, keep_scales=False):
         self.rank, self.size = _rank_and_size(group)
         codes = codes.contiguous()
         n = codes.numel()
-        if scales is None and n % 16 == 0:
-            packed = torch.empty(n + 4 * SCALE_ROW, dtype=torch.uint8, device=codes.device)
-            packed[:n].copy_(codes.view(-1).view(torch.uint8))
-            packed[n : n + 4].view(torch.float32).copy_(scale.reshape(1))
-            gathered = torch.empty(self.size * packed.numel(), dtype=torch.uint8, device=codes.device)
-            dist.all_gather_into_tensor(gathered, packed, group=group)
-            gathered = gathered.view(self.size, packed.numel())
-            self.chunks = [row[:n].view(codes.dtype).view(codes.shape) for row in gathered]
-            # the scales copied out: a backward that keeps them must not keep the gathered codes alive
-            kept = gathered[:, n:].view(torch.float32).clone()
-            self.scales = [row[0] for row in kept]
+        message = packed_message(codes, scale) if scales is None else None
+        if message is None and scales is None and n % 16 == 0:
+            message = torch.empty(n + 4 * SCALE_ROW, dtype=torch.uint8, device=codes.device)
+            message[:n].copy_(codes.view(-1).view(torch.uint8))
+            message[n : n + 4].view(torch.float32).copy_(scale.reshape(1))
+        if message is not None:
+            gathered = torch.empty(self.size * message.numel(), dtype=torch.uint8, device=codes.device)
+            dist.all_gather_into_tensor(gathered, message, group=group)
+            gathered = gathered.view(self.size, message.numel())
+            self._codes = gathered[:, :n].view(codes.dtype).view(self.size, *codes.shape)
+            self.chunks = list(self._codes.unbind())
+            scales = gathered[:, n:].view(torch.float32)
+            self._scale_rows = scales.clone() if keep_scales else scales
+            self.scales = list(self._scale_rows[:, 0].unbind())
             self.step = 0
             return
         gathered = torch.empty((self.size * codes.shape[0], *codes.shape[1:]), dtype=codes.dtype, device=codes.device)
@@ -136,8 +156,9 @@ class CollectiveAllGather:
                 gathered_scales, scale.reshape(1, 1).expand(1, SCALE_ROW).contiguous(), group=group
             )
             scales = [row[0] for row in gathered_scales]
-        self.chunks, self.scales = list(gathered.chunk(self.size)), scales
-        self.whole = gathered  # every chunk, in rank order, as one (n * R_c, N) tensor
+        self._scale_rows = None
+        self._codes = gathered.view(self.size, *codes.shape)
+        self.chunks, self.scales = list(self._codes.unbind()), scales
         self.step = 0
 
     def __len__(self) -> int:
@@ -150,12 +171,29 @@ class CollectiveAllGather:
         self.step += 1
         return j, self.chunks[j], self.scales[j]
 
+    def chunk_codes(self) -> torch.Tensor:
+        """(n, R_c, N): every chunk's codes by rank, where they were gathered (a view; between the
+        chunks lie their scale rows where the scales travelled with them)."""
+        return self._codes
 
-def all_gather_chunks(codes: torch.Tensor, scale: torch.Tensor | None, group, *, overlap: bool, scales=None):
+    def scale_vector(self) -> torch.Tensor:
+        """(n,) FP32, every chunk's scale by rank, each 16-byte aligned (as cuBLASLt takes a scale
+        pointer; a strided vector): a view of the gathered scale rows (with ``keep_scales``, of their
+        copy), or where the scales did not travel, a small copy of those given."""
+        if self._scale_rows is not None:
+            return self._scale_rows[:, 0]
+        return torch.cat([s.reshape(1, 1).expand(1, SCALE_ROW) for s in self.scales])[:, 0]
+
+
+def all_gather_chunks(
+    codes: torch.Tensor, scale: torch.Tensor | None, group, *, overlap: bool, scales=None, keep_scales: bool = False
+):
     """Start gathering every rank's (R_c, N) FP8 ``codes`` (contiguous) and 0-d FP32 ``scale`` (or,
-    with ``scales`` given, the codes only); ``take()`` hands out the chunks, this rank's first."""
-    cls = RingAllGather if overlap else CollectiveAllGather
-    return cls(codes, scale, group, scales=scales)
+    with ``scales`` given, the codes only); ``take()`` hands out the chunks, this rank's first.
+    ``keep_scales``: the scales handed out may be kept without keeping the gathered codes alive."""
+    if overlap:  # each scale travels in a buffer of its own
+        return RingAllGather(codes, scale, group, scales=scales)
+    return CollectiveAllGather(codes, scale, group, scales=scales, keep_scales=keep_scales)
 
 
 class RingReduceScatter:
@@ -171,6 +209,10 @@ class RingReduceScatter:
 
     def __len__(self) -> int:
         return self.size
+
+    def all_partials(self) -> None:
+        """None: the ring passes each partial sum on as soon as it is written (see ``partial``)."""
+        return None
 
     def partial(self) -> tuple[int, torch.Tensor]:
         """(c, buffer): the chunk whose partial sum this rank computes next, and where to write it."""
@@ -210,6 +252,14 @@ class CollectiveReduceScatter:
 
     def __len__(self) -> int:
         return self.size
+
+    def all_partials(self) -> torch.Tensor:
+        """The (n * R_c, N) buffer of every chunk's partial sum in chunk order, for a caller that
+        writes them all at once (one GEMM over every row), in place of ``partial``/``reduce``."""
+        if self.step:
+            raise RuntimeError(f"{self.step} partial sums were made one by one already")
+        self.step = self.size
+        return self.partials
 
     def partial(self) -> tuple[int, torch.Tensor]:
         if self.step >= self.size:

@@ -72,6 +72,8 @@ class CoatNorm(MegatronModule):
             # is shared over the group) and makes its own transposed copies
             transpose=None if self.sequence_parallel else "recompute" if self.coat.recompute_norm_output else "store",
             input_store=self.coat.norm_input_store,
+            # ... as one message, codes and scale, that it sends as it is
+            packed=self.sequence_parallel,
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

@@ -20,12 +20,14 @@ Column-parallel, X = [X_0; ...; X_{n-1}] (R, h) gathered, W (out/n, h):
     dgrad  dX_c = dY_c W          for c = r - 1, r - 2, ..., r: the partial of chunk c, added to what
                                   arrived from rank r - 1 and sent on to rank r + 1 (reduce-scatter, BF16)
     wgrad  dW = dY^T X            one GEMM over the whole sequence: dY's chunk j is quantized against
-                                  X_j's scale s_j (``folded_amaxes``), so that every chunk pair has
-                                  the same product of scales
+                                  X_j's scale s_j (``coat_kernels.per_tensor.quantize_folded_chunks``:
+                                  all chunks in one pass), so that every chunk pair has the same
+                                  product of scales
 
 Row-parallel, X (R, in/n) this rank's full-sequence slice of the input, W (h, in/n):
 
     fprop  Y_c = X_c W^T          for c = r - 1, ..., r: the partial of chunk c, reduce-scattered as above
+                                  (X has one scale: without the ring, one GEMM writes every chunk's)
     dgrad  dX_j = dY_j W          for each chunk j of the gathered dY as it arrives (E5M2, scale s_j:
                                   each rank quantizes its own dY with its own amax)
     wgrad  dW = sum_j dY_j^T X_j  one GEMM per chunk, each with its pair of scales (the dY chunks'
@@ -39,11 +41,12 @@ gathered chunks instead would save n times that per linear (n - 1 more chunks of
 hidden size, for linear_qkv and linear_fc1 of every layer) to spare a transfer that runs hidden
 behind the dgrad GEMMs.
 
-Transposed operands of the wgrad GEMMs: the column-parallel dY^T from the passes that quantize dY's
-chunks (placed side by side) and X^T by one byte transpose of the gathered codes; the row-parallel
-ones per chunk (the GEMM's token dimension is the chunk's): gathered dY_j^T by a byte transpose of
-the chunk's codes, and X_c^T by its producer's recompute of those rows
-(``Fp8Tensor.transposed_codes(rows)``) or by quantizing those rows with the tensor's one scale.
+Transposed operands of the wgrad GEMMs: the column-parallel dY^T from the pass that quantizes dY's
+chunks (placed side by side) and X^T by one byte transpose of the gathered codes, read where they
+were gathered; the row-parallel ones per chunk (the GEMM's token dimension is the chunk's), each
+made for every chunk in one pass: the gathered dY_j^T by a byte transpose of the gathered codes
+(with the ring, chunk by chunk as they arrive), and X_j^T by its producer's recompute of the whole
+sequence (``transposed_fn(chunks=n)``) or by requantizing the kept input with the forward's scale.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coat_kernels import quantize_per_tensor, tensor_amax, transpose_codes
+from coat_kernels import quantize_per_tensor, quantize_per_tensor_transposed, tensor_amax, transpose_codes
 from coat_kernels.gemm import fp8_gemm
+from coat_kernels.per_tensor import packed_message, quantize_folded_chunks, transpose_chunk_codes
 
 from ..config import CoatConfig
 from ..fp8.handoff import AmaxHandoff, OutputForm, take_grad_amax
@@ -94,20 +98,6 @@ def _reduced_amax(handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tens
     return amax.reshape(()) if amax.numel() == 1 else amax.amax()
 
 
-def folded_amaxes(amax: torch.Tensor, x_scales: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The amax to quantize chunk c of a column-parallel linear's dY with, so that its scale times
-    the scale of X's chunk c (``x_scales[c]``, its producer's) is the same for every chunk:
-    amax * max_j(s_j) / s_c. The wgrad dW = sum_c (dY_c^T * g_c) @ (X_c * s_c) is then one GEMM over
-    the whole sequence with the scales (g_0, s_0), instead of one accumulating GEMM per chunk that
-    reads and writes all of dW again. A chunk whose X scale is below the largest uses less of E5M2's
-    range (its values end up max_j(s_j) / s_c times smaller, no larger than the format's maximum):
-    in a floating-point format that costs precision only below its smallest normal number, 2^29
-    below its largest, and nothing is clipped."""
-    s = torch.stack([t.reshape(()) for t in x_scales])
-    folded = amax.reshape(()) * (s.max() / s)
-    return list(folded.unbind())
-
-
 class _ColumnParallelSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, cache, config, output_form, main_grad, group):
@@ -115,47 +105,53 @@ class _ColumnParallelSP(torch.autograd.Function):
             codes, scale = x.data_fp8, x.scale
         else:  # BF16 (or a 1xG tensor, which is no GEMM input): quantized with this rank's amax
             x = _plain(x)
-            codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False)
+            codes, scale = quantize_per_tensor(x, config.forward_format, check_finite=False, packed=True)
         local = _rows(codes)
-        gather = all_gather_chunks(local, scale, group, overlap=config.tp_comm_overlap)  # under way from here
+        overlap = config.tp_comm_overlap
+        # without the ring, codes and scale packed in one message (as COAT's producers write them) are
+        # sent again in backward, scale and all: nothing else to keep; otherwise the n scales are kept
+        resend = not overlap and packed_message(local, scale) is not None
+        gather = all_gather_chunks(local, scale, group, overlap=overlap, keep_scales=not resend)  # under way from here
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         n, r_c = len(gather), local.shape[0]
         y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
-        scales = [None] * n
         for _ in range(n):
-            j, chunk, scales[j] = gather.take()
-            _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scales[j], w_q, w_scale, config, bias=bias, fprop=True)
-        ctx.save_for_backward(local, weight, *scales)
-        ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad)
+            j, chunk, scale_j = gather.take()
+            _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scale_j, w_q, w_scale, config, bias=bias, fprop=True)
+        ctx.save_for_backward(local, weight, scale if resend else gather.scale_vector())
+        ctx.meta = (config, group, bias is not None, x.shape, x.dtype, main_grad, n, resend)
         out, ctx.handoff = quantize_output(y.view(n * x.shape[0], *x.shape[1:-1], weight.shape[0]), output_form, config)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        local, weight, *scales = ctx.saved_tensors
-        config, group, has_bias, x_shape, x_dtype, main_grad = ctx.meta
+        local, weight, saved_scale = ctx.saved_tensors
+        config, group, has_bias, x_shape, x_dtype, main_grad, n, resend = ctx.meta
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        n, r_c = len(scales), local.shape[0]
+        r_c = local.shape[0]
         overlap = config.tp_comm_overlap
         # the input's codes again, for wgrad: under way while dY is quantized and the dgrad runs
-        gather = all_gather_chunks(local, None, group, overlap=overlap, scales=scales) if need_dw else None
+        gather = x_scales = None
+        if need_dw and resend:  # this rank's message again: every chunk's scale comes with its codes
+            gather = all_gather_chunks(local, saved_scale, group, overlap=False)
+            x_scales = gather.scale_vector()
+        elif need_dw:
+            x_scales = saved_scale
+            gather = all_gather_chunks(local, None, group, overlap=overlap, scales=list(x_scales.unbind()))
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
         amax = _reduced_amax(ctx.handoff, dy, dy_rows)
-        # dY is this rank's whole (R, out/n), quantized chunk by chunk (each chunk's transposed codes,
-        # the wgrad operand, come out of the same pass), chunk c against X's chunk c (folded_amaxes):
-        # then every chunk pair has one product of scales, and the wgrad is one GEMM over the sequence
-        amaxes = folded_amaxes(amax, scales) if need_dw else [amax] * n
-        dy_chunks = [
-            quantize_per_tensor(
-                dy_rows[c * r_c : (c + 1) * r_c],
-                config.backward_format,
-                transpose=need_dw,
-                amax=amaxes[c],
-                check_finite=False,
-            )
-            for c in range(n)
-        ]
+        # dY is this rank's whole (R, out/n), quantized chunk by chunk in one pass (with the chunks'
+        # transposed codes side by side, the wgrad operand), chunk c against X's chunk c: then every
+        # chunk pair has one product of scales, and the wgrad is one GEMM over the sequence
+        dy_q, dy_scales, dy_t = quantize_folded_chunks(
+            dy_rows,
+            config.backward_format,
+            chunks=n,
+            amax=amax,
+            x_scales=x_scales,
+            transpose=need_dw,
+        )
         scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
         scatter = scatter if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
@@ -164,22 +160,39 @@ class _ColumnParallelSP(torch.autograd.Function):
             taken = gather.take() if gather else None  # posts the transfer of the next chunk
             if scatter:
                 c, part = scatter.partial()
-                dy_q, dy_scale = dy_chunks[c][:2]
-                _gemm_into(part, dy_q, dy_scale, w_t, w_scale, config)
+                _gemm_into(part, dy_q[c * r_c : (c + 1) * r_c], dy_scales[c], w_t, w_scale, config)
                 scatter.reduce(part)
             if taken:
                 j, x_chunks[j], _ = taken
         dx = scatter.result().view(x_shape) if need_dx else None
         dw = None
         if need_dw:
-            x_all = gather.whole if getattr(gather, "whole", None) is not None else _cat_codes(x_chunks, 0)
-            dy_t = _cat_codes([c[2] for c in dy_chunks], 1)  # (out/n, R)
+            if overlap:
+                x_t = transpose_codes(_cat_codes(x_chunks, 0))
+            else:  # (h, R) from the gathered chunks where they lie (between the scale rows) in one pass
+                x_t = transpose_chunk_codes(gather.chunk_codes())
             wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
             # scale_c * s_c is the same number for every chunk c (to FP32 rounding): chunk 0's pair
-            wgrad.add(dy_t, dy_chunks[0][1], transpose_codes(x_all).t(), scales[0])
+            wgrad.add(dy_t, dy_scales[0], x_t.t(), x_scales[0])
             dw = wgrad.result()
         db = dy_rows.float().sum(dim=0).to(weight.dtype) if has_bias and need_db else None
         return dx, dw, db, None, None, None, None, None
+
+
+def _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t: bool, n: int, r_c: int):
+    """The (in/n, R_c) transposed codes of each chunk of a row-parallel linear's X (indexed by
+    chunk), made in one go for the whole sequence: kept per chunk by the forward; requantized
+    from the kept BF16 input with the forward's amax (the same codes) and transposed chunk by chunk
+    (one pass); rearranged from the producer's transposed copy; or recomputed by the producer."""
+    if chunked_t:
+        return saved_t
+    if x_orig is not None:  # one pass writes every chunk's transposed codes (a BF16 input's from registers)
+        fmt = ctx.meta[0].forward_format
+        return quantize_per_tensor_transposed(_rows(x_orig), fmt, amax=x_amax, chunks=n, check_finite=False)[0]
+    if saved_t[0] is not None:  # (in/n, R) -> (n, in/n, R_c): one copy
+        x_t = saved_t[0]
+        return x_t.view(torch.uint8).view(x_t.shape[0], n, r_c).transpose(0, 1).contiguous().view(x_t.dtype)
+    return ctx.x_t_fn(chunks=n)
 
 
 class _RowParallelSP(torch.autograd.Function):
@@ -188,7 +201,7 @@ class _RowParallelSP(torch.autograd.Function):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
         fmt = config.forward_format
         r_c = x.numel() // x.shape[-1] // n
-        x_t = x_orig = x_amax = x_t_fn = None
+        x_t = x_orig = x_amax = x_t_fn = codes = None
         if isinstance(x, Fp8Tensor) and x.group_size is None:
             codes, x_scale = _rows(x.data_fp8), x.scale
             x_t, x_t_fn = x.transposed, x.transposed_fn
@@ -212,10 +225,14 @@ class _RowParallelSP(torch.autograd.Function):
         scatter = reduce_scatter_chunks(
             (r_c, weight.shape[0]), x.dtype, x_scale.device, group, overlap=config.tp_comm_overlap
         )
-        for _ in range(n):
-            c, part = scatter.partial()
-            _gemm_into(part, chunks[c], x_scale, w_q, w_scale, config, fprop=True)
-            scatter.reduce(part)
+        whole = scatter.all_partials() if codes is not None else None
+        if whole is not None:  # every chunk's partial in one GEMM: X has one scale (each row the same product)
+            _gemm_into(whole, codes, x_scale, w_q, w_scale, config, fprop=True)
+        else:
+            for _ in range(n):
+                c, part = scatter.partial()
+                _gemm_into(part, chunks[c], x_scale, w_q, w_scale, config, fprop=True)
+                scatter.reduce(part)
         y = scatter.result().view(x.shape[0] // n, *x.shape[1:-1], weight.shape[0])
         saved_t = x_t if isinstance(x_t, list) else [x_t]
         ctx.save_for_backward(x_orig, x_amax, x_scale, weight, *saved_t)
@@ -229,33 +246,30 @@ class _RowParallelSP(torch.autograd.Function):
         config, group, n, rank, r_c, x_shape, x_dtype, main_grad, chunked_t = ctx.meta
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)
-        dy_q, dy_scale, dy_t = quantize_per_tensor(
-            _rows(dy.contiguous()), config.backward_format, transpose=True, check_finite=False
+        overlap = config.tp_comm_overlap
+        # the wgrad's dY_j^T: with the ring, each chunk's as it arrives (this rank's from its quantizing
+        # pass); without, every chunk's in one pass where they were gathered
+        dy_q, dy_scale, *own_t = quantize_per_tensor(
+            _rows(dy.contiguous()),
+            config.backward_format,
+            transpose=need_dw and overlap,
+            check_finite=False,
+            packed=True,
         )
-        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=config.tp_comm_overlap)
+        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=overlap)
+        dy_t = transpose_chunk_codes(gather.chunk_codes(), chunk_major=True) if need_dw and not overlap else None
         dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
         wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None
 
-        def x_t_of(j: int) -> torch.Tensor:  # (in/n, R_c): the transposed codes of chunk j of X
-            rows = slice(j * r_c, (j + 1) * r_c)
-            if chunked_t:
-                return saved_t[j]
-            if x_orig is not None:
-                return quantize_per_tensor(
-                    _rows(x_orig)[rows], config.forward_format, transpose=True, amax=x_amax, check_finite=False
-                )[2]
-            if saved_t[0] is not None:
-                return saved_t[0][:, rows].contiguous()
-            return ctx.x_t_fn(rows)
-
+        x_t = _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t, n, r_c) if need_dw else None
         for _ in range(n):
             j, chunk, chunk_scale = gather.take()
             if need_dx:
                 _gemm_into(dx[j * r_c : (j + 1) * r_c], chunk, chunk_scale, w_t, w_scale, config)
             if need_dw:
-                chunk_t = dy_t if j == rank else transpose_codes(chunk)
-                wgrad.add(chunk_t, chunk_scale, x_t_of(j).t(), x_scale)
+                chunk_t = dy_t[j] if dy_t is not None else own_t[0] if j == rank else transpose_codes(chunk)
+                wgrad.add(chunk_t, chunk_scale, x_t[j].t(), x_scale)
         dx = dx.view(x_shape) if need_dx else None
         dw = wgrad.result() if need_dw else None
         return dx, dw, None, None, None, None, None

@@ -44,6 +44,7 @@ from .formats import as_rows, check_group_size, fp8_format
 from .launch import cdiv, lean, next_power_of_2
 from .per_group import dequantize_per_group_reference, quantize_groups, quantize_per_group_reference, store_groups
 from .per_tensor import (
+    _packed_copy,
     _quantize_blocks,
     finish_transpose,
     per_tensor_outputs,
@@ -168,7 +169,7 @@ def _norm_quantize_kernel(
     if HAS_BIAS:
         b = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     y = _normalize(x, mean, rstd[:, None], w[None, :], b, IS_LAYERNORM, HAS_BIAS)
-    store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, True)
+    store_per_tensor_tile(y, amax_ptr, q_ptr, qt_ptr, scale_ptr, rows, cols, n_rows, n_cols, FMAX, TRANSPOSE, True, 0)
 
 
 @lean
@@ -320,6 +321,7 @@ def norm_to_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     transpose: bool = True,
+    packed: bool = False,
     backend: str = "auto",
 ) -> NormFp8:
     """Normalise x (RMSNorm or LayerNorm) into per-tensor FP8, keeping a 1xG FP8 copy of x.
@@ -331,12 +333,14 @@ def norm_to_fp8(
         out_fmt: format of the per-tensor output (E4M3 for a GEMM input).
         saved_fmt: format of the 1xG copy of x saved for backward.
         transpose: also write q_t (H, R), the wgrad operand of the next GEMM.
+        packed: write q and scale into one buffer, the message a sequence-parallel all-gather
+            sends (``per_tensor.packed_message``; where the codes fill whole 16-byte rows).
     Returns:
         ``NormFp8(q, scale, q_t, x_q, x_scales, mean, rstd)``; mean is None for RMSNorm.
     """
     _check(x, weight, bias, kind, group_size)
     if not use_triton(x, backend):
-        return norm_to_fp8_reference(
+        r = norm_to_fp8_reference(
             x,
             weight,
             bias,
@@ -347,6 +351,10 @@ def norm_to_fp8(
             saved_fmt=saved_fmt,
             transpose=transpose,
         )
+        if packed:
+            q, scale = _packed_copy(r.q, r.scale, fp8_format(out_fmt))
+            r = r._replace(q=q, scale=scale)
+        return r
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     f_out, f_saved = fp8_format(out_fmt), fp8_format(saved_fmt)
@@ -359,7 +367,7 @@ def norm_to_fp8(
     tiles, amax, count = amax_outputs(stats_grid[0], dev)  # every program's amax, and their max (the stats kernel's)
     x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
-    q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev)
+    q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev, packed)
     if n_rows:
         _norm_stats_kernel[stats_grid](
             rows,

@@ -210,6 +210,26 @@ def test_wgrad_goes_into_main_grad_written_first_then_added(device, seed):
         assert (err <= 2**-7 * want.float().abs() + 2**-8 * plain[1].abs() + 2**-11 * magnitude).all()
 
 
+def test_the_placeholder_weight_gradients_share_one_buffer(device, seed):
+    """With DDP's flag, autograd gets a placeholder for the weight gradient that went into main_grad:
+    a view of one buffer per device and dtype (no allocation per linear and micro-batch), which
+    autograd keeps as the weight's .grad without copying it; zero_out_wgrad still gets zeros."""
+    x, dy = activations((32, 64), seed), activations((32, 48), seed + 1)
+    grads = []
+    for shape in ((48, 64), (16, 64), (48, 64)):
+        w = leaf(activations(shape, seed + 2), device=device)
+        w.main_grad = torch.zeros(shape, device=device)
+        w.grad_added_to_main_grad = False
+        fp8_linear(leaf(x, device=device), w, accumulate_into_main_grad=True).backward(dy[:, : shape[0]].to(device))
+        assert w.grad.shape == shape and w.grad.dtype == w.dtype and w.main_grad.abs().sum() > 0
+        grads.append(w.grad)
+    assert len({g.untyped_storage().data_ptr() for g in grads}) == 1  # one buffer; autograd copied none
+    w.zero_out_wgrad = True
+    w.grad = None
+    fp8_linear(leaf(x, device=device), w, accumulate_into_main_grad=True).backward(dy[:, :48].to(device))
+    assert not w.grad.any() and w.grad.untyped_storage().data_ptr() != grads[0].untyped_storage().data_ptr()
+
+
 @pytest.mark.gpu
 def test_wgrad_accumulated_in_the_gemm_matches_the_temporary_and_add(seed):
     """wgrad_accumulate="cublaslt": later micro-batches add their wgrad into a BF16 main_grad inside

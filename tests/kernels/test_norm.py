@@ -171,3 +171,33 @@ def test_quantize_pass_alone_with_given_stats(device, kind, seed):
         and torch.equal(as_bytes(q), as_bytes(r.q))
         and torch.equal(as_bytes(q_t), as_bytes(r.q_t))
     )
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("shape", [(7, 96), (3, 5, 160), (0, 64)], ids=str)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_packed_output_is_the_same_codes_and_scale_in_one_message(device, kind, shape, backend, seed):
+    """Under sequence parallelism the norm writes its per-tensor output packed (the all-gather's
+    message, ``per_tensor.packed_message``): the same bytes as apart, zero and outlier rows included."""
+    from coat_kernels.per_tensor import packed_message
+
+    if backend == "reference" and 0 in shape:
+        pytest.skip("the torch reference takes no empty input")
+    x = random_activations(shape, seed=seed)
+    if x.numel():
+        x.view(-1, shape[-1])[0] = 0.0  # a zero row
+        x.view(-1)[-1] = 1000.0  # an outlier
+    w, b = weights(shape[-1], kind, seed)
+    args = (x.to(device), w.to(device), None if b is None else b.to(device))
+    kw = dict(eps=1e-5, kind=kind, transpose=False, backend=backend)
+    apart, packed = norm_to_fp8(*args, **kw), norm_to_fp8(*args, **kw, packed=True)
+    for name, a, p in zip(apart._fields, apart, packed):
+        if a is None:
+            assert p is None, name
+        else:
+            assert torch.equal(a.cpu().reshape(-1).view(torch.uint8), p.cpu().reshape(-1).view(torch.uint8)), name
+    message = packed_message(packed.q, packed.scale)
+    assert (message is None) == (x.numel() == 0)
+    if message is not None:
+        assert torch.equal(message[: x.numel()].cpu(), as_bytes(apart.q).reshape(-1))
+        assert torch.equal(message[x.numel() : x.numel() + 4].view(torch.float32).cpu(), apart.scale.reshape(1).cpu())

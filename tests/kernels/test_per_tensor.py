@@ -186,3 +186,178 @@ def test_strided_rows_and_rejected_layouts(device):
 def test_empty_input(device):
     q, scale, q_t = quantize_on(device, torch.empty(0, 24), "e4m3", transpose=True)
     assert q.shape == (0, 24) and q_t.shape == (24, 0) and scale == 1.0
+
+
+@pytest.mark.parametrize("shape", [(7, 96), (3, 5, 160), (2, 8), (1, 17), (5, 3), (0, 32)], ids=str)
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transpose"])
+def test_packed_outputs_hold_the_same_codes_and_scale_in_one_message(device, shape, backend, transpose, seed):
+    """A packed output (what a sequence-parallel all-gather sends) is the unpacked one's bytes: its
+    codes, then its scale in a 16-byte row; where the codes fill no whole rows it stays apart."""
+    from coat_kernels.per_tensor import SCALE_ROW_BYTES, packed_message
+
+    x = random_activations(shape, seed=seed).to(device)
+    if x.numel():
+        x.view(-1)[0] = 300.0  # an outlier: the scale is not 1
+    apart = quantize_per_tensor(x, "e5m2", transpose=transpose, backend=backend)
+    packed = quantize_per_tensor(x, "e5m2", transpose=transpose, backend=backend, packed=True)
+    for a, b in zip(apart, packed):
+        assert a.shape == b.shape and torch.equal(
+            a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)
+        )
+    message = packed_message(packed[0], packed[1])
+    n = x.numel()
+    if n and n % SCALE_ROW_BYTES == 0:
+        assert message is not None and message.shape == (n + SCALE_ROW_BYTES,) and message.dtype == torch.uint8
+        assert torch.equal(message[:n].cpu(), as_bytes(apart[0]).reshape(-1))
+        assert torch.equal(message[n : n + 4].view(torch.float32).cpu(), apart[1].reshape(1).cpu())
+    else:
+        assert message is None
+    assert packed_message(apart[0], apart[1]) is None
+
+
+FOLDED_CASES = [  # (chunks, rows, cols): ragged tiles (rows or cols no multiple of a block), one chunk, many
+    (2, 64, 96),
+    (3, 33, 40),
+    (4, 4, 16),
+    (1, 7, 24),
+    (2, 130, 257),
+]
+
+
+def _chunk_by_chunk(x, fmt, chunks, amax, x_scales, transpose):
+    """What the sequence-parallel column-parallel backward did before the one-pass kernel: the folded
+    amaxes in torch, then quantize_per_tensor of each chunk with its own, the transposes side by side."""
+    rows = x.reshape(-1, x.shape[-1])
+    r_c = rows.shape[0] // chunks
+    amaxes = amax * (x_scales.max() / x_scales) if x_scales is not None else [amax] * chunks
+    parts = [
+        quantize_per_tensor_reference(rows[c * r_c : (c + 1) * r_c], fmt, transpose=transpose, amax=amaxes[c])
+        for c in range(chunks)
+    ]
+    q = torch.cat([as_bytes(p[0]) for p in parts])
+    q_t = torch.cat([as_bytes(p[2]) for p in parts], dim=1) if transpose else None
+    return q, torch.stack([p[1] for p in parts]), q_t
+
+
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "one-amax"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["plain", "transpose"])
+def test_folded_chunks_in_one_pass_are_each_chunk_quantized_with_its_folded_amax(
+    device, case, dtype, fold, transpose, seed
+):
+    """``quantize_folded_chunks`` (one launch) against the chunk-by-chunk path it replaces, codes as
+    bytes and scales: x scales 2^112 apart, a zero chunk, outliers."""
+    from coat_kernels.per_tensor import quantize_folded_chunks
+
+    chunks, n_rows, n_cols = case
+    x = random_activations((n_rows, n_cols), dtype, seed=seed)
+    r_c = n_rows // chunks
+    if chunks > 1:
+        x[r_c : 2 * r_c] = 0.0  # a chunk of zeros
+    x[0, -1] = 2000.0  # an outlier
+    x_scales = torch.tensor([0.75, 2.0**-100, 3.5e3, 1e-3][:chunks], dtype=torch.float32)
+    amax = x.float().abs().max()
+    q, scales, q_t = quantize_folded_chunks(
+        x.to(device),
+        "e5m2",
+        chunks=chunks,
+        amax=amax.to(device),
+        x_scales=x_scales.to(device) if fold else None,
+        transpose=transpose,
+        backend="triton",
+    )
+    want_q, want_scales, want_q_t = _chunk_by_chunk(x, "e5m2", chunks, amax, x_scales if fold else None, transpose)
+    assert q.shape == (n_rows, n_cols) and torch.equal(as_bytes(q), want_q)
+    assert torch.equal(scales.cpu(), want_scales)
+    assert all(s.data_ptr() % 16 == 0 for s in scales.unbind())  # cuBLASLt takes scale pointers there
+    if transpose:
+        assert q_t.shape == (n_cols, n_rows) and torch.equal(as_bytes(q_t), want_q_t)
+    else:
+        assert q_t is None
+    if fold and chunks > 1:  # the fold: one product of scales for every chunk pair
+        products = scales.cpu() * x_scales
+        assert torch.allclose(products, products[0].expand(chunks), rtol=1e-6, atol=0)
+
+
+def test_folded_chunks_of_a_zero_tensor_and_bad_arguments():
+    from coat_kernels.per_tensor import quantize_folded_chunks
+
+    x = torch.zeros(8, 32, dtype=torch.bfloat16)
+    for backend in ("triton", "reference"):
+        q, scales, _ = quantize_folded_chunks(
+            x, "e5m2", chunks=2, amax=torch.zeros(()), x_scales=torch.tensor([1.0, 2.0]), backend=backend
+        )
+        assert torch.equal(scales, torch.ones(2)) and not as_bytes(q).any()
+    with pytest.raises(ValueError, match="equal chunks"):
+        quantize_folded_chunks(x, "e5m2", chunks=3, amax=torch.zeros(()))
+    with pytest.raises(ValueError, match="x_scales"):
+        quantize_folded_chunks(x, "e5m2", chunks=2, amax=torch.zeros(()), x_scales=torch.ones(3))
+
+
+@pytest.mark.parametrize("chunks,r_c,n_cols", [(2, 32, 96), (3, 33, 40), (1, 70, 129), (4, 1, 16), (2, 65, 3)], ids=str)
+@pytest.mark.parametrize("gap", [0, 16], ids=["stacked", "messages"])
+@pytest.mark.parametrize("chunk_major", [False, True], ids=["stacked-transpose", "chunk-major"])
+def test_transpose_chunk_codes_matches_a_byte_transpose(device, chunks, r_c, n_cols, gap, chunk_major):
+    """Chunks side by side or with a 16-byte scale row between them (gathered messages), to the
+    transpose of the stacked chunks or each chunk's transpose: every byte where it belongs."""
+    from coat_kernels.per_tensor import transpose_chunk_codes
+
+    g = torch.Generator().manual_seed(chunks * 1000 + r_c)
+    message = r_c * n_cols + gap
+    buffer = torch.randint(0, 256, (chunks * message,), generator=g, dtype=torch.uint8)
+
+    def as_chunks(buffer):
+        return buffer.view(chunks, message)[:, : r_c * n_cols].view(torch.float8_e5m2).view(chunks, r_c, n_cols)
+
+    codes = as_chunks(buffer)
+    stacked = torch.cat([as_bytes(c) for c in codes.unbind()])  # (n R_c, N)
+    want = torch.stack([c.t() for c in stacked.split(r_c)]) if chunk_major else stacked.t()
+    got = transpose_chunk_codes(as_chunks(buffer.to(device)), chunk_major=chunk_major, backend="triton")
+    assert got.dtype == torch.float8_e5m2 and got.is_contiguous() and torch.equal(as_bytes(got), want)
+    assert torch.equal(as_bytes(transpose_chunk_codes(codes, chunk_major=chunk_major, backend="reference")), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks,n_rows,n_cols", [(2, 8192, 2048), (4, 4096, 7168), (2, 4098, 1024)], ids=str)
+def test_folded_chunks_and_chunk_transposes_of_layer_shapes_on_gpu(chunks, n_rows, n_cols, seed):
+    """The one-pass dY quantization and the chunk transposes at a layer's shapes on the GPU, against the
+    chunk-by-chunk torch path on the CPU (codes as bytes)."""
+    from coat_kernels.per_tensor import quantize_folded_chunks, transpose_chunk_codes
+
+    x = random_activations((n_rows, n_cols), seed=seed)
+    x_scales = torch.tensor([0.02, 3e-5, 1.5, 7e-3][:chunks])
+    amax = x.float().abs().max()
+    cuda = torch.device("cuda")
+    q, scales, q_t = quantize_folded_chunks(
+        x.to(cuda), "e5m2", chunks=chunks, amax=amax.to(cuda), x_scales=x_scales.to(cuda), transpose=True
+    )
+    want_q, want_scales, want_q_t = _chunk_by_chunk(x, "e5m2", chunks, amax, x_scales, True)
+    assert torch.equal(as_bytes(q), want_q) and torch.equal(scales.cpu(), want_scales)
+    assert torch.equal(as_bytes(q_t), want_q_t)
+    r_c = n_rows // chunks
+    major = transpose_chunk_codes(q.view(chunks, r_c, n_cols), chunk_major=True)
+    assert torch.equal(as_bytes(major), torch.stack([c.t() for c in want_q.split(r_c)]))
+
+
+@pytest.mark.parametrize("shape,chunks", [((64, 96), 2), ((3, 11, 40), 3), ((4, 16), 4), ((2, 130, 257), 2)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_transposed_chunk_by_chunk_is_each_chunks_transpose(device, shape, chunks, dtype, seed):
+    """``quantize_per_tensor_transposed(chunks=n)``, every chunk's transposed codes in one pass (from
+    registers for BF16, a byte pass for FP32), against the whole tensor's transpose cut into chunks,
+    bytes and scale, with the forward's amax given (a zero row and an outlier)."""
+    x = random_activations(shape, dtype, seed=seed)
+    x.view(-1, shape[-1])[0] = 0.0
+    x.view(-1)[-1] = 700.0
+    amax = x.float().abs().max()
+    q_t, scale = quantize_per_tensor_transposed(
+        x.to(device), "e4m3", amax=amax.to(device), chunks=chunks, check_finite=False, backend="triton"
+    )
+    want_q_t, want_scale = quantize_per_tensor_transposed(x, "e4m3", amax=amax, backend="reference")
+    n_cols, n_rows = want_q_t.shape
+    want = as_bytes(want_q_t).view(n_cols, chunks, n_rows // chunks).transpose(0, 1)
+    assert q_t.shape == (chunks, n_cols, n_rows // chunks) and q_t.is_contiguous()
+    assert torch.equal(as_bytes(q_t), want) and torch.equal(scale.cpu(), want_scale)
+    ref = quantize_per_tensor_transposed(x, "e4m3", amax=amax, chunks=chunks, backend="reference")[0]
+    assert torch.equal(as_bytes(ref), want)

@@ -38,12 +38,15 @@ def _q(x, fmt):
 
 def _q_folded(dy_rows, x_chunks, rows):
     """A column-parallel dY as its backward quantizes it: chunk j against X's chunk j
-    (``sequence_parallel.folded_amaxes``), dequantized to FP32."""
-    from coat_kernels.per_tensor import dequantize_per_tensor_reference, quantize_per_tensor_reference
-    from coat_megatron.layers.sequence_parallel import folded_amaxes
+    (``coat_kernels.per_tensor.folded_chunk_amaxes``), dequantized to FP32."""
+    from coat_kernels.per_tensor import (
+        dequantize_per_tensor_reference,
+        folded_chunk_amaxes,
+        quantize_per_tensor_reference,
+    )
 
     scales = [quantize_per_tensor_reference(c, "e4m3")[1] for c in x_chunks]
-    amaxes = folded_amaxes(dy_rows.float().abs().max(), scales)
+    amaxes = folded_chunk_amaxes(dy_rows.float().abs().max(), torch.stack(scales))
     out = []
     for j, amax in enumerate(amaxes):
         q, g = quantize_per_tensor_reference(dy_rows[j * rows : (j + 1) * rows], "e5m2", amax=amax)

@@ -107,15 +107,16 @@ def test_sequence_parallel_gathers_move_half_the_bytes(overlap):
     row-parallel linears; the output layer's input). COAT moves those of its linears as FP8 codes
     (half of BF16's bytes), each rank's chunk with its own scale (the forward gathers of
     linear_qkv and linear_fc1 and the dY gathers of linear_proj and linear_fc2: 4 per layer and
-    micro-batch; the gathers again for wgrad keep the forward's scales), in a ring of
-    point-to-point transfers (4 bytes a scale) or in collectives (a 16-byte row a scale: cuBLASLt
-    takes scales only at 16-byte aligned addresses)."""
+    micro-batch), in a ring of point-to-point transfers (4 bytes a scale; the gathers again for
+    wgrad keep the forward's scales) or in collectives (a 16-byte row a scale: cuBLASLt takes
+    scales only at 16-byte aligned addresses; the gathers again for wgrad send each rank's message
+    as it is, scale row and all, so that the forward keeps no scales: 6 per layer and micro-batch)."""
     coat_config = CoatConfig(tp_comm_overlap=overlap)
     coat = run_distributed(_run, 2, args=("coat", True, True, torch.bfloat16, coat_config), tensor_parallel=2)[0]
     local = run_distributed(_run, 2, args=("local", True, True, torch.bfloat16), tensor_parallel=2)[0]
     coat, local = coat["gathered"], local["gathered"]
     assert coat["tp_fp8"] > 0 and "tp_fp8" not in local
-    scales = 4 * (4 if overlap else 16) * LAYERS * MICROBATCHES
+    scales = (4 * 4 if overlap else 6 * 16) * LAYERS * MICROBATCHES
     wide_scales, fp8_scales = (scales, 0) if overlap else (0, scales)  # the collective packs them with the codes
     assert local["tp_wide"] - (coat["tp_wide"] - wide_scales) == 2 * (coat["tp_fp8"] - fp8_scales)
 

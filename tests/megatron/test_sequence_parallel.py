@@ -318,7 +318,9 @@ def test_overlap_on_and_off_compute_the_same(n):
     """The ring and the collectives hand the same chunks to the same GEMMs in the same order: the
     same outputs and weight gradients bit for bit; the input gradients too where the reduce-scatter
     adds two partial sums (TP 2), within rounding over more ranks."""
-    for fn, source in ((_column, "norm"), (_row, "swiglu")):
+    # the ring runs one GEMM per chunk where the collectives run one over every row (the row-parallel
+    # forward, X from SwiGLU or requantized from a kept input): the same products
+    for fn, source in ((_column, "norm"), (_row, "swiglu"), (_row, "saved")):
         on = run_distributed(fn, n, args=(torch.bfloat16, True, source, False), tensor_parallel=n)
         off = run_distributed(fn, n, args=(torch.bfloat16, False, source, False), tensor_parallel=n)
         for a, b in zip(on, off):
@@ -354,3 +356,52 @@ def test_on_two_gpus_with_nccl():
         for check in ("equal the per-chunk reference", "overlap on and off is bit-identical", "never synchronises",
                       "replays bit-identical to eager"):  # fmt: skip
             assert any(line.startswith(f"rank {rank}: ") and check in line for line in lines), (rank, check)
+
+
+def _packed_and_apart(overlap: bool) -> dict:
+    """The norm's output gathered as the producer packed it and as apart (copied into a message),
+    with what each gather launched, and the column-parallel linear's results from each."""
+    from launch_counter import LaunchCounter
+
+    group, rank, n = _group()
+    config = CoatConfig(tp_comm_overlap=overlap, fprop_fast_accumulation=False)
+    x_full, w_full, _, dy_full = _full_tensors(torch.bfloat16)
+    x_full[SEQ // n * rank] = 0.0  # a zero row and an outlier in each rank's chunk
+    x_full[SEQ // n * rank + 1, 0, rank] = 900.0
+    out_c = WIDTH // n
+    got = {}
+    for packed in (True, False):
+        x = x_full.chunk(n)[rank].clone().requires_grad_()
+        w = w_full[rank * out_c : (rank + 1) * out_c].clone().requires_grad_()
+        inp = rmsnorm_to_fp8(x, torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-5, transpose=None, packed=packed)
+        with LaunchCounter() as counted:
+            gather = all_gather_chunks(inp.data_fp8.view(-1, HIDDEN), inp.scale, group, overlap=overlap)
+            taken = sorted((gather.take() for _ in range(n)), key=lambda t: t[0])
+        y = column_parallel_fp8_linear(inp, w, None, group=group, config=config, weight_cache=weight_cache_for(config))
+        dx, dw = torch.autograd.grad(y, [x, w], dy_full[..., rank * out_c : (rank + 1) * out_c])
+        got[packed] = dict(
+            chunks=[c.view(torch.uint8).clone() for _, c, _ in taken],
+            scales=[s.clone() for _, _, s in taken],
+            launches=counted.summary()["by_launch"],
+            y=y.detach(),
+            dx=dx,
+            dw=dw,
+        )
+    return got
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["collective", "ring"])
+def test_a_packed_producer_output_is_gathered_as_it_is_with_the_same_results(overlap):
+    """The norm under SP writes its codes and scale as the all-gather's message: gathered without
+    a copy, the same chunks and scales, and the column-parallel linear's results bit for bit."""
+    for got in run_distributed(_packed_and_apart, 2, args=(overlap,), tensor_parallel=2):
+        packed, apart = got[True], got[False]
+        for a, b in zip(packed["chunks"] + packed["scales"], apart["chunks"] + apart["scales"]):
+            assert torch.equal(a, b)
+        for name in ("y", "dx", "dw"):
+            assert torch.equal(packed[name], apart[name]), name
+        if not overlap:
+            assert "aten.copy_" not in packed["launches"], packed["launches"]
+            assert apart["launches"]["aten.copy_"] == 2, apart["launches"]  # the codes and the scale
+        # one collective, or at TP 2 one ring step
+        assert sum(v for k, v in packed["launches"].items() if k.startswith("nccl")) == 1
