@@ -28,7 +28,7 @@
 #   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-1gpu
 #   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-1gpu
 #   apex-pretrain WHAT                           WHAT build, then run: NVIDIA apex from the snapshot carried as .apex (build_apex.sh), then BF16 and --coat-fp8 through pretrain(), Megatron's wgrad fusion on -> pretrain-gpt-1b-1gpu
-#   tp-gpu-tests                                 the sequence-parallel path's GPU tests on 2 GPUs -> layer-llama2-7b-tp2-2gpu
+#   tp-gpu-tests                                 the TP path's GPU tests and launch counts on 2 GPUs -> layer-llama2-7b-tp2-2gpu
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
 #   layouts-gpt-1b LAYOUTS [MODES]               each layout against one GPU, 30 steps, the layout rule -> layouts-gpt-1b-4gpu
@@ -228,8 +228,11 @@ case $part in
     run 590 layer "${big[@]}" python3 -m coat_compare.fidelity --preset llama2-7b --layers 1 --micro-batch 2 --out "$out"
     cat "$out/fidelity.md" ;;
   tp-gpu-tests)
-    run 300 pytest-tp python3 -m pytest -q -m gpu -p no:cacheprovider tests/megatron/test_sequence_parallel.py
-    tail -3 "$out/pytest-tp.log" ;;
+    # the TP path's GPU tests, the lean path's kernels and its launch count at TP 2 + SP (-rxs: each xfail's counts)
+    run 420 pytest-tp python3 -m pytest -q -rxs -m gpu -p no:cacheprovider tests/megatron/test_sequence_parallel.py \
+      tests/megatron/test_layer_launches.py tests/kernels/test_per_tensor.py tests/kernels/test_norm.py tests/fp8/test_ops.py \
+      tests/fp8/test_chunked_transposes.py tests/megatron/test_graphed_coat_layer.py tests/compare/test_lean_layer.py
+    grep -hE "^rank [01]: |XFAIL|FAILED|passed|failed" "$out/pytest-tp.log" | cut -c1-300 ;;
   layer-llama2-7b-tp2)
     mb=${1:-4}
     run 400 "layer-tp2-mb$mb" coat-compare --preset llama2-7b-layer --tp 2 --micro-batch "$mb" \
