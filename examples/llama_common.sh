@@ -13,16 +13,16 @@
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 launch_llama() {
-    local gpus=${GPUS:-$(python -c "import torch; print(max(1, torch.cuda.device_count()))")}
+    local gpus=${GPUS:-$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")}
     local data impl precision fusion layout
     if [[ -n "${DATA_PATH:-}" ]]; then
         data=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "${TOKENIZER:?set TOKENIZER with DATA_PATH}")
     else
         data=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB:-32000}")
     fi
-    if python -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
+    if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
     # Megatron's default gradient-accumulation fusion needs apex's fused wgrad kernel
-    if python -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
+    if python3 -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
     # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
     # warm-up began (benchmarks/results/llama2-13b-1gpu)
     local mode=${MODE:-$([[ "${COAT:-1}" == 1 ]] && echo coat || echo bf16)}
@@ -40,7 +40,7 @@ launch_llama() {
     layout=(--tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}")
     (( ${TP:-1} > 1 )) && layout+=(--sequence-parallel)
 
-    local command=(python -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch "$HERE/pretrain_gpt.py"
+    local command=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch "$HERE/pretrain_gpt.py"
         "${MODEL[@]}"
         --swiglu --normalization RMSNorm --norm-epsilon 1e-5 --disable-bias-linear
         --position-embedding-type rope --rotary-base "${ROPE_BASE:-10000}" --untie-embeddings-and-output-weights

@@ -3,6 +3,8 @@
 # in several parallel layouts, BF16 against --coat-fp8, eager and with per-layer CUDA graphs.
 # The model is scripts/gpu_pretrain.sh's 1b shape (16 layers, hidden 2048, SwiGLU FFN 5632,
 # 16 heads, seq 2048, RMSNorm, RoPE), micro-batch 4, global batch 16, 20 iterations, mock data.
+# SIZE=llama3-8b runs examples/llama3_8b.sh itself (its shape and flags, mock data, ITERS iterations),
+# each layout's and mode's flags after its own.
 # Each layout runs on TP x PP x DP GPUs:
 #   one     no parallelism: the reference of each mode's losses  1 GPU
 #   pp2     PP 2                                           2 GPUs
@@ -10,13 +12,14 @@
 #   tp2     TP 2 + sequence parallel                       2 GPUs
 #   tp2pp2  TP 2 x PP 2 + sequence parallel                4 GPUs
 #   dp2     DP 2 (where --coat-fp8 alone turns graphs on)  2 GPUs
+#   dp4     DP 4                                           4 GPUs
 # Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, te-fp8 (TE FP8
 # with current scaling: --fp8-format hybrid --fp8-recipe tensorwise; needs TE), te-fp8-graphs, coat
 # (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 with graphs), coat-auto (--coat-fp8
 # alone: what a user gets); +nosync and +gc after a mode add --coat-p2p-sync off (no device synchronization
 # after each pipeline exchange) and --manual-gc --manual-gc-interval 10 (coat-auto+nosync+gc). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
 # under PP (where megatron-core 0.19's local graphs do not run). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
-# $RES/summary.md from all the logs in $RES (earlier calls' too): tokens/s (median of the iterations
+# $RES/summary.md and rows.jsonl (scripts/pretrain_summary.py) from the logs in $RES (earlier calls' too): tokens/s (median of the iterations
 # after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
 # to BF16, the logged loss first and last, and its largest difference from the same mode's run in
 # layout "one" at the same logged iterations (the same seed, data and global batch); and copies the
@@ -33,7 +36,7 @@
 # (default "bf16 bf16-graphs coat coat-graphs"), GRAPHS (local | transformer_engine: the -graphs modes' graphs in
 # every layout, instead of each layout's own), ITERS (default 20), CAP (seconds per run, default
 # 150: a run that stalls is stopped and its row says so; 20 s before, each of its ranks writes its Python
-# stacks to $RES/stacks-LAYOUT-MODE/coat-stacks-rankN.txt: COAT_STACKS_AFTER), SIZE (1b | tiny), FUSION (0: pass
+# stacks to $RES/stacks-LAYOUT-MODE/coat-stacks-rankN.txt: COAT_STACKS_AFTER), SIZE (1b | llama3-8b | tiny), FUSION (0: pass
 # --no-gradient-accumulation-fusion, see scripts/gpu_pretrain.sh; 1: leave Megatron's default, which needs apex).
 set -uo pipefail
 out=${RES:-/tmp/pretrain-layouts}
@@ -50,10 +53,11 @@ case "${SIZE:-1b}" in
   1b)   model=(--num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
                --seq-length 2048 --max-position-embeddings 2048 --vocab-size 32000 --micro-batch-size 4
                --global-batch-size 16 --num-workers 2) ;;
+  llama3-8b) recipe=examples/llama3_8b.sh; model=() ;;  # the recipe itself: its shape and flags, mock data
   tiny) model=(--num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
                --seq-length 64 --max-position-embeddings 64 --vocab-size 256 --micro-batch-size 2
                --global-batch-size 4 --num-workers 0) ;;
-  *)    echo "SIZE=${SIZE:-}: use 1b or tiny" >&2; exit 2 ;;
+  *)    echo "SIZE=${SIZE:-}: use 1b, llama3-8b or tiny" >&2; exit 2 ;;
 esac
 if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
 common=("${model[@]}" --swiglu --normalization RMSNorm --disable-bias-linear --position-embedding-type rope
@@ -72,7 +76,8 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
     tp2)    gpus=2; parallel=(--tensor-model-parallel-size 2 --sequence-parallel) ;;
     tp2pp2) gpus=4; parallel=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel) ;;
     dp2)    gpus=2; parallel=() ;;
-    *) echo "layout $layout: use one, pp2, pp2vp2, tp2, tp2pp2 or dp2" >&2; exit 2 ;;
+    dp4)    gpus=4; parallel=() ;;
+    *) echo "layout $layout: use one, pp2, pp2vp2, tp2, tp2pp2, dp2 or dp4" >&2; exit 2 ;;
   esac
   # each mode's graphs as they run there: Megatron's local per-layer graphs do not run under PP
   # (megatron-core 0.19), its TE-based ones do (what --coat-fp8 alone picks there)
@@ -99,9 +104,15 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
       esac
     done
     # a run still going 20 s before its cap writes each rank's stacks (coat_patches.launch), then is stopped
+    if [ -n "${recipe:-}" ]; then  # the recipe's command with this layout, mode and logging after its own flags
+      command=(env GPUS="$gpus" MODE=bf16 ITERS="$iters" bash "$root/$recipe" --log-interval "$log_interval"
+               --log-memory-interval "$iters" --eval-iters 0 --eval-interval 1000000 "${parallel[@]}" "${flags[@]}")
+    else
+      command=(python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" -m coat_patches.launch
+               "$root/examples/pretrain_gpt.py" "${common[@]}" "${parallel[@]}" "${flags[@]}")
+    fi
     COAT_STACKS_AFTER=$((cap > 40 ? cap - 20 : cap / 2)) COAT_STACKS_DIR="$out/stacks-$layout-$mode" \
-      run "$cap" "$layout-$mode" python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" \
-      -m coat_patches.launch "$root/examples/pretrain_gpt.py" "${common[@]}" "${parallel[@]}" "${flags[@]}"
+      run "$cap" "$layout-$mode" "${command[@]}"
     grep -hE "coat-megatron-run: |iteration +$iters/" "$out/$layout-$mode.log" | cut -c1-200
     if compgen -G "$out/stacks-$layout-$mode/*.txt" >/dev/null; then  # where each rank waited: the main thread's
       for f in "$out/stacks-$layout-$mode"/*.txt; do  # innermost frames (faulthandler lists the oldest thread last)
@@ -111,78 +122,9 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
   done
 done
 
-python3 - "$out" <<'PY' | tee "$out/summary.md"
-"""summary.md: one row per log in the results folder."""
-import pathlib, re, statistics, sys
-
-out = pathlib.Path(sys.argv[1])
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([\d.Ee+-]+)")
-MEMORY = re.compile(r"\[Rank (\d+)\] \(after \d+ iterations\) memory \(MB\) \| allocated: [\d.]+ \| "
-                    r"max allocated: ([\d.]+) \| reserved: [\d.]+ \| max reserved: ([\d.]+)")
-ARG = lambda name, text: (re.search(rf"^\s+{name} \.+ (\S+)$", text, re.M) or [None, "?"])[1]
-
-rows = {}
-for log in sorted(out.glob("*-*.log")):
-    layout, mode = log.stem.split("-", 1)
-    text = log.read_text(errors="replace")
-    times = [(int(i), int(n), float(ms)) for i, n, ms in ITERATION.findall(text)]
-    total = times[-1][1] if times else 0
-    steady = [ms for i, n, ms in times if i > n // 2]
-    memory = {}
-    for rank, peak, reserved in MEMORY.findall(text):
-        memory[int(rank)] = (float(peak), float(reserved))  # the last report of each rank
-    tokens = int(ARG("global_batch_size", text)) * int(ARG("seq_length", text)) if times else 0
-    world = ARG("world_size", text)
-    done = bool(times) and times[-1][0] == total
-    lines = text.splitlines()
-    errors = [line.strip() for line in lines if re.search(r"coat-megatron-run: error|\w+Error(: |$)", line)]
-    error = next((e for e in errors if "ChildFailedError" not in e), "")  # the rank's, not torchrun's
-    if error.endswith("AssertionError"):  # a bare assertion: name the failed statement
-        asserts = [line.split("]:", 1)[-1].strip() for line in lines if re.search(r"^\S*\s+assert ", line)]
-        error = f"{error}: {asserts[-1]}" if asserts else error
-    rows[layout, mode] = dict(
-        gpus=world, graphs=ARG("cuda_graph_impl", text),
-        tokens_s=tokens * 1000 / statistics.median(steady) if done and steady else None,
-        peak=max((p for p, _ in memory.values()), default=None),
-        memory=" / ".join(f"{p:,.0f} ({r:,.0f})" for _, (p, r) in sorted(memory.items())),
-        status="ok" if done else f"stopped: {error[:90] or 'no iteration finished (see the log)'}",
-        losses={int(i): float(v) for i, v in LOSS.findall(text)},
-    )
-
-
-def ratio(a, b):
-    return f"{a / b:.2f}" if a and b else ""
-
-
-def losses(row, layout, mode):
-    got = row["losses"]
-    first_last = f"{got[min(got)]:.4f} -> {got[max(got)]:.4f}" if got else ""
-    ref = rows.get(("one", mode), {}).get("losses", {})
-    common = sorted(set(got) & set(ref))
-    if layout == "one" or not common:
-        return first_last, ""
-    return first_last, f"{max(abs(got[i] - ref[i]) for i in common):.2e}"
-
-
-print("| layout | mode | GPUs | graphs | tokens/s | tokens/s per GPU | x BF16 eager | x BF16 same graphs "
-      "| peak x BF16 eager | loss first -> last | largest loss difference vs one | x TE FP8 same graphs "
-      "| x the mode without +options | peak allocated (reserved) MiB per rank | status |")
-print("|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|")
-for (layout, mode), row in sorted(rows.items()):
-    eager = rows.get((layout, "bf16"), {})
-    same = rows.get((layout, "bf16-graphs" if row["graphs"] != "none" else "bf16"), {})
-    te = rows.get((layout, "te-fp8-graphs" if row["graphs"] != "none" else "te-fp8"), {})
-    plain = rows.get((layout, mode.split("+")[0]), {}) if "+" in mode else {}
-    tps = row["tokens_s"]
-    per_gpu = f"{tps / int(row['gpus']):,.0f}" if tps and row["gpus"].isdigit() else ""
-    print(f"| {layout} | {mode} | {row['gpus']} | {row['graphs']} | {f'{tps:,.0f}' if tps else ''} | {per_gpu} "
-          f"| {ratio(tps, eager.get('tokens_s'))} | {ratio(tps, same.get('tokens_s'))} "
-          f"| {ratio(row['peak'], eager.get('peak'))} | {' | '.join(losses(row, layout, mode))} "
-          f"| {ratio(tps, te.get('tokens_s'))} | {ratio(tps, plain.get('tokens_s'))} | {row['memory']} | {row['status']} |")
-PY
+python3 "$root/scripts/pretrain_summary.py" "$out" | tee "$out/summary.md"  # and $out/rows.jsonl
 if [ "$(realpath -m "$out")" != "$(realpath -m "$dest")" ]; then  # RES=OUT (the evidence parts): written in place
-  cp "$out"/*.log "$out"/summary.md "$dest"/
+  cp "$out"/*.log "$out"/summary.md "$out"/rows.jsonl "$dest"/
   for stacks in "$out"/stacks-*/; do [ -d "$stacks" ] && cp -r "$stacks" "$dest"/; done
   [ -f "$out/gpu.txt" ] && cp "$out/gpu.txt" "$dest"/
 fi

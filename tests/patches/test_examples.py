@@ -81,7 +81,7 @@ def test_llama_recipes_give_megatron_the_layout(monkeypatch, recipe, layout, tp,
     )
     assert done.returncode == 0, done.stderr
     command = shlex.split(done.stdout)
-    assert command[:7] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
+    assert command[:7] == ["python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m"]
     script = command.index(str(ROOT / "examples" / "pretrain_gpt.py"))
     assert command[script - 1] == "coat_patches.launch"
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -159,6 +159,36 @@ def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
         # global batch 4 x seq 64 tokens per iteration, over the median of iterations 3 and 4
         assert float(cells[4].replace(",", "")) == pytest.approx(256 * 1000 / statistics.median(times[2:]), rel=0.01)
     assert rows["dp2", "bf16"][6] == "1.00" and float(rows["dp2", "coat"][6]) > 0
+    # rows.jsonl: one row per run, the figures the table quotes, Megatron's own TFLOP/s beside
+    kept = {(r["layout"], r["mode"]): r for r in map(json.loads, (tmp_path / "rows.jsonl").read_text().splitlines())}
+    assert set(kept) == set(rows)
+    for key, row in kept.items():
+        assert f"{row['tokens_s']:,.0f}" == rows[key][4] and row["status"] == "ok" and row["timed_iterations"] == 2
+        assert row["megatron_tflops_per_gpu"] is not None and rows[key][13] == f"{row['megatron_tflops_per_gpu']:.1f}"
+
+
+def test_gpu_pretrain_layouts_script_runs_the_llama3_recipe_itself(tmp_path):
+    """SIZE=llama3-8b runs examples/llama3_8b.sh (here DRY_RUN=1: each run's log holds the command it
+    would start): the recipe's shape and flags, then the layout's, the mode's and the logging flags."""
+    env = _cpu_env(SIZE="llama3-8b", ITERS="12", LAYOUTS="tp2pp2 dp4", MODES="bf16-graphs coat", DRY_RUN="1",
+                   RES=str(tmp_path / "res"), OUT=str(tmp_path))  # fmt: skip
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    script = ["bash", str(ROOT / "scripts" / "gpu_pretrain_layouts.sh")]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for layout, mode, tail in [
+        ("tp2pp2", "coat", "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel "
+         "--coat-fp8 --coat-cuda-graphs off"),
+        ("tp2pp2", "bf16-graphs", "--sequence-parallel --cuda-graph-impl transformer_engine"),
+        ("dp4", "bf16-graphs", "--eval-interval 1000000 --cuda-graph-impl local"),
+    ]:  # fmt: skip
+        command = (tmp_path / f"{layout}-{mode}.log").read_text().split()
+        assert command[:6] == ["python3", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+        text = " ".join(command)
+        assert "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336" in text and "--train-iters 12" in text
+        assert "--log-interval 1 --log-memory-interval 12 --eval-iters 0" in text and text.endswith(tail)
+    kept = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert len(kept) == 4 and all(r["status"].startswith("stopped: no iteration") for r in kept)
 
 
 def test_gpu_pretrain_layouts_script_names_te_when_a_te_mode_lacks_it(tmp_path):
