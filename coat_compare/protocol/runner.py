@@ -124,12 +124,20 @@ def gpu_devices() -> list[int | None]:
     return list(range(torch.cuda.device_count())) or [None]
 
 
+def visible_device(index: int) -> str:
+    """What CUDA_VISIBLE_DEVICES names device ``index`` as this process sees it: the inherited list's
+    entry. A runner given GPU 1 alone (CUDA_VISIBLE_DEVICES=1) sees it as device 0, and its runs must
+    go to GPU 1, not to the host's GPU 0 (where two runners once shared one GPU and no run ended)."""
+    inherited = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return inherited[index] if index < len(inherited) else str(index)
+
+
 def start(job: Job, state: str) -> None:
     folder = os.path.join(state, f"seed{job.seed}")
     os.makedirs(folder, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if job.device is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(job.device)
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(job.device)
     command = [sys.executable, "-m", "coat_compare", *job.argv, "--out", folder, "--name", job.name, "--no-plots"]
     with open(os.path.join(folder, f"{job.name}.log"), "w") as log:
         log.write(" ".join(command) + "\n")
