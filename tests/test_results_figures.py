@@ -386,7 +386,6 @@ CHECKED = {
 
 # rows (and figures) no folder keeps rows for; each says "no rows: rerun or retire" in docs/results.md
 NO_ROWS = {
-    "eight-gpu-plan-cpu": "a projection printed by coat_compare.plan (retired at 94757c2); it wrote no rows",
     "interconnect-4gpu": "interconnect.md is the table benchmarks/interconnect.py printed; no rows were written",
     "llama2-7b-dp4-4gpu": "only coat-compare's report (llama2-7b-dp4-mb4.md); no .jsonl of the run was committed",
     "dp-scaling-gpt-1b-4gpu": "only coat-compare's report (gpt-1b-dp-scaling.md); no .jsonl was committed",
@@ -394,7 +393,6 @@ NO_ROWS = {
         "pretrain() writes no rows; pretrain-pp-eager.md is the launcher script's summary (two logged intervals "
         "per run, no peaks), and the runs' logs were not kept"
     ),
-    "tp-chunk-gemms-1gpu": "chunk_gemms.md is the table benchmarks/chunk_gemms.py printed; its --out rows were not kept",
     "layouts-gpt-1b-4gpu: each layout against one GPU": (
         "TP 2 x PP 2 only: its .jsonl was never committed (reports.md keeps its report); the other layouts are "
         "checked above"
