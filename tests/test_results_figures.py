@@ -391,7 +391,43 @@ def accuracy_125m():
     ]
 
 
+def fidelity():
+    # coat_compare.fidelity's rows on the H200: the 7B layer, and gpt-1b at its three checkpoints
+    found = [r for _, r in rows("gradient-fidelity-1gpu", "fidelity.jsonl") if r["device"] != "CPU"]
+    dw = ("dW qkv", "dW proj", "dW fc1", "dW fc2")
+
+    def of(preset, key):
+        got = [r for r in found if r["preset"] == preset and r["key"] == key]
+        assert got and all(r["status"] == "ok" for r in got), (preset, key)
+        return got
+
+    def dw_span(preset, key):
+        errors = [100 * r["gradients"][c]["rel_error"] for r in of(preset, key) for c in dw]
+        return f"{min(errors):.1f}-{max(errors):.1f}%"
+
+    def update(preset, key):
+        return [100 * r["update"]["all"]["rel_error"] for r in of(preset, key)]
+
+    def update_span(preset, key):
+        got = update(preset, key)
+        return f"{min(got):.1f}-{max(got):.1f}%"
+
+    above = [c - t for c, t in zip(update("gpt-1b-accuracy", "coat"), update("gpt-1b-accuracy", "te-fp8-current"))]
+    assert len(above) == 3
+    seven = "llama2-7b"
+    return [
+        f"(7B layer: dW {dw_span(seven, 'coat')} against {dw_span(seven, 'te-fp8-delayed')}, update "
+        f"{update(seven, 'coat')[0]:.1f}% against {update(seven, 'te-fp8-delayed')[0]:.1f}%)",
+        f"FP8 Adam states {update(seven, 'alone-states')[0]:.2f}% of the update",
+        f"gpt-1b at all three checkpoints: dW {dw_span('gpt-1b-accuracy', 'coat')} against TE delayed's "
+        f"{dw_span('gpt-1b-accuracy', 'te-fp8-delayed')}, update {update_span('gpt-1b-accuracy', 'coat')} "
+        f"against {update_span('gpt-1b-accuracy', 'te-fp8-delayed')}, and the update {min(above):.2f}-{max(above):.2f} "
+        "point above TE current's",
+    ]
+
+
 CHECKED = {
+    "gradient-fidelity-1gpu": fidelity,
     "accuracy-gpt-125m-paired-2gpu": accuracy_125m,
     "accuracy-gpt-1b-ablations-1gpu": ablations,
     "full-step-graphs-1gpu": full_step_graphs,
@@ -444,7 +480,6 @@ NOT_YET = {
     "accuracy-gpt-1b-1gpu: the accuracy protocol `gpt-1b-accuracy`",
     "accuracy-gpt-1b-1gpu: the screen of three candidate protocols",
     "accuracy-llama2-7b-dp4-4gpu",
-    "gradient-fidelity-1gpu",
     "layer-llama2-7b-tp2-2gpu",
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B, TP 2 x DP 2",
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2",
