@@ -364,34 +364,6 @@ def pipeline_graphs():
     ]
 
 
-def accuracy_125m():
-    # the protocol's own judgement, run again on the committed rows
-    from coat_compare.protocol import get_protocol, judge, read_rows
-
-    path = str(RESULTS / "accuracy-gpt-125m-paired-2gpu" / "rows.jsonl.gz")
-    result, _ = judge(get_protocol("gpt-125m-wsd"), read_rows([path]))
-    v, gate = result["verdict"], result["power"]
-    coat, te, both, again = v["coat"], v["te"], v["coat_minus_te"], v["sanity"]
-    growth = v["growth"]
-
-    def pct(x):
-        return f"{x:+.3%}"
-
-    def span(low, high):  # the row writes a range's first end without its % sign
-        return f"{100 * low:+.3f}..{pct(high)}"
-
-    return [
-        f"{v['verdict']} over the {coat['n']} seeds its blind power gate fixed (sd {gate['sd']:.4%} at seeds 1-6)",
-        f"default - BF16 {pct(coat['mean'])} (se {coat['se']:.3%}, one-sided 95% bounds {pct(coat['lower'])} / "
-        f"{pct(coat['upper'])}; 95% interval {span(coat['low'], coat['high'])})",
-        f"at the branch (8.2M tokens) {pct(v['branch']['mean'])}, growth {pct(growth['mean'])} "
-        f"({span(growth['low'], growth['high'])})",
-        f"TE FP8 delayed - BF16 {pct(te['mean'])} ({te['n']} seeds, se {te['se']:.3%})",
-        f"default - TE {pct(both['mean'])} ({span(both['low'], both['high'])})",
-        f"BF16 again {pct(again['mean'])} ({again['n']} seeds)",
-    ]
-
-
 def fidelity():
     # coat_compare.fidelity's rows on the H200: the 7B layer, and gpt-1b at its three checkpoints
     found = [r for _, r in rows("gradient-fidelity-1gpu", "fidelity.jsonl") if r["device"] != "CPU"]
@@ -459,7 +431,6 @@ def layer_tp2():
 CHECKED = {
     "layer-llama2-7b-tp2-2gpu": layer_tp2,
     "gradient-fidelity-1gpu": fidelity,
-    "accuracy-gpt-125m-paired-2gpu": accuracy_125m,
     "accuracy-gpt-1b-ablations-1gpu": ablations,
     "full-step-graphs-1gpu": full_step_graphs,
     "gpt-1b-eager-1gpu": gpt_1b_eager,
@@ -498,6 +469,7 @@ NO_ROWS = {
 # rows kept, but docs/results.md's figures not recomputed yet (README's of the same folders are, in
 # tests/test_readme_figures.py, where a README row quotes them)
 NOT_YET = {
+    "accuracy-gpt-125m-paired-2gpu",  # checked by tests/compare/test_accuracy_evidence.py (it runs coat_compare's judge)
     "gpt-1b-default-vs-cached-1gpu",
     "llama2-7b-default-vs-cached-1gpu",
     "gpt-1b-memory-by-mode-1gpu",

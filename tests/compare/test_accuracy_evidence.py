@@ -69,3 +69,42 @@ def test_the_quoted_figures_are_the_judgements(judged):
         s = v[key]
         mean = f"**{pct(s['mean'], 3)}**" if key == "coat" else pct(s["mean"], 3)
         assert f"| {name} | {s['n']} | {mean} | {pct(s['se'], 3, False)} |" in accuracy, name
+
+
+def test_results_index_quotes_the_125m_judgement_recomputed_from_its_rows():
+    """docs/results.md's gpt-125m-wsd row: the protocol's judge run again on the committed rows."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_readme_figures import check_index
+
+    check_index("accuracy-gpt-125m-paired-2gpu", accuracy_125m())
+
+
+def accuracy_125m():
+    # the protocol's own judgement, run again on the committed rows
+    from coat_compare.protocol import get_protocol, judge, read_rows
+
+    path = str(__import__("test_readme_figures").RESULTS / "accuracy-gpt-125m-paired-2gpu" / "rows.jsonl.gz")
+    result, _ = judge(get_protocol("gpt-125m-wsd"), read_rows([path]))
+    v, gate = result["verdict"], result["power"]
+    coat, te, both, again = v["coat"], v["te"], v["coat_minus_te"], v["sanity"]
+    growth = v["growth"]
+
+    def pct(x):
+        return f"{x:+.3%}"
+
+    def span(low, high):  # the row writes a range's first end without its % sign
+        return f"{100 * low:+.3f}..{pct(high)}"
+
+    return [
+        f"{v['verdict']} over the {coat['n']} seeds its blind power gate fixed (sd {gate['sd']:.4%} at seeds 1-6)",
+        f"default - BF16 {pct(coat['mean'])} (se {coat['se']:.3%}, one-sided 95% bounds {pct(coat['lower'])} / "
+        f"{pct(coat['upper'])}; 95% interval {span(coat['low'], coat['high'])})",
+        f"at the branch (8.2M tokens) {pct(v['branch']['mean'])}, growth {pct(growth['mean'])} "
+        f"({span(growth['low'], growth['high'])})",
+        f"TE FP8 delayed - BF16 {pct(te['mean'])} ({te['n']} seeds, se {te['se']:.3%})",
+        f"default - TE {pct(both['mean'])} ({span(both['low'], both['high'])})",
+        f"BF16 again {pct(again['mean'])} ({again['n']} seeds)",
+    ]
