@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from test_readme_figures import RESULTS, check_index
 
 from coat_compare import protocol as P
 
@@ -73,21 +74,13 @@ def test_the_quoted_figures_are_the_judgements(judged):
 
 def test_results_index_quotes_the_125m_judgement_recomputed_from_its_rows():
     """docs/results.md's gpt-125m-wsd row: the protocol's judge run again on the committed rows."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from test_readme_figures import check_index
-
     check_index("accuracy-gpt-125m-paired-2gpu", accuracy_125m())
 
 
 def accuracy_125m():
     # the protocol's own judgement, run again on the committed rows
-    from coat_compare.protocol import get_protocol, judge, read_rows
-
-    path = str(__import__("test_readme_figures").RESULTS / "accuracy-gpt-125m-paired-2gpu" / "rows.jsonl.gz")
-    result, _ = judge(get_protocol("gpt-125m-wsd"), read_rows([path]))
+    path = str(RESULTS / "accuracy-gpt-125m-paired-2gpu" / "rows.jsonl.gz")
+    result, _ = P.judge(P.get_protocol("gpt-125m-wsd"), P.read_rows([path]))
     v, gate = result["verdict"], result["power"]
     coat, te, both, again = v["coat"], v["te"], v["coat_minus_te"], v["sanity"]
     growth = v["growth"]
