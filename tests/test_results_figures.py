@@ -164,7 +164,11 @@ def swiglu_best_tiles():
         for k in kernels
     ]
     assert len(best) == 6
-    return [f"SwiGLU's kernels {min(best):.2f}-{max(best):.2f} at their best tiles"]
+    # the two shapes the sweep measured: Llama-2-7B's FFN (ops.py's default) and gpt-1b's (sweep23/1b), on an H100
+    assert {r["gpu"] for _, r in found} == {"NVIDIA H100 80GB HBM3"}
+    shapes = sorted(s.split("/", 3)[-1] for s in {s for s, _ in found})
+    assert shapes == ["h100/ops-llama2-7b.jsonl", "sweep23/1b/ops.jsonl"], shapes
+    return [f"SwiGLU's kernels {min(best):.2f}-{max(best):.2f} at their best tiles (H100, 8192 tokens"]
 
 
 def layouts():
