@@ -203,15 +203,17 @@ def max_batch():
     ]
 
 
+def pretrain_tokens_per_s(doc: dict) -> float:
+    """A --coat-report's tokens/s as coat_patches.report.summarize gives it: the median iteration, the first left
+    out."""
+    return doc["tokens_per_iteration"] / statistics.median(i["seconds"] for i in doc["iterations"][1:])
+
+
 def pretrain():
     reports = {r["mode"]: r for _, r in rows("pretrain-gpt-1b-1gpu")}
-
-    def tokens_per_s(doc):  # coat_patches.report.summarize: the median iteration, the first left out
-        return doc["tokens_per_iteration"] / statistics.median(i["seconds"] for i in doc["iterations"][1:])
-
     bf16, coat = reports["bf16"], reports["coat"]
     return [
-        f"default: {x(tokens_per_s(coat) / tokens_per_s(bf16))} BF16's tokens/s",
+        f"default: {x(pretrain_tokens_per_s(coat) / pretrain_tokens_per_s(bf16))} BF16's tokens/s",
         f"peak {x(coat['peak_memory_bytes'] / bf16['peak_memory_bytes'])}",
     ]
 
@@ -256,11 +258,10 @@ def fits_80gb_index():
     assert oom_at(codes_mb4, 4)
     others = [one(found, "llama2-7b-gb16", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "te-fp8-pa")]
     assert all(oom_at(r, 2) for r in others)
-    held = sum(v for k, v in default["bytes_per_param"].items() if k != "other")
     return [
         f"the default at micro-batch 4 ({default['global_batch'] // default['micro_batch']} per step): "
         f"{default['tokens_per_s']:.0f} tokens/s, {default['model_tflops_per_gpu']:.0f} model TFLOP/s, "
-        f"peak {gib(default['peak_MiB'])}, {held:.2f} B/param",
+        f"peak {gib(default['peak_MiB'])}, {held(default):.2f} B/param",
         f"out of memory there, {codes['tokens_per_s']:.0f} tokens/s at micro-batch {codes['micro_batch']}, "
         "where BF16, TE FP8 current and `te-fp8-pa` ran out of memory",
     ]
@@ -422,12 +423,13 @@ def default_vs_cached():
     ]
 
 
+def held(row: dict) -> float:
+    """Bytes per parameter held between steps: weights, FP8 copies, gradients, masters and states."""
+    return sum(v for k, v in row["bytes_per_param"].items() if k != "other")
+
+
 def bytes_per_param():
     quick, memory = rows("gpt-1b-default-vs-cached-1gpu"), rows("gpt-1b-memory-by-mode-1gpu")
-
-    def held(row):  # weights, FP8 copies, gradients, masters and states: what is held between steps
-        return sum(v for k, v in row["bytes_per_param"].items() if k != "other")
-
     default = one(quick, "quick/gpt-1b", mode="coat-min", graphs="none")
     bf16 = one(quick, "quick/gpt-1b", mode="bf16", graphs="none")
     te = one(memory, "gpt-1b-memory", mode="te-fp8-pa", graphs="none")
