@@ -10,9 +10,12 @@ instead. (Five figures quoted a report's rounded figure rounded again, 6018 for 
 quotes what the rows give.)"""
 
 import ast
+import gzip
 import math
 import re
 import statistics
+import tempfile
+from pathlib import Path
 
 import pytest
 from load_file import load_file
@@ -612,9 +615,11 @@ def accuracy_gpt_1b_index():
     found = [(s, r) for s, r in rows("accuracy-gpt-1b-1gpu") if "/acc1b/" in s and r["kind"] == "train"]
     assert {(r["steps"], r["global_batch"]) for _, r in found} == {(460, 32)}
 
-    def gaps(mode, decay, seeds):
-        loss = {(r["mode"], r["seed"]): r["valid_loss"] for _, r in found if r.get("lr_decay") == decay}
-        return [loss[mode, s] / loss["bf16", s] - 1 for s in seeds]
+    def gaps(mode, decay, seeds, repeat=None):  # repeat 2: BF16 run again on the same seed and data order
+        loss = {
+            (r["mode"], r["seed"], r.get("repeat")): r["valid_loss"] for _, r in found if r.get("lr_decay") == decay
+        }
+        return [loss[mode, s, repeat] / loss["bf16", s, None] - 1 for s in seeds]
 
     def mean_se(values):  # the mean and its standard error, as the report gives them
         return pct(statistics.mean(values)), f"{100 * statistics.stdev(values) / math.sqrt(len(values)):.2f}%"
@@ -629,7 +634,10 @@ def accuracy_gpt_1b_index():
         "constant learning rate: {} (seed 1234), {} (2), {} (3), {} (4)".format(*map(pct, constant)),
         f"mean of the three declared seeds {three[0]} (standard error {three[1]}), of four {four[0]} ({four[1]})",
         f"TE FP8 delayed {', '.join(map(pct, te))} ({', '.join(mean_se(te))})",
+        f"BF16 against itself {pct(*gaps('bf16', None, (1234,), 2))}.",
         f"Cosine decay: {', '.join(map(pct, cosine))} ({', '.join(mean_se(cosine))})",
+        f"TE FP8 delayed {pct(*gaps('te-fp8-delayed', 'cosine', (1234,)))} (seed 1234); "
+        f"BF16 against itself {pct(*gaps('bf16', 'cosine', (1234,), 2))}.",
         "Rule (mean <= 0.25%): missed",
     ]
 
@@ -698,7 +706,9 @@ def accuracy_llama2_7b_dp4_index():
 
 def tp2dp2_graphed():
     found = rows("llama2-7b-tp2dp2-4gpu")
-    bf16, te, coat = (one(found, "tp2dp2-local", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat"))
+    source = "c4d2c79:"  # the run after the column-parallel wgrad became one GEMM
+    bf16, te, coat = (one(found, source, kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat"))
+    before = {m: one(found, "c4d2c79~1:", kind="train", mode=m) for m in ("te-fp8-current", "coat")}
     assert {(r["tp"], r["dp"], r["micro_batch"], r["global_batch"], r["graphs"]) for r in (bf16, te, coat)} == {
         (2, 2, 1, 16, "local")
     }
@@ -706,7 +716,22 @@ def tp2dp2_graphed():
     return [
         f"BF16 {b:.0f} tokens/s, TE FP8 current {t:.0f} ({x(t / b)}), COAT {c:.0f} ({x(c / b)} BF16, {x(c / t)} TE;",
         f"peak {x(coat['peak_MiB'] / bf16['peak_MiB'])} BF16's, {x(coat['peak_MiB'] / te['peak_MiB'])} TE's",
+        f"{before['coat']['tokens_per_s']:.0f} and "
+        f"{x(before['coat']['tokens_per_s'] / before['te-fp8-current']['tokens_per_s'])} before the column-parallel "
+        "wgrad became one GEMM",
     ]
+
+
+def tp2dp2_eager():
+    """The H100 ring run's figures (its rows restored from git); the H200 run's are typed in commands.txt only."""
+    found = rows("llama2-7b-tp2dp2-4gpu")
+    ring = {m: one(found, "25b3c7a~1:", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat")}
+    assert {(r["tp"], r["dp"], r["micro_batch"], r["global_batch"], r["graphs"]) for r in ring.values()} == {
+        (2, 2, 1, 16, "none")
+    }
+    assert {r["device"] for r in ring.values()} == {"NVIDIA H100 80GB HBM3"}
+    b, t, c = (ring[m]["tokens_per_s"] for m in ("bf16", "te-fp8-current", "coat"))
+    return [f"with the ring on H100s: {b:.0f}, {t:.0f}, {c:.0f} ({x(c / b)})"]
 
 
 def tp2_host_bound():
@@ -728,6 +753,40 @@ def tp2_host_bound():
         f"{x(graphed['coat'] / graphed['te-fp8-current'])} TE), peak {x(peak)} BF16's",
         f"eager every mode {min(slower):.0f}-{max(slower):.0f}x slower",
         f"eager {x(ms['bf16'] / ms['coat'])}",
+        *tp2_step_profile(),
+        *tp2_graphs_rerun(),
+    ]
+
+
+def tp2_step_profile():
+    """The eager step profile's GPU busy fractions and kernels per step (rank 0), from its rows."""
+    found = {r["mode"]: r for _, r in rows("tp2-host-bound-and-graphs-2gpu", "step_profile-gpt-1b-tp2-eager.jsonl")}
+    modes = ("bf16", "te-fp8-current", "coat")
+    assert {(found[m]["tp"], found[m]["graphs"]) for m in modes} == {(2, "none")}
+    busy = ", ".join(f"{found[m]['gpu_busy_fraction']:.2f} {n}" for m, n in zip(modes, ("BF16", "TE", "COAT")))
+    kernels = ", ".join(f"{found[m]['kernel_launches_per_step']:.0f}" for m in modes)
+    return [f"GPU busy {busy}; kernels per step {kernels}"]
+
+
+def tp2_graphs_rerun():
+    """`--coat-fp8` alone against graphed BF16 through pretrain(): the run at 0f50b2a, whose whole logs
+    pretrain-tp2-exit-logs.txt.gz keeps, read by scripts/pretrain_summary.py's own reader."""
+    summary = load_file("scripts/pretrain_summary.py", "pretrain_summary")
+    path = RESULTS / "tp2-host-bound-and-graphs-2gpu" / "pretrain-tp2-exit-logs.txt.gz"
+    second = gzip.open(path, "rt").read().split("\n# second call")[1].split("\n# session 5")[0]
+    assert "code 0f50b2a" in second.split("\n", 1)[0]
+    runs = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for section in second.split("\n### ")[1:]:
+            name, text = section.split("\n", 1)
+            (Path(folder) / name).write_text(text)
+            run = summary.read(Path(folder) / name)
+            runs[run["mode"]] = run
+    bf16, coat = runs["bf16-graphs"], runs["coat-auto"]
+    assert bf16["status"] == coat["status"] == "ok" and bf16["gpus"] == coat["gpus"] == "2"
+    return [
+        f"`--coat-fp8` alone (graphs now on at TP) {coat['tokens_s']:.0f} tokens/s against graphed BF16 "
+        f"{bf16['tokens_s']:.0f} ({x(coat['tokens_s'] / bf16['tokens_s'])})"
     ]
 
 
@@ -781,6 +840,7 @@ CHECKED = {
     "accuracy-gpt-1b-1gpu: the screen of three candidate protocols": protocol_screen,
     "accuracy-llama2-7b-dp4-4gpu": accuracy_llama2_7b_dp4_index,
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B, TP 2 x DP 2": tp2dp2_graphed,
+    "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": tp2dp2_eager,
     "tp2-host-bound-and-graphs-2gpu": tp2_host_bound,
 }
 
@@ -792,6 +852,11 @@ NO_ROWS = {
     "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": (
         "pretrain() writes no rows; pretrain-pp-eager.md is the launcher script's summary (two logged intervals "
         "per run, no peaks), and the runs' logs were not kept"
+    ),
+    "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": (
+        "the H200 run's figures (20031, 13322, 12526): its report did not come back from the device and commands.txt "
+        "keeps only the table it printed (rerun on 4 GPUs: `speed-llama2-7b-tp2dp2 none`); the H100 ring run's are "
+        "checked above"
     ),
     "layouts-gpt-1b-4gpu: each layout against one GPU": (
         "TP 2 x PP 2 only: its .jsonl was never committed (reports.md keeps its report); the other layouts are "
@@ -805,28 +870,6 @@ NO_ROWS = {
 NOT_YET = {
     "accuracy-gpt-125m-paired-2gpu": "checked by tests/compare/test_accuracy_evidence.py (it runs coat_compare's judge)",
     "accuracy-gpt-1b-check-2gpu": "in progress: no figure is quoted before its verdict (docs/accuracy.md)",
-    "accuracy-gpt-1b-1gpu: gpt-1b, 30.1M tokens": (
-        "BF16 against itself (-0.99% constant, -0.43% cosine) and TE FP8 delayed's cosine -0.43%: those three runs' "
-        "rows were not restored into rows.jsonl.gz (git show 08a345a:benchmarks/results/default-h200x2/acc1b/"
-        "seed1234/gpt-1b-acc-bf16-run2.jsonl, 08a345a:benchmarks/results/cosine-h200x4/acc1b/seed1234/"
-        "gpt-1b-acc-{bf16-run2,te-fp8-delayed}-cosine.jsonl)"
-    ),
-    "llama2-7b-tp2dp2-4gpu: Llama-2-7B, TP 2 x DP 2": (
-        "47044 and 0.92x before the column-parallel wgrad became one GEMM: that run's rows were replaced by the "
-        "next run's (git show c4d2c79~1:benchmarks/results/llama2-7b-tp2dp2-4gpu/llama2-7b-tp2dp2-local.jsonl)"
-    ),
-    "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": (
-        "every figure: the H100 ring run's rows are in git history (git show 25b3c7a~1:benchmarks/results/"
-        "llama2-7b-tp2dp2-4gpu/llama2-7b-tp2dp2-none.jsonl), not in the folder; the H200 run's report did not "
-        "come back from the device (commands.txt copies the rows it printed)"
-    ),
-    "tp2-host-bound-and-graphs-2gpu": (
-        "the eager step profile's GPU busy fractions and kernels per step: its rows are in git history (git show "
-        "19f904e~1:benchmarks/results/tp2-host-bound-and-graphs-2gpu/step_profile-gpt-1b-tp2-eager.jsonl), the "
-        "folder keeps its report; `--coat-fp8` alone 142222 against graphed BF16 127975 (1.11x): pretrain() writes "
-        "no rows, and pretrain-tp2.log keeps one logged iteration of that run and no line of its BF16 run (the "
-        "launcher's table, pretrain-tp2-summary.md, quotes them)"
-    ),
 }
 
 
