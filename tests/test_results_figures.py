@@ -25,6 +25,7 @@ from test_readme_figures import (
     check_index,
     held,
     highest_after_step_10,
+    max_batch_runs,
     one,
     pct,
     pretrain_tokens_per_s,
@@ -552,15 +553,8 @@ def llama2_7b_speed_index():
 
 
 def max_batch_index():
-    found = rows("llama2-7b-max-batch-1gpu")
-    h200 = {r["mode"]: r for s, r in found if "issue23-h200/search7b" in s and r["kind"] == "search"}
-    x8 = {r["mode"]: r for s, r in found if "search7b-x8" in s and r["kind"] == "search"}
-    mb14 = one(found, "mb14-main", kind="train", mode="coat")
-    h100 = {r["mode"]: r for s, r in found if "issue23-h100/search7b" in s and r["kind"] == "search"}
-    h100_x8 = one(found, "issue23-h100-search-x8", kind="search", mode="coat")
+    h200, x8, mb14, h100, h100_x8 = max_batch_runs()
     coat, bf16, te = h200["coat"], h200["bf16"], h200["te-fp8-current"]
-    assert h100["bf16"]["largest_micro_batch"] == h100["te-fp8-current"]["largest_micro_batch"] == 0
-    assert mb14["micro_batch"] == x8["coat"]["largest_micro_batch"]
     return [
         f"the default at micro-batch {coat['largest_micro_batch']}, {coat['tokens_per_s']:.0f} tokens/s, "
         f"{coat['model_tflops_per_gpu']:.0f} model TFLOP/s: {x(coat['tokens_per_s'] / bf16['tokens_per_s'])} BF16 "
