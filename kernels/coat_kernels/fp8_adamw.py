@@ -325,6 +325,52 @@ def _fp8_adamw_kernel(
     tl.store(under_ptr + 2 * pid + 1, v_under)
 
 
+def _state_columns(states: list[ExpandedFp8]) -> list[list[torch.Tensor]]:
+    """A state's four columns of the launch plan: its codes (as bytes), scales, and the expansion's k
+    and center (the scales again where the state is not expanded: the kernel reads none of them)."""
+    scales = [s.scale for s in states]
+    expanded = states[0].expansion
+    return [
+        [s.codes.view(torch.uint8) for s in states],
+        scales,
+        [s.k for s in states] if expanded else scales,
+        [s.center for s in states] if expanded else scales,
+    ]
+
+
+def _launch(work, ragged, out, plan, scalars, m0, v0, k_min, k_max, write_model, split, fast) -> None:
+    """One launch of the step kernel over ``work`` (the plan's full programs, or its ragged tails)."""
+    mf, vf = fp8_format(m0.fmt), fp8_format(v0.fmt)
+    groups, warps = step_blocks(m0.group_size)
+    _fp8_adamw_kernel[(work.shape[0],)](
+        work,
+        plan.meta,
+        out,
+        *plan.bases,
+        **scalars,
+        M_FMAX=mf.max,
+        V_FMAX=vf.max,
+        M_E5M2=m0.fmt == "e5m2",
+        V_E5M2=v0.fmt == "e5m2",
+        M_EXPAND=m0.expansion,
+        V_EXPAND=v0.expansion,
+        M_TARGET=k_target(mf.max),
+        V_TARGET=k_target(vf.max),
+        K_MIN16=k_min * K_RESOLUTION,
+        K_MAX16=k_max * K_RESOLUTION,
+        WRITE_MODEL=write_model,
+        SPLIT=split,
+        ALIGN=plan.align,
+        FAST=fast,
+        PTX=compiled_for_nvidia(),
+        GROUP=m0.group_size,
+        GROUPS=groups,
+        RAGGED=ragged,
+        num_warps=warps,
+        enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
+    )
+
+
 def adamw_scalars(
     *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int
 ) -> dict[str, float]:
@@ -641,16 +687,9 @@ def fp8_adamw_step(
         ps, ws = [p.view(torch.int16) for p in ps], pick(master_lows)
     else:
         ws = pick(model_params) if model_params is not None else ps
-    m0, v0 = ms[0], vs[0]
-    m_codes = [m.codes.view(torch.uint8) for m in ms]
-    v_codes = [v.codes.view(torch.uint8) for v in vs]
-    m_scale, v_scale = [m.scale for m in ms], [v.scale for v in vs]
-    m_k = [m.k for m in ms] if m0.expansion else m_scale
-    m_c = [m.center for m in ms] if m0.expansion else m_scale
-    v_k = [v.k for v in vs] if v0.expansion else v_scale
-    v_c = [v.center for v in vs] if v0.expansion else v_scale
-    columns = [ps, gs, ws, m_codes, m_scale, m_k, m_c, v_codes, v_scale, v_k, v_c]
+    columns = [ps, gs, ws, *_state_columns(ms), *_state_columns(vs)]
     numels = [p.numel() for p in ps]
+    m0, v0 = ms[0], vs[0]
     key = (
         tuple(t.data_ptr() for col in columns for t in col),
         tuple(numels),
@@ -660,38 +699,9 @@ def fp8_adamw_step(
     )
     plan = _plan(key, columns, numels, m0.group_size, ps[0].device)
     under = torch.empty(plan.n_programs, 2, dtype=torch.int32, device=ps[0].device)
-    mf, vf = fp8_format(m0.fmt), fp8_format(v0.fmt)
-    groups, warps = step_blocks(m0.group_size)
-    fast = not use_exact_math(ps[0], exact_math)
     n_full = plan.full.shape[0]
     for work, ragged, out in ((plan.full, False, under[:n_full]), (plan.tail, True, under[n_full:])):
-        if work.shape[0] == 0:
-            continue
-        _fp8_adamw_kernel[(work.shape[0],)](
-            work,
-            plan.meta,
-            out,
-            *plan.bases,
-            **scalars,
-            M_FMAX=mf.max,
-            V_FMAX=vf.max,
-            M_E5M2=m0.fmt == "e5m2",
-            V_E5M2=v0.fmt == "e5m2",
-            M_EXPAND=m0.expansion,
-            V_EXPAND=v0.expansion,
-            M_TARGET=k_target(mf.max),
-            V_TARGET=k_target(vf.max),
-            K_MIN16=k_min * K_RESOLUTION,
-            K_MAX16=k_max * K_RESOLUTION,
-            WRITE_MODEL=model_params is not None,
-            SPLIT=master_lows is not None,
-            ALIGN=plan.align,
-            FAST=fast,
-            PTX=compiled_for_nvidia(),
-            GROUP=m0.group_size,
-            GROUPS=groups,
-            RAGGED=ragged,
-            num_warps=warps,
-            enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
-        )
+        if work.shape[0]:
+            _launch(work, ragged, out, plan, scalars, m0, v0, k_min, k_max, model_params is not None,
+                    master_lows is not None, not use_exact_math(ps[0], exact_math))  # fmt: skip
     return under.sum(dim=0, dtype=torch.int64)

@@ -358,69 +358,82 @@ def norm_to_fp8(
     rows = as_rows(x)
     n_rows, n_cols = rows.shape
     f_out, f_saved = fp8_format(out_fmt), fp8_format(saved_fmt)
-    is_ln = kind == "layernorm"
     dev = x.device
     rstd = torch.empty(n_rows, dtype=torch.float32, device=dev)
-    mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if is_ln else None
-    stats_rows, stats_warps = _stats_blocks(n_cols, group_size)
-    stats_grid = (cdiv(n_rows, stats_rows),)
-    tiles, amax, count = amax_outputs(stats_grid[0], dev)  # every program's amax, and their max (the stats kernel's)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=dev) if kind == "layernorm" else None
     x_q = torch.empty(x.shape, dtype=f_saved.dtype, device=dev)
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
     q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev, packed)
     if n_rows:
-        _norm_stats_kernel[stats_grid](
-            rows,
-            weight,
-            bias if bias is not None else weight,
-            x_q,
-            x_scales,
-            mean if is_ln else rstd,
-            rstd,
-            tiles,
-            amax,
-            count,
-            n_rows,
-            n_cols,
-            rows.stride(0),
-            eps,
-            FMAX_SAVED=f_saved.max,
-            GROUP=group_size,
-            IS_LAYERNORM=is_ln,
-            HAS_BIAS=bias is not None,
-            BLOCK_M=stats_rows,
-            BLOCK_N=max(group_size, next_power_of_2(n_cols)),
-            num_warps=stats_warps,
-            enable_fp_fusion=False,
-        )
-        block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
-        in_pass = transpose_in_pass(transpose, x.dtype)
-        _norm_quantize_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
-            rows,
-            weight,
-            bias if bias is not None else weight,
-            mean if is_ln else rstd,
-            rstd,
-            amax,
-            q,
-            q_t,
-            scale,
-            n_rows,
-            n_cols,
-            rows.stride(0),
-            FMAX=f_out.max,
-            IS_LAYERNORM=is_ln,
-            HAS_BIAS=bias is not None,
-            TRANSPOSE=in_pass,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-            enable_fp_fusion=False,
-        )
-        finish_transpose(q, q_t, transpose, in_pass)
+        amax = _stats_pass(rows, weight, bias, eps, x_q, x_scales, mean, rstd, f_saved, group_size)
+        _quantize_pass(rows, weight, bias, mean, rstd, amax, q, q_t, scale, f_out, transpose, x.dtype)
     else:
         amax = torch.zeros((), dtype=torch.float32, device=dev)
     return NormFp8(q, scale, q_t if transpose else None, x_q, x_scales, mean, rstd, amax.reshape(()))
+
+
+def _stats_pass(rows, weight, bias, eps, x_q, x_scales, mean, rstd, f_saved, group_size) -> torch.Tensor:
+    """norm_to_fp8's first pass: mean (LayerNorm; None for RMSNorm), rstd and the 1xG copy of x
+    written; returns the tensor's amax of y (a 0-d FP32 on the device)."""
+    n_rows, n_cols = rows.shape
+    stats_rows, stats_warps = _stats_blocks(n_cols, group_size)
+    stats_grid = (cdiv(n_rows, stats_rows),)
+    tiles, amax, count = amax_outputs(stats_grid[0], rows.device)  # every program's amax, and their max
+    _norm_stats_kernel[stats_grid](
+        rows,
+        weight,
+        bias if bias is not None else weight,
+        x_q,
+        x_scales,
+        mean if mean is not None else rstd,
+        rstd,
+        tiles,
+        amax,
+        count,
+        n_rows,
+        n_cols,
+        rows.stride(0),
+        eps,
+        FMAX_SAVED=f_saved.max,
+        GROUP=group_size,
+        IS_LAYERNORM=mean is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=stats_rows,
+        BLOCK_N=max(group_size, next_power_of_2(n_cols)),
+        num_warps=stats_warps,
+        enable_fp_fusion=False,
+    )
+    return amax
+
+
+def _quantize_pass(rows, weight, bias, mean, rstd, amax, q, q_t, scale, f_out, transpose, dtype) -> None:
+    """norm_to_fp8's second pass: y again from the exact x, written per tensor into q (and q_t)."""
+    n_rows, n_cols = rows.shape
+    block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
+    in_pass = transpose_in_pass(transpose, dtype)
+    _norm_quantize_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
+        rows,
+        weight,
+        bias if bias is not None else weight,
+        mean if mean is not None else rstd,
+        rstd,
+        amax,
+        q,
+        q_t,
+        scale,
+        n_rows,
+        n_cols,
+        rows.stride(0),
+        FMAX=f_out.max,
+        IS_LAYERNORM=mean is not None,
+        HAS_BIAS=bias is not None,
+        TRANSPOSE=in_pass,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
+    finish_transpose(q, q_t, transpose, in_pass)
 
 
 def norm_quantize(
