@@ -23,8 +23,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from launch_counter import LaunchCounter
+from layer_config import layer_config
 
 SIZES = (32, 2, 64, 128, 4)  # seq, micro-batch, hidden, FFN, heads
 WARM_UP = 2
@@ -66,35 +66,19 @@ def build_layer(kind: str, recipe: str | None = None, device: str = "cpu", sizes
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
     seq, micro_batch, hidden, ffn, heads = sizes
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model_parallel_cuda_manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=hidden,
-        ffn_hidden_size=ffn,
-        num_attention_heads=heads,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+    config = layer_config(
+        hidden,
+        ffn,
+        heads,
         pipeline_dtype=torch.bfloat16,
         use_cpu_initialization=device == "cpu",
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
     )
     layer = build_module(_spec(kind, recipe, device), config=config, layer_number=1).to(device)
     g = torch.Generator(device=device).manual_seed(100 + parallel_state.get_tensor_model_parallel_rank())

@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from layer_config import layer_config
 
 SEQ, BATCH, HIDDEN, FFN, HEADS = 256, 2, 256, 768, 4
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,34 +116,19 @@ def check_linears(group, rank: int, n: int) -> None:
 
 def coat_layer(overlap: bool):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import build_module
 
     from coat_megatron.config import CoatConfig
     from coat_megatron.spec import get_gpt_layer_coat_spec
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=HEADS,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
+    config = layer_config(
+        HIDDEN,
+        FFN,
+        HEADS,
         use_cpu_initialization=DEVICE == "cpu",
         tensor_model_parallel_size=dist.get_world_size(),
         sequence_parallel=True,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
     )
     spec = get_gpt_layer_coat_spec(CoatConfig(tp_comm_overlap=overlap), core_attention=DotProductAttention)
     layer = build_module(spec, config=config, layer_number=1).to(DEVICE)

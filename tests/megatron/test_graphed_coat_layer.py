@@ -11,7 +11,7 @@ that eager and replayed runs can be compared bit for bit.
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from layer_config import layer_config
 
 pytestmark = pytest.mark.gpu
 
@@ -35,31 +35,12 @@ def megatron_on_one_gpu(tmp_path):
 
 def coat_layer(coat_config=None):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.spec_utils import build_module
 
     from coat_megatron.spec import get_gpt_layer_coat_spec
 
-    config = TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        ffn_hidden_size=FFN,
-        num_attention_heads=HEADS,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
+    config = layer_config(HIDDEN, FFN, HEADS)
     spec = get_gpt_layer_coat_spec(coat_config, core_attention=DotProductAttention)
     layer = build_module(spec, config=config, layer_number=1).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
