@@ -17,7 +17,7 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from layer_config import layer_config
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
@@ -48,35 +48,18 @@ def tiny_config(
     or a fused kernel is off; dropout is 0 so that runs are deterministic. ``params_dtype`` BF16
     turns on Megatron's BF16 mixed precision (FP32 main params and grads in DDP and the optimizer).
     """
-    bf16 = params_dtype == torch.bfloat16
     fields = dict(
         num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         sequence_parallel=sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
-        bf16=bf16,
+        bf16=params_dtype == torch.bfloat16,
         use_cpu_initialization=True,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        apply_rope_fusion=False,
         cross_entropy_loss_fusion=False,
     )
-    fields.update(overrides)
-    return TransformerConfig(**fields)
+    return layer_config(64, 128, 4, **(fields | overrides))
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
