@@ -32,8 +32,12 @@ def arg(name, text):
 
 
 def read(log):
-    layout, mode = log.stem.split("-", 1)
-    text = log.read_text(errors="replace")
+    return parse(log.name, log.read_text(errors="replace"))
+
+
+def parse(name, text):
+    """A run's row from its log's text; ``name`` is the log's file name, LAYOUT-MODE.log."""
+    layout, mode = name.removesuffix(".log").split("-", 1)
     times = [(int(i), int(n), float(ms)) for i, n, ms in ITERATION.findall(text)]
     total = times[-1][1] if times else 0
     steady = [ms for i, n, ms in times if i > n // 2]
@@ -41,7 +45,8 @@ def read(log):
     memory = {}
     for rank, peak, reserved in MEMORY.findall(text):
         memory[int(rank)] = (float(peak), float(reserved))  # the last report of each rank
-    tokens = int(arg("global_batch_size", text)) * int(arg("seq_length", text)) if times else 0
+    batch, seq = arg("global_batch_size", text), arg("seq_length", text)
+    tokens = int(batch) * int(seq) if times and "?" not in (batch, seq) else 0  # 0: a log without its arguments
     done = bool(times) and times[-1][0] == total
     lines = text.splitlines()
     errors = [line.strip() for line in lines if re.search(r"coat-megatron-run: error|\w+Error(: |$)", line)]
@@ -58,14 +63,14 @@ def read(log):
         iterations=len(times),
         timed_iterations=len(steady),
         ms_per_iteration=ms,
-        tokens_s=tokens * 1000 / ms if ms else None,
+        tokens_s=tokens * 1000 / ms if ms and tokens else None,
         megatron_tflops_per_gpu=statistics.median(tflops) if done and tflops else None,
         peak=max((p for p, _ in memory.values()), default=None),
         peak_reserved_mib={str(r): pr for r, (_, pr) in sorted(memory.items())},
         peak_allocated_mib={str(r): p for r, (p, _) in sorted(memory.items())},
         status="ok" if done else f"stopped: {error[:90] or 'no iteration finished (see the log)'}",
         losses={str(i): float(v) for i, v in LOSS.findall(text)},
-        log=log.name,
+        log=name,
     )
 
 

@@ -225,18 +225,22 @@ def pretrain():
     ]
 
 
+def gpt_1b_runs() -> list[dict]:
+    """The rows of gpt-1b's 460-step accuracy runs (accuracy-gpt-1b-1gpu)."""
+    return [r for s, r in rows("accuracy-gpt-1b-1gpu") if "/acc1b/" in s and r["kind"] == "train"]
+
+
+def gpt_1b_gaps(mode: str, decay: str | None, seeds, repeat: int | None = None) -> list[float]:
+    """(L_mode - L_bf16) / L_bf16 of those runs per seed, at one learning-rate decay (None: constant);
+    ``repeat`` 2 picks the BF16 run made again on the same seed and data order."""
+    loss = {
+        (r["mode"], r["seed"], r.get("repeat")): r["valid_loss"] for r in gpt_1b_runs() if r.get("lr_decay") == decay
+    }
+    return [loss[mode, s, repeat] / loss["bf16", s, None] - 1 for s in seeds]
+
+
 def accuracy_gpt_1b():
-    found = [(s, r) for s, r in rows("accuracy-gpt-1b-1gpu") if "/acc1b/" in s and r["kind"] == "train"]
-
-    def gaps(mode, decay, seeds):
-        # the first run of each mode and seed (repeat 2: BF16 run again, docs/results.md's row)
-        loss = {
-            (r["mode"], r["seed"]): r["valid_loss"]
-            for _, r in found
-            if r.get("lr_decay") == decay and r.get("repeat") is None
-        }
-        return [loss[mode, s] / loss["bf16", s] - 1 for s in seeds]
-
+    gaps = gpt_1b_gaps
     constant = gaps("coat", None, (1234, 2, 3, 4))
     cosine = gaps("coat", "cosine", (1234, 2, 3))
     te = gaps("te-fp8-delayed", None, (1234, 2, 3))

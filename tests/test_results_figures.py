@@ -14,8 +14,6 @@ import gzip
 import math
 import re
 import statistics
-import tempfile
-from pathlib import Path
 
 import pytest
 from load_file import load_file
@@ -23,6 +21,8 @@ from test_readme_figures import INDEX_CHECKED as README_INDEX_CHECKED
 from test_readme_figures import (
     RESULTS,
     check_index,
+    gpt_1b_gaps,
+    gpt_1b_runs,
     held,
     highest_after_step_10,
     max_batch_runs,
@@ -606,14 +606,8 @@ def optimizer_step_index():
 
 
 def accuracy_gpt_1b_index():
-    found = [(s, r) for s, r in rows("accuracy-gpt-1b-1gpu") if "/acc1b/" in s and r["kind"] == "train"]
-    assert {(r["steps"], r["global_batch"]) for _, r in found} == {(460, 32)}
-
-    def gaps(mode, decay, seeds, repeat=None):  # repeat 2: BF16 run again on the same seed and data order
-        loss = {
-            (r["mode"], r["seed"], r.get("repeat")): r["valid_loss"] for _, r in found if r.get("lr_decay") == decay
-        }
-        return [loss[mode, s, repeat] / loss["bf16", s, None] - 1 for s in seeds]
+    assert {(r["steps"], r["global_batch"]) for r in gpt_1b_runs()} == {(460, 32)}
+    gaps = gpt_1b_gaps
 
     def mean_se(values):  # the mean and its standard error, as the report gives them
         return pct(statistics.mean(values)), f"{100 * statistics.stdev(values) / math.sqrt(len(values)):.2f}%"
@@ -769,13 +763,8 @@ def tp2_graphs_rerun():
     path = RESULTS / "tp2-host-bound-and-graphs-2gpu" / "pretrain-tp2-exit-logs.txt.gz"
     second = gzip.open(path, "rt").read().split("\n# second call")[1].split("\n# session 5")[0]
     assert "code 0f50b2a" in second.split("\n", 1)[0]
-    runs = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for section in second.split("\n### ")[1:]:
-            name, text = section.split("\n", 1)
-            (Path(folder) / name).write_text(text)
-            run = summary.read(Path(folder) / name)
-            runs[run["mode"]] = run
+    runs = [summary.parse(*section.split("\n", 1)) for section in second.split("\n### ")[1:]]
+    runs = {run["mode"]: run for run in runs}
     bf16, coat = runs["bf16-graphs"], runs["coat-auto"]
     assert bf16["status"] == coat["status"] == "ok" and bf16["gpus"] == coat["gpus"] == "2"
     return [
@@ -791,10 +780,9 @@ def pretrain_log_ms(path) -> dict[str, float]:
     out, batches = {}, set()
     for section in path.read_text().split("==== ")[1:]:
         name, text = section.split("\n", 1)
-        times = [(int(i), int(n), float(ms)) for i, n, ms in summary.ITERATION.findall(text)]
-        steady = [ms for i, n, ms in times if i > n // 2]
-        assert times[-1][0] == times[-1][1] and steady, name
-        out[name.split()[0].removesuffix(".log").split("-", 2)[2]] = statistics.median(steady)
+        run = summary.parse(name.split()[0].removeprefix("pretrain-"), text)
+        assert run["status"] == "ok", name
+        out[run["mode"]] = run["ms_per_iteration"]
         batches |= set(re.findall(r"global batch size:\s+(\d+)", text))
     assert len(batches) == 1  # every run the same tokens per iteration: tokens/s go as 1 / ms
     return out

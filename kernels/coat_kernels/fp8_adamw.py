@@ -338,16 +338,11 @@ def _state_columns(states: list[ExpandedFp8]) -> list[list[torch.Tensor]]:
     ]
 
 
-def _launch(work, ragged, out, plan, scalars, m0, v0, k_min, k_max, write_model, split, fast) -> None:
-    """One launch of the step kernel over ``work`` (the plan's full programs, or its ragged tails)."""
+def _constants(m0: ExpandedFp8, v0: ExpandedFp8, k_min, k_max, *, write_model, split, fast, align) -> dict:
+    """The step kernel's compile-time arguments and launch options, the same for both of its launches."""
     mf, vf = fp8_format(m0.fmt), fp8_format(v0.fmt)
     groups, warps = step_blocks(m0.group_size)
-    _fp8_adamw_kernel[(work.shape[0],)](
-        work,
-        plan.meta,
-        out,
-        *plan.bases,
-        **scalars,
+    return dict(
         M_FMAX=mf.max,
         V_FMAX=vf.max,
         M_E5M2=m0.fmt == "e5m2",
@@ -360,12 +355,11 @@ def _launch(work, ragged, out, plan, scalars, m0, v0, k_min, k_max, write_model,
         K_MAX16=k_max * K_RESOLUTION,
         WRITE_MODEL=write_model,
         SPLIT=split,
-        ALIGN=plan.align,
+        ALIGN=align,
         FAST=fast,
         PTX=compiled_for_nvidia(),
         GROUP=m0.group_size,
         GROUPS=groups,
-        RAGGED=ragged,
         num_warps=warps,
         enable_fp_fusion=fast,  # exact mode: no FMA contraction (bit-identical to torch)
     )
@@ -699,9 +693,12 @@ def fp8_adamw_step(
     )
     plan = _plan(key, columns, numels, m0.group_size, ps[0].device)
     under = torch.empty(plan.n_programs, 2, dtype=torch.int32, device=ps[0].device)
+    flags = dict(write_model=model_params is not None, split=master_lows is not None, align=plan.align)
+    constants = _constants(m0, v0, k_min, k_max, fast=not use_exact_math(ps[0], exact_math), **flags)
     n_full = plan.full.shape[0]
     for work, ragged, out in ((plan.full, False, under[:n_full]), (plan.tail, True, under[n_full:])):
         if work.shape[0]:
-            _launch(work, ragged, out, plan, scalars, m0, v0, k_min, k_max, model_params is not None,
-                    master_lows is not None, not use_exact_math(ps[0], exact_math))  # fmt: skip
+            _fp8_adamw_kernel[(work.shape[0],)](
+                work, plan.meta, out, *plan.bases, **scalars, **constants, RAGGED=ragged
+            )
     return under.sum(dim=0, dtype=torch.int64)
