@@ -36,6 +36,7 @@ NOT_RESTORED: dict[str, str] = {}
 # checked from the same folder's rows.jsonl.gz by another test
 CHECKED_ELSEWHERE = {
     "accuracy: [paired protocol]": "tests/compare/test_accuracy_evidence.py",
+    "accuracy: 1B check": "tests/compare/test_accuracy_evidence.py",
 }
 
 
@@ -237,18 +238,6 @@ def gpt_1b_gaps(mode: str, decay: str | None, seeds, repeat: int | None = None) 
         (r["mode"], r["seed"], r.get("repeat")): r["valid_loss"] for r in gpt_1b_runs() if r.get("lr_decay") == decay
     }
     return [loss[mode, s, repeat] / loss["bf16", s, None] - 1 for s in seeds]
-
-
-def accuracy_gpt_1b():
-    gaps = gpt_1b_gaps
-    constant = gaps("coat", None, (1234, 2, 3, 4))
-    cosine = gaps("coat", "cosine", (1234, 2, 3))
-    te = gaps("te-fp8-delayed", None, (1234, 2, 3))
-    return [
-        "constant rate: " + ", ".join(map(pct, constant)) + f" (mean {pct(statistics.mean(constant))})",
-        "cosine: " + ", ".join(map(pct, cosine)),
-        "TE FP8 delayed " + ", ".join(map(pct, te)),
-    ]
 
 
 def fits_80gb():
@@ -477,7 +466,6 @@ CHECKED = {
     "Llama-2-7B end to end, micro-batch 1, global batch 8": llama2_7b_speed,
     "Llama-2-7B, each mode at its largest micro-batch (eager)": max_batch,
     "`--coat-fp8` through Megatron's `pretrain()`": pretrain,
-    "accuracy: gpt-1b, 460 steps": accuracy_gpt_1b,
     "accuracy: Llama-2-7B, one seed": accuracy_llama2_7b,
     "Llama-2-7B, seq 2048, global batch 16, one 80 GB GPU": fits_80gb,
     "Llama-2-13B, 4 GPUs, graphed": llama2_13b_4gpu,

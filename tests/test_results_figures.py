@@ -851,7 +851,7 @@ NO_ROWS = {
 # the rows), or in a report or log only
 NOT_YET = {
     "accuracy-gpt-125m-paired-2gpu": "checked by tests/compare/test_accuracy_evidence.py (it runs coat_compare's judge)",
-    "accuracy-gpt-1b-check-2gpu": "in progress: no figure is quoted before its verdict (docs/accuracy.md)",
+    "accuracy-gpt-1b-check-2gpu": "checked by tests/compare/test_accuracy_evidence.py (it runs coat_compare's judge)",
 }
 
 
