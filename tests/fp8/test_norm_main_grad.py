@@ -19,17 +19,23 @@ SHAPE = (24, 160)
 GARBAGE = 7.0  # what main_grad holds before a step's first micro-batch: written over, not added to
 
 
-@pytest.fixture(params=["reference", "triton"])
+@pytest.fixture(params=["reference", "triton", pytest.param("cuda", marks=pytest.mark.gpu)])
 def kernels(request, monkeypatch):
-    monkeypatch.setattr(backend, "_OVERRIDE", request.param)
+    """Where and how the norm runs: the torch references or the Triton kernels (interpreted) on the
+    CPU, or the GPU's kernels."""
+    if request.param != "cuda":
+        monkeypatch.setattr(backend, "_OVERRIDE", request.param)
     return request.param
 
 
-def inputs(kind, seed):
+def inputs(kind, seed, kernels):
+    device = "cuda" if kernels == "cuda" else "cpu"
     g = torch.Generator().manual_seed(seed)
     w = (1.0 + 0.2 * torch.randn(SHAPE[1], generator=g)).to(torch.bfloat16)
     b = (0.1 * torch.randn(SHAPE[1], generator=g)).to(torch.bfloat16) if kind == "layernorm" else None
-    return w, b, [(activations(SHAPE, seed + 2 * i), activations(SHAPE, seed + 2 * i + 1)) for i in range(2)]
+    batches = [(activations(SHAPE, seed + 2 * i), activations(SHAPE, seed + 2 * i + 1)) for i in range(2)]
+    move = lambda t: t.to(device) if t is not None else None  # noqa: E731
+    return move(w), move(b), [(move(x), move(dy)) for x, dy in batches]
 
 
 def params(w, b, main_dtype=None, flag=None):
@@ -40,7 +46,7 @@ def params(w, b, main_dtype=None, flag=None):
             continue
         p = torch.nn.Parameter(t.clone())
         if main_dtype is not None:
-            p.main_grad = torch.full(t.shape, GARBAGE, dtype=main_dtype)
+            p.main_grad = torch.full(t.shape, GARBAGE, dtype=main_dtype, device=t.device)
         if flag is not None:
             p.grad_added_to_main_grad = flag
         out.append(p)
@@ -61,7 +67,7 @@ STORES = pytest.mark.parametrize("store", ["fp8", "bf16"])
 @KINDS
 @STORES
 def test_a_steps_first_micro_batch_writes_main_grad_and_autograd_gets_a_placeholder(kernels, kind, store, seed):
-    w, b, batches = inputs(kind, seed)
+    w, b, batches = inputs(kind, seed, kernels)
     (x, dy), _ = batches
     plain = params(w, b)
     dx_plain = micro_batch(kind, *plain, x, dy, input_store=store)  # no main_grad: dW to autograd
@@ -80,7 +86,7 @@ def test_a_steps_first_micro_batch_writes_main_grad_and_autograd_gets_a_placehol
 @KINDS
 @pytest.mark.parametrize("main_dtype", [torch.float32, torch.bfloat16])
 def test_later_micro_batches_add_into_main_grad_rounding_once(kernels, kind, main_dtype, seed):
-    w, b, batches = inputs(kind, seed)
+    w, b, batches = inputs(kind, seed, kernels)
     alone = []
     for x, dy in batches:  # each micro-batch's dW alone, in FP32
         ps = params(w, b, torch.float32, flag=False)
@@ -98,7 +104,7 @@ def test_later_micro_batches_add_into_main_grad_rounding_once(kernels, kind, mai
 
 @KINDS
 def test_without_the_protocol_autograd_gets_the_gradient(kernels, kind, seed):
-    w, b, batches = inputs(kind, seed)
+    w, b, batches = inputs(kind, seed, kernels)
     (x, dy), _ = batches
     plain = params(w, b)
     micro_batch(kind, *plain, x, dy)
@@ -119,7 +125,7 @@ def test_without_the_protocol_autograd_gets_the_gradient(kernels, kind, seed):
 
 
 def test_zero_out_wgrad_gets_zeros(kernels, seed):
-    w, b, batches = inputs("rmsnorm", seed)
+    w, b, batches = inputs("rmsnorm", seed, kernels)
     (x, dy), _ = batches
     (p, _) = params(w, b, torch.float32, flag=False)
     p.zero_out_wgrad = True
