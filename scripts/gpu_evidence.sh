@@ -231,7 +231,7 @@ case $part in
   tp-gpu-tests)
     # the TP path's GPU tests, the lean path's kernels and its launch count at TP 2 + SP (-rxs: each xfail's counts)
     run 420 pytest-tp python3 -m pytest -q -rxs -m gpu -p no:cacheprovider tests/megatron/test_sequence_parallel.py \
-      tests/megatron/test_layer_launches.py tests/kernels/test_per_tensor.py tests/kernels/test_norm.py tests/fp8/test_ops.py \
+      tests/megatron/test_layer_launches.py tests/kernels/test_per_tensor.py tests/kernels/test_norm.py tests/fp8/test_norm_main_grad.py tests/fp8/test_ops.py \
       tests/fp8/test_chunked_transposes.py tests/megatron/test_graphed_coat_layer.py tests/compare/test_lean_layer.py
     grep -hE "^rank [01]: |XFAIL|FAILED|passed|failed" "$out/pytest-tp.log" | cut -c1-300 ;;
   layer-llama2-7b-tp2)

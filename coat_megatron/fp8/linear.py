@@ -173,11 +173,7 @@ class WeightGradient:
         """Add dY_c^T X_c: ``dy_t`` (out, R_c) row-major E5M2, ``x_t_cm`` (R_c, in) column-major E4M3."""
         first, main = self.sum is None, self.main
         if main is not None:
-            if (
-                first
-                and getattr(self.weight, "grad_added_to_main_grad", None) is False
-                and not _capturing_a_per_layer_graph()
-            ):
+            if first and main_grad_is_fresh(self.weight):
                 fp8_gemm(dy_t, dy_scale, x_t_cm, x_scale, out_dtype=main.dtype, out=main)
             else:
                 fp8_gemm_accumulate(dy_t, dy_scale, x_t_cm, x_scale, main, backend=self.accumulate)
@@ -190,15 +186,28 @@ class WeightGradient:
 
     def result(self) -> torch.Tensor | None:
         """What the autograd Function returns for the weight: dW, or main_grad's placeholder."""
-        weight = self.weight
         if self.main is None:
-            return self.sum.to(weight.dtype)
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None
-        weight.grad_added_to_main_grad = True
-        if getattr(weight, "zero_out_wgrad", False):
-            return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
-        return _placeholder(weight.main_grad.shape, weight.dtype, weight.device)
+            return self.sum.to(self.weight.dtype)
+        return added_to_main_grad(self.weight)
+
+
+def main_grad_is_fresh(weight: torch.Tensor) -> bool:
+    """Whether a gradient may be written into ``weight.main_grad`` rather than added: DDP has added
+    nothing to it since it zeroed it (``grad_added_to_main_grad`` False, the first micro-batch of a
+    step), and no per-layer graph is being captured (its one backward serves every micro-batch)."""
+    return getattr(weight, "grad_added_to_main_grad", None) is False and not _capturing_a_per_layer_graph()
+
+
+def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor | None:
+    """What autograd gets for a weight whose gradient went into its ``main_grad``: None without DDP's
+    flag; with it, the flag set and a placeholder that DDP's hook drops (zeros where Megatron asks
+    for ``zero_out_wgrad``)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.main_grad.shape, dtype=weight.dtype, device=weight.device)
+    return _placeholder(weight.main_grad.shape, weight.dtype, weight.device)
 
 
 # (device, dtype) -> the buffer that every placeholder weight gradient of that dtype is a view of

@@ -13,10 +13,11 @@ from __future__ import annotations
 import torch
 
 from coat_kernels import dequantize_per_group
-from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8
+from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8, write_or_add
 from coat_kernels.per_tensor import transpose_chunk_codes
 
 from ..config import INPUT_STORES
+from .linear import added_to_main_grad, main_grad_is_fresh
 from .tensor import Fp8Tensor
 
 
@@ -43,6 +44,7 @@ class _NormToFp8(torch.autograd.Function):
         transpose,
         input_store,
         packed,
+        into_main_grad,
     ):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved input); input_store: "fp8" (the 1xG copy is saved) or "bf16" (x itself)
@@ -65,7 +67,8 @@ class _NormToFp8(torch.autograd.Function):
         exact = input_store == "bf16"
         # exact: x in the slots of the codes, no scales (the kernel wrote the 1xG copy anyway; it is dropped)
         ctx.save_for_backward(x if exact else r.x_q, None if exact else r.x_scales, r.mean, r.rstd, weight)
-        ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype)
+        ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype, into_main_grad)
+        ctx.bias = bias  # the parameter (its main_grad), not an activation
         transposed_fn = None
         if transpose == "recompute":
             x_q, x_scales, mean, rstd, amax, dtype = r.x_q, r.x_scales, r.mean, r.rstd, r.amax, x.dtype
@@ -90,12 +93,25 @@ class _NormToFp8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_saved, x_scales, mean, rstd, weight = ctx.saved_tensors
-        group_size, zero_centered_gamma, has_bias, dtype = ctx.meta
+        group_size, zero_centered_gamma, has_bias, dtype, into_main_grad = ctx.meta
         multiplier = _multiplier(weight, zero_centered_gamma)
+        params = [weight, ctx.bias] if has_bias else [weight]
+        # where dW (dB) goes: the parameter's main_grad (Megatron's gradient-accumulation protocol, as
+        # COAT's linears do: written at a step's first micro-batch, added after), else a new vector in
+        # the parameter's dtype; the kernels write it there, rounding once, with no sum, cast or add
+        mains = [p.main_grad if into_main_grad and hasattr(p, "main_grad") else None for p in params]
+        accumulate = [m is not None and not main_grad_is_fresh(p) for p, m in zip(params, mains)]
+        if mains[0] is not None and has_bias and (mains[1] is None or accumulate[0] != accumulate[1]):
+            mains, accumulate = [None] * len(params), [False] * len(params)  # the two alike, or neither
+        outs = [
+            m if m is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device) for p, m in zip(params, mains)
+        ]
         if x_scales is None:  # input_store="bf16": x itself
             dx, dw, db = norm_backward_from_input(
                 grad, x_saved, multiplier, mean, rstd, has_bias=has_bias, dx_dtype=dtype
             )
+            dw = write_or_add(outs[0], dw, accumulate[0])
+            db = write_or_add(outs[1], db, accumulate[1]) if has_bias else None
         else:
             dx, dw, db = norm_backward(
                 grad.contiguous(),
@@ -107,8 +123,12 @@ class _NormToFp8(torch.autograd.Function):
                 group_size=group_size,
                 has_bias=has_bias,
                 dx_dtype=dtype,
+                dw_out=outs[0],
+                db_out=outs[1] if has_bias else None,
+                accumulate=accumulate[0],
             )
-        return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None, *([None] * 10)
+        grads = [added_to_main_grad(p) if m is not None else g for p, m, g in zip(params, mains, (dw, db))]
+        return dx, grads[0], grads[1] if has_bias else None, *([None] * 11)
 
 
 def rmsnorm_to_fp8(
@@ -123,6 +143,7 @@ def rmsnorm_to_fp8(
     transpose: str | None = "store",
     input_store: str = "fp8",
     packed: bool = False,
+    into_main_grad: bool = False,
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
@@ -134,6 +155,10 @@ def rmsnorm_to_fp8(
     itself, and the backward is the exact one (``CoatConfig.norm_input_store``).
     ``packed``: the output's codes and scale in one buffer, the message that a sequence-parallel
     consumer all-gathers as it is (``coat_kernels.per_tensor.packed_message``).
+    ``into_main_grad``: where the weight (and bias) has DDP's ``main_grad``, the backward writes its
+    gradient there, or adds it after a step's first micro-batch, and autograd gets a placeholder
+    (``CoatConfig.fuse_wgrad_accumulation``, as COAT's linears do); elsewhere the gradient, in the
+    parameter's dtype.
     """
     return _NormToFp8.apply(
         x,
@@ -148,6 +173,7 @@ def rmsnorm_to_fp8(
         transpose,
         input_store,
         packed,
+        into_main_grad,
     )
 
 
@@ -164,6 +190,7 @@ def layernorm_to_fp8(
     transpose: str | None = "store",
     input_store: str = "fp8",
     packed: bool = False,
+    into_main_grad: bool = False,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
     return _NormToFp8.apply(
@@ -179,4 +206,5 @@ def layernorm_to_fp8(
         transpose,
         input_store,
         packed,
+        into_main_grad,
     )

@@ -74,6 +74,9 @@ class CoatNorm(MegatronModule):
             input_store=self.coat.norm_input_store,
             # ... as one message, codes and scale, that it sends as it is
             packed=self.sequence_parallel,
+            # dW into DDP's main_grad in the backward's own kernels, as COAT's linears do
+            into_main_grad=self.coat.fuse_wgrad_accumulation
+            or bool(getattr(self.config, "gradient_accumulation_fusion", False)),
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

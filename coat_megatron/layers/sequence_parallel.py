@@ -180,17 +180,17 @@ class _ColumnParallelSP(torch.autograd.Function):
 
 
 def _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t: bool, n: int, r_c: int):
-    """The (in/n, R_c) transposed codes of each chunk of a row-parallel linear's X (indexed by
-    chunk), made in one go for the whole sequence: kept per chunk by the forward; requantized
-    from the kept BF16 input with the forward's amax (the same codes) and transposed chunk by chunk
-    (one pass); rearranged from the producer's transposed copy; or recomputed by the producer."""
+    """The (in/n, R_c) transposed codes of each chunk of a row-parallel linear's X (indexed by chunk),
+    made in one go for the whole sequence: kept chunk-major by the forward; requantized from the
+    kept BF16 input with the forward's amax (the same codes) and transposed chunk by chunk (one
+    pass); rearranged from the producer's transposed copy; or recomputed by the producer."""
     if chunked_t:
         return saved_t
     if x_orig is not None:  # one pass writes every chunk's transposed codes (a BF16 input's from registers)
         fmt = ctx.meta[0].forward_format
         return quantize_per_tensor_transposed(_rows(x_orig), fmt, amax=x_amax, chunks=n, check_finite=False)[0]
-    if saved_t[0] is not None:  # (in/n, R) -> (n, in/n, R_c): one copy
-        x_t = saved_t[0]
+    if saved_t is not None:  # (in/n, R) -> (n, in/n, R_c): one copy
+        x_t = saved_t
         return x_t.view(torch.uint8).view(x_t.shape[0], n, r_c).transpose(0, 1).contiguous().view(x_t.dtype)
     return ctx.x_t_fn(chunks=n)
 
@@ -213,14 +213,11 @@ class _RowParallelSP(torch.autograd.Function):
                 codes, x_scale = quantize_per_tensor(_rows(x), fmt, amax=x_amax, check_finite=False)
                 chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
                 x_orig = x
-            else:  # one scale; each chunk's codes and transposed codes from one pass over the chunk
-                parts = [
-                    quantize_per_tensor(
-                        _rows(x)[c * r_c : (c + 1) * r_c], fmt, transpose=True, amax=x_amax, check_finite=False
-                    )
-                    for c in range(n)
-                ]
-                chunks, x_scale, x_t = [p[0] for p in parts], parts[0][1], [p[2] for p in parts]
+            else:  # one scale; the codes and every chunk's transposed codes (chunk-major) from one pass
+                codes, x_scale, x_t = quantize_per_tensor(
+                    _rows(x), fmt, transpose=True, amax=x_amax, chunks=n, check_finite=False
+                )
+                chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         scatter = reduce_scatter_chunks(
             (r_c, weight.shape[0]), x.dtype, x_scale.device, group, overlap=config.tp_comm_overlap
@@ -234,15 +231,15 @@ class _RowParallelSP(torch.autograd.Function):
                 _gemm_into(part, chunks[c], x_scale, w_q, w_scale, config, fprop=True)
                 scatter.reduce(part)
         y = scatter.result().view(x.shape[0] // n, *x.shape[1:-1], weight.shape[0])
-        saved_t = x_t if isinstance(x_t, list) else [x_t]
-        ctx.save_for_backward(x_orig, x_amax, x_scale, weight, *saved_t)
+        chunked_t = x_t is not None and x_t.dim() == 3  # (n, in/n, R_c), chunk-major: made above
+        ctx.save_for_backward(x_orig, x_amax, x_scale, weight, x_t)
         ctx.x_t_fn = x_t_fn
-        ctx.meta = (config, group, n, rank, r_c, x.shape, x.dtype, main_grad, isinstance(x_t, list))
+        ctx.meta = (config, group, n, rank, r_c, x.shape, x.dtype, main_grad, chunked_t)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_orig, x_amax, x_scale, weight, *saved_t = ctx.saved_tensors
+        x_orig, x_amax, x_scale, weight, saved_t = ctx.saved_tensors
         config, group, n, rank, r_c, x_shape, x_dtype, main_grad, chunked_t = ctx.meta
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)

@@ -19,6 +19,11 @@ FP8 copy with the forward's exact mean and rstd:
     LayerNorm: dx = rstd * (g - mean(g) - x^ * mean(g * x^))
     dw = sum over rows of dy * x^,   db = sum over rows of dy
 
+The backward's programs each sum their rows' dw (db) into a row of FP32 partials; a second kernel
+sums the partials in a fixed order and writes dw in the caller's dtype, or adds it into the
+caller's buffer (a weight's ``main_grad``, Megatron's gradient-accumulation protocol), rounding
+once: no separate sum, cast or add.
+
 Shapes: x is (..., H) with H a multiple of G, read as R rows; the per-tensor output q has x's
 shape and q_t is (H, R); the saved copy x_q has x's shape with scales (..., H // G); mean and
 rstd are FP32 of R elements. ``weight`` is the effective multiplier, FP32 or the BF16/FP16
@@ -226,6 +231,62 @@ def _norm_backward_kernel(
     tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(db_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, db, mask=mask)
+
+
+@lean
+@triton.jit
+def _sum_partials_kernel(
+    p_ptr,
+    out_ptr,
+    n_parts,
+    n_cols,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # out[c] (+)= sum over p of partials[p, c], in FP32, the parts in the same order on every run
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < n_cols
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = (start + tl.arange(0, BLOCK_P)).to(tl.int64)
+        ok = (parts < n_parts)[:, None] & col_ok[None, :]
+        acc += tl.load(p_ptr + parts[:, None] * n_cols + cols[None, :], mask=ok, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if ACCUMULATE:
+        total += tl.load(out_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def write_or_add(out: torch.Tensor, total: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """The reference of the partials' last step: ``out`` (any float dtype) = (out +) total (FP32),
+    rounded once to out's dtype; returns ``out``."""
+    return out.copy_(out.float() + total if accumulate else total)
+
+
+def sum_partials(
+    partials: torch.Tensor, out: torch.Tensor, *, accumulate: bool = False, backend: str = "auto"
+) -> torch.Tensor:
+    """``out`` (H,) (+)= the column sums of ``partials`` (P, H) FP32, rounded once to out's dtype."""
+    if partials.dim() != 2 or partials.dtype != torch.float32 or not partials.is_contiguous():
+        raise ValueError(
+            f"partials must be a contiguous FP32 (P, H) matrix, got {partials.dtype} {tuple(partials.shape)}"
+        )
+    if out.shape != partials.shape[1:] or not out.is_contiguous() or not out.is_floating_point():
+        raise ValueError(
+            f"out must be a contiguous float vector of {partials.shape[1]} elements, got {out.dtype} {tuple(out.shape)}"
+        )
+    n_parts, n_cols = partials.shape
+    if n_cols == 0:
+        return out
+    if not use_triton(partials, backend) or n_parts == 0:
+        return write_or_add(out, partials.sum(dim=0), accumulate)
+    block_c = 32 if n_cols >= 2048 else 16  # columns per program: enough programs for the GPU's SMs
+    block_p = min(64, max(2, next_power_of_2(n_parts)))
+    _sum_partials_kernel[(cdiv(n_cols, block_c),)](
+        partials, out, n_parts, n_cols, ACCUMULATE=accumulate, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4
+    )
+    return out
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, group_size: int) -> None:
@@ -556,6 +617,9 @@ def norm_backward(
     group_size: int,
     has_bias: bool = False,
     dx_dtype: torch.dtype = torch.bfloat16,
+    dw_out: torch.Tensor | None = None,
+    db_out: torch.Tensor | None = None,
+    accumulate: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of ``norm_to_fp8`` from the saved 1xG FP8 copy of x.
@@ -564,21 +628,33 @@ def norm_backward(
         dy: gradient of the normalised output, x's shape (BF16 or FP32), contiguous.
         x_q, x_scales, mean, rstd: what ``norm_to_fp8`` returned for the backward.
         weight: the multiplier the forward used.
+        dw_out, db_out: where dw (db) goes, a contiguous float vector of H (the weight's dtype, or its
+            ``main_grad``): written, or with ``accumulate`` added to (rounded once); None: a new FP32 one.
     Returns:
-        ``(dx, dw, db)``: dx in ``dx_dtype`` and x's shape; dw, db FP32 vectors (db None without bias).
+        ``(dx, dw, db)``: dx in ``dx_dtype`` and x's shape; dw, db: ``dw_out``/``db_out`` or FP32
+        vectors (db None without bias).
     """
     if not dy.is_contiguous():
         raise ValueError("dy must be contiguous; pass dy.contiguous()")
+    n_cols = dy.shape[-1]
+    if dw_out is None:
+        dw_out = torch.empty(n_cols, dtype=torch.float32, device=dy.device)
+    if has_bias and db_out is None:
+        db_out = torch.empty(n_cols, dtype=torch.float32, device=dy.device)
     if not use_triton(dy, backend):
-        return norm_backward_reference(
+        dx, dw, db = norm_backward_reference(
             dy, x_q, x_scales, weight, mean, rstd, group_size=group_size, has_bias=has_bias, dx_dtype=dx_dtype
         )
-    n_cols = dy.shape[-1]
+        return dx, write_or_add(dw_out, dw, accumulate), write_or_add(db_out, db, accumulate) if has_bias else None
     n_rows = dy.numel() // max(n_cols, 1)
     dx = torch.empty(dy.shape, dtype=dx_dtype, device=dy.device)
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
-        return dx, zeros, zeros.clone() if has_bias else None
+        return (
+            dx,
+            write_or_add(dw_out, zeros, accumulate),
+            write_or_add(db_out, zeros, accumulate) if has_bias else None,
+        )
     per_sm, warps = _BACKWARD_BLOCKS
     programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
     rows_per_program = cdiv(n_rows, programs)
@@ -605,4 +681,7 @@ def norm_backward(
         BLOCK_N=block_n,
         num_warps=warps or min(16, max(4, block_n // 512)),
     )
-    return dx, dw.sum(dim=0), db.sum(dim=0) if has_bias else None
+    sum_partials(dw, dw_out, accumulate=accumulate)
+    if has_bias:
+        sum_partials(db, db_out, accumulate=accumulate)
+    return dx, dw_out, db_out if has_bias else None

@@ -410,6 +410,7 @@ def quantize_per_tensor(
     amax: torch.Tensor | None = None,
     check_finite: bool = True,
     packed: bool = False,
+    chunks: int = 1,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, ...]:
     """Quantize ``x`` to FP8 with one just-in-time scale for the whole tensor.
@@ -425,11 +426,21 @@ def quantize_per_tensor(
             With False, the returned scale is +inf for such input, and the codes are zero.
         packed: write q and scale into one buffer, the message a sequence-parallel all-gather
             sends (``packed_message``; where the codes fill whole 16-byte rows). The same values.
+        chunks: with ``transpose``, the R rows as that many equal blocks (a sequence-parallel
+            linear's chunks), each transposed on its own: q_t chunk-major, (chunks, N, R / chunks),
+            from the same pass (as ``quantize_per_tensor_transposed``, the codes written too).
     Returns:
         ``(q, scale)`` or ``(q, scale, q_t)``: FP8 codes of x's shape, a 0-d FP32 scale, and the
         per-tensor FP8 transpose.
     """
-    q, scale, q_t = _quantize(x, fmt, transpose, amax, backend, codes=True, packed=packed)
+    if chunks > 1:
+        n_rows = x.numel() // max(x.shape[-1], 1)
+        if not transpose or packed or n_rows % chunks:
+            raise ValueError(
+                f"chunks={chunks} needs transpose=True, packed=False and rows that split into equal chunks "
+                f"({n_rows} rows)"
+            )
+    q, scale, q_t = _quantize(x, fmt, transpose, amax, backend, codes=True, packed=packed, chunks=chunks)
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor")
     return (q, scale, q_t) if transpose else (q, scale)
@@ -484,6 +495,8 @@ def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, pac
         q, q_t, scale = per_tensor_outputs(
             x.shape, n_rows, n_cols, f, transpose and (in_pass or chunks == 1), x.device, packed
         )
+        if q_t is not None and chunks > 1:
+            q_t = q_t.view(chunks, n_cols, n_rows // chunks)  # the pass writes it chunk-major
     else:  # q_t alone; it also stands in for the codes' pointer, which the kernel never writes
         q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device)
         q = q_t

@@ -201,3 +201,84 @@ def test_a_packed_output_is_the_same_codes_and_scale_in_one_message(device, kind
     if message is not None:
         assert torch.equal(message[: x.numel()].cpu(), as_bytes(apart.q).reshape(-1))
         assert torch.equal(message[x.numel() : x.numel() + 4].view(torch.float32).cpu(), apart.scale.reshape(1).cpu())
+
+
+def partials_input(shape, case, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[-1], generator=g))
+    if case == "zero":
+        p.zero_()
+    elif case == "constant":
+        p.fill_(0.25)  # every partial sum exact in FP32
+    elif case == "outlier":
+        p[shape[0] // 2, shape[1] // 3] = 3.0e5
+    return p
+
+
+# parts of one block, of several (a ragged last block past 64 parts), and columns of a ragged last program
+@pytest.mark.parametrize("shape", [(1, 16), (7, 96), (130, 160), (3, 5120)], ids=str)
+@pytest.mark.parametrize("case", ["random", "zero", "constant", "outlier"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_partials_sum_into_a_vector_as_the_reference(device, shape, case, out_dtype, accumulate, seed):
+    """sum_partials: out (+)= the column sums of the backward's FP32 partials, rounded once to out's
+    dtype. The kernel sums in another order than torch: FP32 rounding of sum |p|, then one rounding to
+    out's dtype (BF16: the same value or its neighbour)."""
+    from coat_kernels.norm import sum_partials, write_or_add
+
+    p = partials_input(shape, case, seed)
+    start = (torch.randn(shape[1], generator=torch.Generator().manual_seed(seed + 1)) * 4).to(out_dtype)
+    got = sum_partials(p.to(device), start.clone().to(device), accumulate=accumulate, backend="triton").cpu()
+    want = write_or_add(start.clone(), p.sum(dim=0), accumulate)
+    assert got.dtype == out_dtype and got.shape == (shape[1],)
+    bound = 2**-22 * (p.abs().sum(dim=0) + start.float().abs() * accumulate) + (
+        2**-7 * want.float().abs() if out_dtype == torch.bfloat16 else 0
+    )
+    assert ((got.float() - want.float()).abs() <= bound).all()
+    if case in ("zero", "constant") or shape[0] == 1:  # exact sums: the same bits
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_the_backward_writes_or_adds_its_weight_gradient_into_a_given_buffer(device, kind, accumulate, seed):
+    """dw_out / db_out (a weight's BF16 main_grad): the backward's dW lands there, added to what it
+    holds with accumulate, rounded once; the vector returned is that buffer."""
+    shape = (37, 160)
+    x = random_activations(shape, seed=seed)
+    w, b = weights(shape[-1], kind, seed)
+    r = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
+    dy = random_activations(shape, seed=seed + 1, outliers=False)
+    args = [t.to(device) if t is not None else None for t in (r.x_q, r.x_scales, w, r.mean, r.rstd)]
+    g = torch.Generator().manual_seed(seed + 2)
+    held = [torch.randn(shape[-1], generator=g).to(torch.bfloat16) for _ in range(2)]
+    outs = [h.clone().to(device) for h in held]
+    got = norm_backward(
+        dy.to(device),
+        *args,
+        group_size=16,
+        has_bias=b is not None,
+        dw_out=outs[0],
+        db_out=outs[1] if b is not None else None,
+        accumulate=accumulate,
+        backend="triton",
+    )
+    want = norm_backward_reference(
+        dy, r.x_q, r.x_scales, w, r.mean, r.rstd, group_size=16, has_bias=b is not None, dx_dtype=torch.bfloat16
+    )
+    assert got[1] is outs[0] and (b is None or got[2] is outs[1])
+    for out, start, ref in zip(got[1:], held, want[1:]):
+        if ref is None:
+            continue
+        expected = (start.float() + ref if accumulate else ref).to(torch.bfloat16).float()
+        # FP32 sums in another order, then one rounding to BF16: the same value or a neighbour
+        assert torch.allclose(out.cpu().float(), expected, rtol=2**-7, atol=1e-3)
+
+
+def test_bad_partials_name_the_fix():
+    from coat_kernels.norm import sum_partials
+
+    with pytest.raises(ValueError, match="contiguous FP32 \\(P, H\\) matrix"):
+        sum_partials(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(8))
+    with pytest.raises(ValueError, match="contiguous float vector of 8 elements"):
+        sum_partials(torch.zeros(4, 8), torch.zeros(9))

@@ -361,3 +361,38 @@ def test_quantize_transposed_chunk_by_chunk_is_each_chunks_transpose(device, sha
     assert torch.equal(as_bytes(q_t), want) and torch.equal(scale.cpu(), want_scale)
     ref = quantize_per_tensor_transposed(x, "e4m3", amax=amax, chunks=chunks, backend="reference")[0]
     assert torch.equal(as_bytes(ref), want)
+
+
+@pytest.mark.parametrize("shape,chunks", [((64, 96), 2), ((3, 11, 40), 3), ((4, 16), 4), ((2, 130, 257), 2)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_quantize_with_chunked_transposes_writes_the_codes_and_each_chunks_transpose(
+    device, shape, chunks, dtype, backend, seed
+):
+    """``quantize_per_tensor(transpose=True, chunks=n)`` (a row-parallel linear's BF16 input: its codes
+    for the forward GEMM and every chunk's transposed codes for the wgrad, one pass): the codes and scale
+    of the whole tensor's quantization, bit for bit, and the transpose cut into chunks, chunk-major."""
+    if backend == "reference" and device.type == "cuda":
+        pytest.skip("the reference runs on the CPU")
+    x = random_activations(shape, dtype, seed=seed)
+    x.view(-1, shape[-1])[0] = 0.0
+    x.view(-1)[-1] = 700.0
+    amax = x.float().abs().max()
+    q, scale, q_t = quantize_per_tensor(
+        x.to(device), "e4m3", transpose=True, amax=amax.to(device), chunks=chunks, check_finite=False, backend=backend
+    )
+    want_q, want_scale, want_q_t = quantize_per_tensor_reference(x, "e4m3", transpose=True, amax=amax)
+    n_cols, n_rows = want_q_t.shape
+    assert (
+        q.shape == x.shape and torch.equal(as_bytes(q.cpu()), as_bytes(want_q)) and torch.equal(scale.cpu(), want_scale)
+    )
+    want = as_bytes(want_q_t).view(n_cols, chunks, n_rows // chunks).transpose(0, 1)
+    assert q_t.shape == (chunks, n_cols, n_rows // chunks) and q_t.is_contiguous()
+    assert torch.equal(as_bytes(q_t.cpu()), want)
+
+
+def test_chunked_transposes_need_a_transpose_and_equal_chunks():
+    x = torch.randn(6, 16)
+    for kw in (dict(transpose=False), dict(transpose=True, packed=True), dict(transpose=True, chunks=4)):
+        with pytest.raises(ValueError, match="needs transpose=True, packed=False and rows that split"):
+            quantize_per_tensor(x, "e4m3", **({"chunks": 2} | kw))

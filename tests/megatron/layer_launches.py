@@ -13,7 +13,7 @@ mode and is not COAT's: its own fwd+bwd on the same inputs is counted alone and 
 beside the layer's, and ``excluding_attention`` is the layer less it.
 
 Shapes are small and every GEMM dimension is a multiple of 16 (as on a GPU, where a K that is not
-would be padded). The COAT linears' weights carry a ``main_grad`` (BF16, COAT's default gradient
+would be padded). The COAT linears' and norms' weights carry a ``main_grad`` (BF16, COAT's default gradient
 buffers) as Megatron's DDP gives them, reset at every micro-batch as at the first of a step; the
 BF16 linears return their weight gradients to autograd (no apex on a CPU).
 """
@@ -92,10 +92,12 @@ def build_layer(kind: str, recipe: str | None = None, device: str = "cpu", sizes
 
 
 def _with_main_grads(layer) -> list[torch.nn.Parameter]:
-    """Give COAT's linear weights DDP's ``main_grad`` (BF16) and its flag; they are returned."""
+    """Give COAT's linear and norm weights DDP's ``main_grad`` (BF16) and its flag; they are returned."""
     from coat_megatron.layers.linear import CoatColumnParallelLinear, CoatRowParallelLinear
+    from coat_megatron.layers.norm import CoatNorm
 
-    weights = [m.weight for m in layer.modules() if isinstance(m, (CoatColumnParallelLinear, CoatRowParallelLinear))]
+    coats = (CoatColumnParallelLinear, CoatRowParallelLinear, CoatNorm)
+    weights = [m.weight for m in layer.modules() if isinstance(m, coats)]
     for w in weights:
         w.main_grad = torch.zeros(w.shape, dtype=torch.bfloat16, device=w.device)
     return weights
