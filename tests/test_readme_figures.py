@@ -21,7 +21,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 NO_ROWS = {
     "Llama-2-7B, DP 4, micro-batch 4, graphed; DP scaling": (
         "llama2-7b-dp4-4gpu and dp-scaling-gpt-1b-4gpu keep only their reports: no .jsonl of either run "
-        "was ever committed"
+        "was ever committed (the figures are checked from those reports by dp4_llama2_7b)"
     ),
     "Llama-2-7B, TP 2 x DP 2, micro-batch 1, graphed": (
         "the eager 0.63x BF16 only: that run's report files did not come back from the device "
@@ -88,6 +88,48 @@ def x(value: float, digits: int = 2) -> str:
 
 def pct(value: float) -> str:
     return f"{100 * value:+.2f}%"
+
+
+def report_table(path: Path, title: str) -> list[dict[str, str]]:
+    """The rows of the table under the ``## {title}...`` heading of a coat-compare report (markdown): the
+    tool's own output, for the runs whose .jsonl was never committed; each row a dict by column."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title}"))
+    table = []
+    for line in lines[start + 1 :]:
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif table or line.startswith("## "):
+            break  # the section's first table only
+    header, body = table[0], table[2:]
+    return [dict(zip(header, cells, strict=True)) for cells in body]
+
+
+def dp4_reports() -> tuple[dict[str, dict], dict[tuple[str, str], float]]:
+    """Llama-2-7B at DP 4 by mode, and gpt-1b's tokens/s by (mode, layout), from the two reports."""
+    dp4 = report_table(
+        RESULTS / "llama2-7b-dp4-4gpu" / "llama2-7b-dp4-mb4.md", "End to end: llama2-7b at TP 1 x PP 1 x DP 4"
+    )
+    scaling = report_table(RESULTS / "dp-scaling-gpt-1b-4gpu" / "gpt-1b-dp-scaling.md", "Parallel layouts")
+    by_layout = {(r["mode"], r["layout"]): float(r["tokens/s"]) for r in scaling}
+    return {r["mode"]: r for r in dp4}, by_layout
+
+
+def dp4_llama2_7b():
+    """From coat-compare's reports (the folders keep no .jsonl: NO_ROWS)."""
+    modes, scaling = dp4_reports()
+    bf16, te, coat, gather = (modes[m] for m in ("bf16", "te-fp8-current", "coat", "coat-fp8-gather"))
+
+    def ratio(a, b, column="tokens/s"):
+        return float(a[column]) / float(b[column])
+
+    per_gpu = scaling[("coat", "dp4")] / 4 / scaling[("coat", "1")]
+    return [
+        f"default {x(ratio(coat, bf16))} BF16, {x(ratio(coat, te))} TE",
+        f"{coat['model TFLOP/s per GPU']} model TFLOP/s per GPU, peak {x(ratio(coat, bf16, 'peak MiB'))}",
+        f"FP8 parameter gather {x(ratio(gather, coat, 'DP all-gather MiB/step'))} the DP bytes",
+        f"gpt-1b DP 4 per GPU: {x(per_gpu, 3)} one GPU's",
+    ]
 
 
 def check(claim: str, figures: list[str]) -> None:
@@ -470,6 +512,7 @@ CHECKED = {
     "Llama-2-7B, seq 2048, global batch 16, one 80 GB GPU": fits_80gb,
     "Llama-2-13B, 4 GPUs, graphed": llama2_13b_4gpu,
     "Llama-2-13B, micro-batch 2, 150 steps": llama2_13b_1gpu,
+    "Llama-2-7B, DP 4, micro-batch 4, graphed; DP scaling": dp4_llama2_7b,
     "one Llama-2-7B layer, fwd+bwd": layer_llama2_7b,
 }
 

@@ -21,6 +21,7 @@ from test_readme_figures import INDEX_CHECKED as README_INDEX_CHECKED
 from test_readme_figures import (
     RESULTS,
     check_index,
+    dp4_reports,
     gpt_1b_gaps,
     gpt_1b_runs,
     held,
@@ -788,6 +789,45 @@ def pretrain_log_ms(path) -> dict[str, float]:
     return out
 
 
+def dp4_index():
+    """Llama-2-7B at DP 4 from coat-compare's report (no .jsonl was committed: NO_ROWS)."""
+    modes = dp4_reports()[0]
+    bf16, te, coat, gather = (modes[m] for m in ("bf16", "te-fp8-current", "coat", "coat-fp8-gather"))
+
+    def tps(r):
+        return float(r["tokens/s"])
+
+    def dp_bytes(r):
+        return float(r["DP all-gather MiB/step"])
+
+    return [
+        f"BF16 {bf16['tokens/s']} tokens/s, TE FP8 current {te['tokens/s']} ({tps(te) / tps(bf16):.2f}x)",
+        f"COAT {coat['tokens/s']} ({tps(coat) / tps(bf16):.2f}x BF16, {tps(coat) / tps(te):.2f}x TE, "
+        f"{coat['model TFLOP/s per GPU']} model TFLOP/s per GPU)",
+        f"peak {float(coat['peak MiB']) / float(bf16['peak MiB']):.2f}x BF16's",
+        f"{dp_bytes(gather) / dp_bytes(bf16):.2f}x BF16's DP gather bytes ({dp_bytes(gather):.0f} against "
+        f"{dp_bytes(bf16):.0f} MiB per rank per step), {100 * (1 - tps(gather) / tps(coat)):.1f}% slower",
+    ]
+
+
+def dp_scaling_index():
+    """gpt-1b's DP scaling from coat-compare's report (no .jsonl was committed: NO_ROWS)."""
+    tps = dp4_reports()[1]
+
+    def per_gpu(mode, layout, n):
+        return tps[(mode, layout)] / n / tps[(mode, "1")]
+
+    coat, bf16, te = (
+        ", ".join(f"{per_gpu(m, f'dp{n}', n):.3f}" for n in (2, 4)) for m in ("coat", "bf16", "te-fp8-current")
+    )
+    return [
+        f"COAT {per_gpu('coat', 'dp2', 2):.3f} at DP 2, {per_gpu('coat', 'dp4', 4):.3f} at DP 4",
+        f"BF16 {bf16}; TE {te}",
+        f"at DP 4 COAT {tps[('coat', 'dp4')] / tps[('bf16', 'dp4')]:.2f}x BF16, "
+        f"{tps[('coat', 'dp4')] / tps[('te-fp8-current', 'dp4')]:.2f}x TE",
+    ]
+
+
 CHECKED = {
     "layer-llama2-7b-tp2-2gpu": layer_tp2,
     "gradient-fidelity-1gpu": fidelity,
@@ -824,13 +864,15 @@ CHECKED = {
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B, TP 2 x DP 2": tp2dp2_graphed,
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": tp2dp2_eager,
     "tp2-host-bound-and-graphs-2gpu": tp2_host_bound,
+    "llama2-7b-dp4-4gpu": dp4_index,  # from the run's report: NO_ROWS names why
+    "dp-scaling-gpt-1b-4gpu": dp_scaling_index,  # the same
 }
 
 # rows (and figures) no folder keeps rows for; each says "no rows: rerun or retire" in docs/results.md
 NO_ROWS = {
     "interconnect-4gpu": "interconnect.md is the table benchmarks/interconnect.py printed; no rows were written",
-    "llama2-7b-dp4-4gpu": "only coat-compare's report (llama2-7b-dp4-mb4.md); no .jsonl of the run was committed",
-    "dp-scaling-gpt-1b-4gpu": "only coat-compare's report (gpt-1b-dp-scaling.md); no .jsonl was committed",
+    "llama2-7b-dp4-4gpu": "only coat-compare's report (llama2-7b-dp4-mb4.md), from which dp4_index checks it; no .jsonl was committed",
+    "dp-scaling-gpt-1b-4gpu": "only coat-compare's report (gpt-1b-dp-scaling.md), from which dp_scaling_index checks it; no .jsonl",
     "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": (
         "pretrain() writes no rows; pretrain-pp-eager.md is the launcher script's summary (two logged intervals "
         "per run, no peaks), and the runs' logs were not kept"
