@@ -91,17 +91,21 @@ def pct(value: float) -> str:
 
 
 def report_table(path: Path, title: str) -> list[dict[str, str]]:
-    """The rows of the table under the ``## {title}...`` heading of a coat-compare report (markdown): the
+    """The rows of the table under the heading that starts with ``title`` in a report (markdown): the
     tool's own output, for the runs whose .jsonl was never committed; each row a dict by column."""
     lines = path.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(f"## {title}"))
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("#") and line.lstrip("#").strip().startswith(title)
+    )
     table = []
     for line in lines[start + 1 :]:
         if line.startswith("|"):
             table.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif table or line.startswith("## "):
+        elif table or line.startswith("#"):
             break  # the section's first table only
-    header, body = table[0], table[2:]
+    header, body = [], table[2:]
+    for name in table[0]:  # a repeated column name gets its count: "bus GB/s", then "bus GB/s (2)"
+        header.append(name if name not in header else f"{name} ({sum(h.startswith(name) for h in header) + 1})")
     return [dict(zip(header, cells, strict=True)) for cells in body]
 
 

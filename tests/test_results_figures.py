@@ -30,6 +30,7 @@ from test_readme_figures import (
     one,
     pct,
     pretrain_tokens_per_s,
+    report_table,
     results_index_figure,
     results_index_row,
     results_index_rows,
@@ -789,6 +790,21 @@ def pretrain_log_ms(path) -> dict[str, float]:
     return out
 
 
+def interconnect():
+    """The host's links from benchmarks/interconnect.py's printed table (no rows: NO_ROWS)."""
+    path = RESULTS / "interconnect-4gpu" / "interconnect.md"
+    two = {r["chunk per rank MiB"]: r for r in report_table(path, "Interconnect") if r["group"] == "2 GPUs"}
+    links = {w for line in path.read_text().splitlines() if line.startswith("GPU0") for w in line.split()[1:]}
+    sizes = ("4", "16", "256")
+    return [
+        f"all-to-all NVLink ({', '.join(sorted(links - {'X', '0-63', '0', 'N/A'}))})",
+        # the first bus GB/s column is the all-gather's ("bus GB/s (2)": the reduce-scatter's); "GB/s" the ring step's
+        f"NCCL all-gather between two GPUs {' / '.join(two[s]['bus GB/s'] for s in sizes)} GB/s bus bandwidth at "
+        f"{' / '.join(sizes)} MiB per rank",
+        f"a point-to-point ring step {' / '.join(two[s]['GB/s'] for s in sizes)} GB/s",
+    ]
+
+
 def dp4_index():
     """Llama-2-7B at DP 4 from coat-compare's report (no .jsonl was committed: NO_ROWS)."""
     modes = dp4_reports()[0]
@@ -864,13 +880,14 @@ CHECKED = {
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B, TP 2 x DP 2": tp2dp2_graphed,
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": tp2dp2_eager,
     "tp2-host-bound-and-graphs-2gpu": tp2_host_bound,
+    "interconnect-4gpu": interconnect,  # from the printed table: NO_ROWS names why
     "llama2-7b-dp4-4gpu": dp4_index,  # from the run's report: NO_ROWS names why
     "dp-scaling-gpt-1b-4gpu": dp_scaling_index,  # the same
 }
 
 # rows (and figures) no folder keeps rows for; each says "no rows: rerun or retire" in docs/results.md
 NO_ROWS = {
-    "interconnect-4gpu": "interconnect.md is the table benchmarks/interconnect.py printed; no rows were written",
+    "interconnect-4gpu": "interconnect.md is the table benchmarks/interconnect.py printed (interconnect checks it); no rows",
     "llama2-7b-dp4-4gpu": "only coat-compare's report (llama2-7b-dp4-mb4.md), from which dp4_index checks it; no .jsonl was committed",
     "dp-scaling-gpt-1b-4gpu": "only coat-compare's report (gpt-1b-dp-scaling.md), from which dp_scaling_index checks it; no .jsonl",
     "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": (
