@@ -90,12 +90,16 @@ def pct(value: float) -> str:
     return f"{100 * value:+.2f}%"
 
 
-def report_table(path: Path, title: str) -> list[dict[str, str]]:
+def report_table(path: Path, title: str, after: str = "") -> list[dict[str, str]]:
     """The rows of the table under the heading that starts with ``title`` in a report (markdown): the
-    tool's own output, for the runs whose .jsonl was never committed; each row a dict by column."""
+    tool's own output, for the runs whose .jsonl was never committed; each row a dict by column. ``after``:
+    the first such heading after the line that starts so (a merged file's "# coat-compare: NAME")."""
     lines = path.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(after))
     start = next(
-        i for i, line in enumerate(lines) if line.startswith("#") and line.lstrip("#").strip().startswith(title)
+        i
+        for i, line in enumerate(lines)
+        if i >= first and line.startswith("#") and line.lstrip("#").strip().startswith(title)
     )
     table = []
     for line in lines[start + 1 :]:

@@ -805,6 +805,53 @@ def interconnect():
     ]
 
 
+def pretrain_pp_eager():
+    """pretrain() eager under PP from the launcher's summary (no rows: NO_ROWS): each run's tokens/s
+    recomputed from its own logged intervals (the median of iterations 15 and 20, 16 x 2048 tokens each),
+    the peak ratio from the summary's table."""
+    path = RESULTS / "pretrain-pipeline-4gpu" / "pretrain-pp-eager.md"
+    text = path.read_text()
+    tokens = {}
+    for run in ("pp2-bf16", "pp2-coat-auto", "pp2-te-fp8", "tp2pp2-bf16", "tp2pp2-coat-auto", "tp2pp2-te-fp8"):
+        ms = [float(m) for m in re.findall(rf"^{run}: iteration (?:15|20)/ 20 ms ([0-9.]+)", text, re.M)]
+        assert len(ms) == 2, run
+        tokens[run] = 16 * 2048 * 1000 / statistics.median(ms)
+    table = {r["mode"]: r for r in report_table(path, "PP 2 (GPUs 0-1)")}
+    for layout, title in (("pp2", "PP 2 (GPUs 0-1)"), ("tp2pp2", "TP 2 x PP 2 + SP")):
+        for r in report_table(path, title):  # the summary's tokens/s are the intervals' figures
+            assert round(tokens[f"{layout}-{r['mode']}"]) == int(r["tokens/s"].replace(",", "")), (layout, r["mode"])
+
+    def t(run):
+        return tokens[run]
+
+    return [
+        f"PP 2: BF16 {t('pp2-bf16'):.0f} tokens/s, TE FP8 current {t('pp2-te-fp8'):.0f} "
+        f"({t('pp2-te-fp8') / t('pp2-bf16'):.2f}x), `--coat-fp8` {t('pp2-coat-auto'):.0f} "
+        f"({t('pp2-coat-auto') / t('pp2-bf16'):.2f}x BF16, {t('pp2-coat-auto') / t('pp2-te-fp8'):.2f}x TE)",
+        f"peak {table['coat-auto']['peak x BF16 eager']}x BF16's",
+        f"TP 2 x PP 2 + SP: BF16 {t('tp2pp2-bf16'):.0f}, TE {t('tp2pp2-te-fp8'):.0f} "
+        f"({t('tp2pp2-te-fp8') / t('tp2pp2-bf16'):.2f}x), COAT {t('tp2pp2-coat-auto'):.0f} "
+        f"({t('tp2pp2-coat-auto') / t('tp2pp2-bf16'):.2f}x BF16, {t('tp2pp2-coat-auto') / t('tp2pp2-te-fp8'):.2f}x TE",
+    ]
+
+
+def layouts_tp2pp2():
+    """TP 2 x PP 2 against one GPU from its report (its .jsonl was never committed: NO_ROWS)."""
+    path = RESULTS / "layouts-gpt-1b-4gpu" / "reports.md"
+    found = report_table(path, "Parallel layouts", after="# coat-compare: gpt-1b-layouts-1-tp2xpp2")
+    at = {r["mode"]: r for r in found if r["layout"] == "tp2xpp2"}
+    te, coat, bf16 = at["te-fp8-current"], at["coat"], at["bf16"]
+    assert te["agrees"] == coat["agrees"] == "NO" and bf16["agrees"] == "yes"
+
+    def largest(r):
+        return float(r["largest step difference"])
+
+    return [
+        f"at TP 2 x PP 2 TE {largest(te):.3f}, COAT {largest(coat):.3f} (BF16 {largest(bf16):.4f}, "
+        f"bound {float(coat['bound']):.3f}",
+    ]
+
+
 def dp4_index():
     """Llama-2-7B at DP 4 from coat-compare's report (no .jsonl was committed: NO_ROWS)."""
     modes = dp4_reports()[0]
@@ -854,7 +901,7 @@ CHECKED = {
     "host-time-layer-1gpu": lambda: host_time() + host_time_second_host(),
     "kernel-launches-layer-1gpu": kernel_launches,
     "kernel-bandwidth-1gpu": lambda: kernel_bandwidth() + swiglu_best_tiles(),
-    "layouts-gpt-1b-4gpu: each layout against one GPU": layouts,
+    "layouts-gpt-1b-4gpu: each layout against one GPU": lambda: layouts() + layouts_tp2pp2(),
     "layouts-gpt-1b-4gpu: a COAT checkpoint": resume,
     "mlp-block-llama2-7b-1gpu": mlp_block,
     "optimizer-state-drift-cpu": state_drift,
@@ -881,6 +928,7 @@ CHECKED = {
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": tp2dp2_eager,
     "tp2-host-bound-and-graphs-2gpu": tp2_host_bound,
     "interconnect-4gpu": interconnect,  # from the printed table: NO_ROWS names why
+    "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": pretrain_pp_eager,  # from its summary: NO_ROWS
     "llama2-7b-dp4-4gpu": dp4_index,  # from the run's report: NO_ROWS names why
     "dp-scaling-gpt-1b-4gpu": dp_scaling_index,  # the same
 }
@@ -892,7 +940,7 @@ NO_ROWS = {
     "dp-scaling-gpt-1b-4gpu": "only coat-compare's report (gpt-1b-dp-scaling.md), from which dp_scaling_index checks it; no .jsonl",
     "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": (
         "pretrain() writes no rows; pretrain-pp-eager.md is the launcher script's summary (two logged intervals "
-        "per run, no peaks), and the runs' logs were not kept"
+        "per run, no peaks: pretrain_pp_eager recomputes the tokens/s from them), and the runs' logs were not kept"
     ),
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": (
         "the H200 run's figures (20031, 13322, 12526): its report did not come back from the device and commands.txt "
@@ -900,8 +948,8 @@ NO_ROWS = {
         "checked above"
     ),
     "layouts-gpt-1b-4gpu: each layout against one GPU": (
-        "TP 2 x PP 2 only: its .jsonl was never committed (reports.md keeps its report); the other layouts are "
-        "checked above"
+        "TP 2 x PP 2 only: its .jsonl was never committed (reports.md keeps its report, from which layouts_tp2pp2 "
+        "checks it); the other layouts are checked from rows above"
     ),
 }
 
