@@ -35,6 +35,7 @@ from test_readme_figures import (
     results_index_row,
     results_index_rows,
     rows,
+    tp2dp2_eager_printed,
     x,
 )
 
@@ -721,7 +722,7 @@ def tp2dp2_eager():
     }
     assert {r["device"] for r in ring.values()} == {"NVIDIA H100 80GB HBM3"}
     b, t, c = (ring[m]["tokens_per_s"] for m in ("bf16", "te-fp8-current", "coat"))
-    return [f"with the ring on H100s: {b:.0f}, {t:.0f}, {c:.0f} ({x(c / b)})"]
+    return [f"with the ring on H100s: {b:.0f}, {t:.0f}, {c:.0f} ({x(c / b)})"] + tp2dp2_eager_printed()
 
 
 def tp2_host_bound():
