@@ -170,6 +170,9 @@ def test_the_quoted_1b_check_figures_are_the_judgements():
     ):
         assert q in guide, q
     accuracy = (ROOT / "docs" / "accuracy.md").read_text()
+    flat = " ".join(accuracy.split())
+    quoted_te = f"level with TE delayed ({pct(both['mean'], 2)}, interval {rng(both, 2)})"  # the fidelity section
+    assert quoted_te in flat, quoted_te
     for name, key in (("COAT - BF16 (the verdict: not passed)", "coat"), ("TE FP8 delayed - BF16", "te"),
                       ("COAT - TE FP8 delayed", "coat_minus_te")):  # fmt: skip
         s = v[key]
