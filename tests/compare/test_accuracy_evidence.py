@@ -45,6 +45,12 @@ def rng(s, digits):
     return f"{s['low'] * 100:+.{digits}f}..{s['high'] * 100:+.{digits}f}%"
 
 
+def assert_quoted(text: str, quotes) -> None:
+    """Every quoted figure is in ``text``; the assertion names the ones that are not."""
+    missing = [q for q in quotes if q not in text]
+    assert not missing, missing
+
+
 def test_verdict_md_is_the_judgement_of_the_committed_rows(judged):
     result, lines = judged
     assert (ROOT / FOLDER / "verdict.md").read_text() == "\n".join(lines) + "\n"
@@ -58,25 +64,29 @@ def test_the_quoted_figures_are_the_judgements(judged):
     coat, te, vs_te = v["coat"], v["te"], v["coat_minus_te"]
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if "gpt-125m-wsd" in line and line.startswith("| accuracy"))
-    for quoted in (
-        f"**pass**: default - BF16 **{pct(coat['mean'], 2)}**",
-        f"se {pct(coat['se'], 2, False)}",
-        f"upper {pct(coat['upper'], 2)}",
-        f"TE FP8 delayed - BF16 {pct(te['mean'], 2)} ({te['n']} seeds)",
-        f"default - TE {pct(vs_te['mean'], 2)} ({rng(vs_te, 2)})",
-    ):
-        assert quoted in row, (quoted, row)
+    assert_quoted(
+        row,
+        (
+            f"**pass**: default - BF16 **{pct(coat['mean'], 2)}**",
+            f"se {pct(coat['se'], 2, False)}",
+            f"upper {pct(coat['upper'], 2)}",
+            f"TE FP8 delayed - BF16 {pct(te['mean'], 2)} ({te['n']} seeds)",
+            f"default - TE {pct(vs_te['mean'], 2)} ({rng(vs_te, 2)})",
+        ),
+    )
     results = (ROOT / "docs" / "results.md").read_text()
-    for quoted in (
-        f"default - BF16 {pct(coat['mean'], 3)} (se {pct(coat['se'], 3, False)}, one-sided 95% bounds "
-        f"{pct(coat['lower'], 3)} / {pct(coat['upper'], 3)}; 95% interval {rng(coat, 3)})",
-        f"at the branch (8.2M tokens) {pct(v['branch']['mean'], 3)}, growth {pct(v['growth']['mean'], 3)} "
-        f"({rng(v['growth'], 3)})",
-        f"TE FP8 delayed - BF16 {pct(te['mean'], 3)} ({te['n']} seeds, se {pct(te['se'], 3, False)})",
-        f"BF16 again {pct(v['sanity']['mean'], 3)}",
-        f"| {pct(coat['mean'], 3)}, {pct(coat['upper'], 3)} | met (pass) |",
-    ):
-        assert quoted in results, quoted
+    assert_quoted(
+        results,
+        (
+            f"default - BF16 {pct(coat['mean'], 3)} (se {pct(coat['se'], 3, False)}, one-sided 95% bounds "
+            f"{pct(coat['lower'], 3)} / {pct(coat['upper'], 3)}; 95% interval {rng(coat, 3)})",
+            f"at the branch (8.2M tokens) {pct(v['branch']['mean'], 3)}, growth {pct(v['growth']['mean'], 3)} "
+            f"({rng(v['growth'], 3)})",
+            f"TE FP8 delayed - BF16 {pct(te['mean'], 3)} ({te['n']} seeds, se {pct(te['se'], 3, False)})",
+            f"BF16 again {pct(v['sanity']['mean'], 3)}",
+            f"| {pct(coat['mean'], 3)}, {pct(coat['upper'], 3)} | met (pass) |",
+        ),
+    )
     accuracy = (ROOT / "docs" / "accuracy.md").read_text()
     for name, key in (("**COAT - BF16 (the verdict: pass)**", "coat"), ("TE FP8 delayed - BF16", "te")):
         s = v[key]
@@ -157,18 +167,19 @@ def test_the_quoted_1b_check_figures_are_the_judgements():
     v, _, quoted = check_1b()
     readme = (ROOT / "README.md").read_text()
     row = next(line for line in readme.splitlines() if "gpt-1b-check" in line and line.startswith("| accuracy"))
-    missing = [q for q in quoted["readme"] if q not in row]
-    assert not missing, (missing, row)
+    assert_quoted(row, quoted["readme"])
     check_index("accuracy-gpt-1b-check-2gpu", quoted["results"])
     guide = " ".join((ROOT / "docs" / "user-guide.md").read_text().split())
     coat, te, both = v["coat"], v["te"], v["coat_minus_te"]
-    for q in (
-        f"(+{coat['upper']:.2%}; TE's would be +{te['upper']:.2%})",
-        f"COAT {pct(coat['mean'], 2)} above BF16, TE FP8 delayed {pct(te['mean'], 2)}",
-        f"COAT level with TE ({pct(both['mean'], 2)})",
-        f"({statistics.stdev(coat['d'].values()):.2%} per seed)",
-    ):
-        assert q in guide, q
+    assert_quoted(
+        guide,
+        (
+            f"(+{coat['upper']:.2%}; TE's would be +{te['upper']:.2%})",
+            f"COAT {pct(coat['mean'], 2)} above BF16, TE FP8 delayed {pct(te['mean'], 2)}",
+            f"COAT level with TE ({pct(both['mean'], 2)})",
+            f"({statistics.stdev(coat['d'].values()):.2%} per seed)",
+        ),
+    )
     accuracy = (ROOT / "docs" / "accuracy.md").read_text()
     flat = " ".join(accuracy.split())
     quoted_te = f"level with TE delayed ({pct(both['mean'], 2)}, interval {rng(both, 2)})"  # the fidelity section
@@ -199,11 +210,13 @@ def test_the_1b_checks_derived_figures_recompute():
 
     needed = next(n for n in range(6, 100) if upper(n) <= protocol.pass_upper)
     accuracy = (ROOT / "docs" / "accuracy.md").read_text()
-    for quoted in (
-        f"| BF16's held-out loss | {bf16} |",
-        f"the per-seed spread is {sd:.2%} (TE's {statistics.stdev(te):.2%})",
-        f"six seeds put the one-sided bound about {upper(6) - mean:.1%} above the mean",
-        f"at about {needed} paired seeds",
-        f"(correlation\n  {statistics.correlation(coat, te):.2f} of their gaps)",
-    ):
-        assert quoted in accuracy, quoted
+    assert_quoted(
+        accuracy,
+        (
+            f"| BF16's held-out loss | {bf16} |",
+            f"the per-seed spread is {sd:.2%} (TE's {statistics.stdev(te):.2%})",
+            f"six seeds put the one-sided bound about {upper(6) - mean:.1%} above the mean",
+            f"at about {needed} paired seeds",
+            f"(correlation\n  {statistics.correlation(coat, te):.2f} of their gaps)",
+        ),
+    )
