@@ -182,8 +182,18 @@ def test_the_quoted_1b_check_figures_are_the_judgements():
     )
     accuracy = (ROOT / "docs" / "accuracy.md").read_text()
     flat = " ".join(accuracy.split())
-    quoted_te = f"level with TE delayed ({pct(both['mean'], 2)}, interval {rng(both, 2)})"  # the fidelity section
-    assert quoted_te in flat, quoted_te
+    assert_quoted(
+        flat,
+        (
+            f"level with TE delayed ({pct(both['mean'], 2)}, interval {rng(both, 2)})",  # the fidelity section
+            # the status
+            f"**{pct(coat['mean'], 2)}** above BF16's (se {pct(coat['se'], 2, False)}; one-sided 95% upper bound "
+            f"{pct(coat['upper'], 2)}",
+            f"TE FP8 delayed's {pct(te['mean'], 2)} (upper {pct(te['upper'], 2)}), and COAT - TE is "
+            f"{pct(both['mean'], 2)} ({rng(both, 2)})",
+            f"(sd {statistics.stdev(coat['d'].values()):.2%} per seed",
+        ),
+    )
     for name, key in (("COAT - BF16 (the verdict: not passed)", "coat"), ("TE FP8 delayed - BF16", "te"),
                       ("COAT - TE FP8 delayed", "coat_minus_te")):  # fmt: skip
         s = v[key]
