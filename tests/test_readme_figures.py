@@ -1,5 +1,5 @@
 """Figures that recompute (issue 50, deliverable 6): each figure README.md's results table quotes is
-recomputed here from the rows of its evidence folder (benchmarks/results/<claim>/rows.jsonl.gz: the
+recomputed here from the rows of its evidence folder (benchmarks/results/<claim>/rows.jsonl: the
 coat-compare rows as they were written, each file's rows after a {"kind": "source"} line naming the
 commit and path they were restored from), with the rounding the README uses, and must appear in the
 README row's "measured" cell; where docs/results.md quotes the same folder's figures, its row's "figure"
@@ -33,7 +33,7 @@ NO_ROWS = {
 # them (none since the five of the first pass were restored)
 NOT_RESTORED: dict[str, str] = {}
 
-# checked from the same folder's rows.jsonl.gz by another test
+# checked from the same folder's rows file by another test
 CHECKED_ELSEWHERE = {
     "accuracy: [paired protocol]": "tests/compare/test_accuracy_evidence.py",
     "accuracy: 1B check": "tests/compare/test_accuracy_evidence.py",
@@ -61,9 +61,11 @@ def measured(claim: str) -> str:
     return found[0]
 
 
-def rows(folder: str, name: str = "rows.jsonl.gz") -> list[tuple[str, dict]]:
-    """(source, row) for each row of the folder's rows file."""
+def rows(folder: str, name: str = "rows.jsonl") -> list[tuple[str, dict]]:
+    """(source, row) for each row of the folder's rows file (``NAME``, or ``NAME.gz`` where it is compressed)."""
     path = RESULTS / folder / name
+    if not path.exists() and (RESULTS / folder / f"{name}.gz").exists():
+        path, name = RESULTS / folder / f"{name}.gz", f"{name}.gz"
     opener = gzip.open if name.endswith(".gz") else open
     out, source = [], name
     with opener(path, "rt") as f:

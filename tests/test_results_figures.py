@@ -1,5 +1,5 @@
 """Figures that recompute, docs/results.md's rows (issue 50, deliverable 6): each figure a row's "figure" cell
-quotes is recomputed from the rows of its evidence folder (benchmarks/results/<claim>/rows.jsonl.gz, restored from
+quotes is recomputed from the rows of its evidence folder (benchmarks/results/<claim>/rows.jsonl, restored from
 git as tests/test_readme_figures.py's are: each source's lines verbatim after a {"kind": "source"} line naming
 the commit and path) with the rounding the row uses, and must appear in that cell. A row whose figures no folder
 keeps rows for is listed in NO_ROWS with the reason, and its cell says "no rows: rerun or retire"; a row (or the

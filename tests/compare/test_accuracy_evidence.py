@@ -1,4 +1,4 @@
-"""The accuracy verdicts recompute from their committed rows: `judge` on rows.jsonl.gz prints verdict.md
+"""The accuracy verdicts recompute from their committed rows: `judge` on the rows file prints verdict.md
 exactly, and the figures README.md and docs/ quote are the judgement's, rounded as quoted. Two protocols:
 gpt-125m-wsd (the powered verdict) and gpt-1b-check (the 1B check with TE beside)."""
 
@@ -17,11 +17,17 @@ FOLDER = "benchmarks/results/accuracy-gpt-125m-paired-2gpu"
 CHECK_FOLDER = "benchmarks/results/accuracy-gpt-1b-check-2gpu"
 
 
+def rows_file(folder: str) -> str:
+    """The folder's rows, as text (``rows.jsonl``) or gzip-compressed (``rows.jsonl.gz``, where text would not fit)."""
+    text = f"{folder}/rows.jsonl"
+    return text if (ROOT / text).exists() else f"{text}.gz"
+
+
 def judge_in_root(name: str, folder: str):
     cwd = Path.cwd()
     os.chdir(ROOT)  # the report names the rows file by the path it was given
     try:
-        return P.judge(P.get_protocol(name), P.read_rows([f"{folder}/rows.jsonl.gz"]))
+        return P.judge(P.get_protocol(name), P.read_rows([rows_file(folder)]))
     finally:
         os.chdir(cwd)
 
@@ -209,7 +215,7 @@ def test_the_1b_checks_derived_figures_recompute():
     """docs/accuracy.md's reading of the 1B check: BF16's losses, the spreads, how the FP8 arms move
     together, and the paired seeds that would bring the upper bound under the goal's 1.0%."""
     protocol = P.get_protocol("gpt-1b-check")
-    runs, _ = P.collect(protocol, P.read_rows([str(ROOT / CHECK_FOLDER / "rows.jsonl.gz")]))
+    runs, _ = P.collect(protocol, P.read_rows([str(ROOT / rows_file(CHECK_FOLDER))]))
     v = judge_in_root("gpt-1b-check", CHECK_FOLDER)[0]["verdict"]
     coat, te = ([v[k]["d"][s] for s in range(1, 7)] for k in ("coat", "te"))
     bf16 = " | ".join(f"{P.final_loss(protocol, runs, s, 'bf16'):.4f}" for s in range(1, 7))
