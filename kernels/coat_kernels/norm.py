@@ -522,31 +522,7 @@ def norm_quantize(
     n_rows, n_cols = rows.shape
     q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f, transpose, x.device)
     if n_rows:
-        block_m, block_n, warps = _quantize_blocks(n_cols, transpose)
-        in_pass = transpose_in_pass(transpose, x.dtype)
-        _norm_quantize_kernel[(cdiv(n_rows, block_m), cdiv(n_cols, block_n))](
-            rows,
-            weight,
-            bias if bias is not None else weight,
-            mean if mean is not None else rstd,
-            rstd,
-            amax,
-            q,
-            q_t,
-            scale,
-            n_rows,
-            n_cols,
-            rows.stride(0),
-            FMAX=f.max,
-            IS_LAYERNORM=mean is not None,
-            HAS_BIAS=bias is not None,
-            TRANSPOSE=in_pass,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=warps,
-            enable_fp_fusion=False,
-        )
-        finish_transpose(q, q_t, transpose, in_pass)
+        _quantize_pass(rows, weight, bias, mean, rstd, amax, q, q_t, scale, f, transpose, x.dtype)
     return (q, scale, q_t) if transpose else (q, scale)
 
 
