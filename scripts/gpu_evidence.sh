@@ -27,7 +27,7 @@
 #   accuracy-runs PROTOCOL SEEDS [DEADLINE]     an accuracy protocol's runs, PER_DEVICE (8) at once on every GPU, state kept on the machine -> accuracy-gpt-125m-paired-2gpu, accuracy-gpt-1b-check-2gpu
 #   fidelity-gpt-1b WHAT [STEP]                  WHAT train, then measure STEP: gradients and update against FP32 from a BF16 run's checkpoints (steps 30, 150, 299) -> gradient-fidelity-1gpu
 #   fidelity-llama2-7b-layer                     the same on one Llama-2-7B layer from its initial weights -> gradient-fidelity-1gpu
-#   apex-pretrain WHAT                           WHAT build, then run: NVIDIA apex from the snapshot carried as .apex (build_apex.sh), then BF16 and --coat-fp8 through pretrain(), Megatron's wgrad fusion on -> pretrain-gpt-1b-1gpu
+#   apex-pretrain WHAT                           WHAT build, then run: apex's fused wgrad from the snapshot carried as .apex (build_apex.sh), then BF16, TE FP8 and --coat-fp8 graphed through pretrain(), Megatron's wgrad fusion on and off -> apex-wgrad-fusion-1gpu
 #   tp-gpu-tests                                 the TP path's GPU tests and launch counts on 2 GPUs -> layer-llama2-7b-tp2-2gpu
 #   layer-llama2-7b-tp2 [MICRO_BATCH]            one layer at TP 2 + SP, COAT's ring against blocking collectives -> layer-llama2-7b-tp2-2gpu
 #   speed-llama2-7b-tp2dp2 GRAPHS                Llama-2-7B at TP 2 x DP 2, micro-batch 1, global batch 16 -> llama2-7b-tp2dp2-4gpu
@@ -212,17 +212,21 @@ case $part in
       *) echo "fidelity-gpt-1b: train, or measure STEP" >&2; exit 2 ;;
     esac ;;
   apex-pretrain)
-    # apex is not in the GPU image: build_apex.sh builds it from a source snapshot carried with the tree (a build
-    # stopped by the limit goes on in the next command on the same machine); then Megatron's gradient-accumulation
-    # fusion left on (FUSION=1), which coat-megatron-run keeps where apex's fused wgrad imports
+    # apex is not in the GPU image: build_apex.sh builds its fused weight-gradient extension (the one Megatron's
+    # gradient-accumulation fusion calls; about a minute; APEX_EXTENSIONS="" builds every core extension, over 7
+    # minutes) from a source snapshot carried with the tree; then each mode graphed through pretrain() with
+    # Megatron's fusion on (FUSION=1, which coat-megatron-run keeps where apex's fused wgrad imports) and off
     case ${1:?apex-pretrain build | run} in
-      build) run 580 build bash "$(dirname "$0")/build_apex.sh" "${APEX_SRC:-.apex}"; tail -3 "$out/build.log" ;;
+      build) run 580 build env APEX_EXTENSIONS="${APEX_EXTENSIONS-fused_weight_gradient_mlp_cuda}" \
+               bash "$(dirname "$0")/build_apex.sh" "${APEX_SRC:-.apex}"; tail -3 "$out/build.log" ;;
       run)
-        python3 -c "import fused_weight_gradient_mlp_cuda, apex.normalization" || { echo "apex is not built: apex-pretrain build" >&2; exit 2; }
-        run 560 layouts env RES="$out/layouts" OUT="$out" LAYOUTS=one MODES="bf16 coat-auto" FUSION=1 CAP=240 \
-          bash "$(dirname "$0")/gpu_pretrain_layouts.sh"
-        grep -h "coat-megatron-run\|gradient.accumulation\|Traceback\|Error" "$out"/layouts/*.log | sort | uniq -c | head
-        cat "$out/summary.md" ;;
+        python3 -c "import torch, fused_weight_gradient_mlp_cuda" || { echo "apex is not built: apex-pretrain build" >&2; exit 2; }
+        for fusion in 1 0; do
+          run 270 "fusion$fusion" env RES="$out/fusion$fusion" OUT="$out/fusion$fusion" LAYOUTS=one \
+            MODES="bf16-graphs te-fp8-graphs coat-auto" FUSION=$fusion CAP=200 bash "$(dirname "$0")/gpu_pretrain_layouts.sh"
+          grep -h "coat-megatron-run\|gradient_accumulation_fusion \|Traceback\|Error" "$out/fusion$fusion"/*.log | sort | uniq -c | head
+          cat "$out/fusion$fusion/summary.md"
+        done ;;
       *) echo "apex-pretrain: build, or run" >&2; exit 2 ;;
     esac ;;
   fidelity-llama2-7b-layer)

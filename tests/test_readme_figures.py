@@ -221,13 +221,14 @@ def tp2dp2():
     ]
 
 
+H200_MODES = ("bf16", "te-fp8-delayed", "coat")
+
+
 def gpt_1b_speed():
     found = rows("gpt-1b-speed-1gpu")
     h100 = {(r["mode"], r["graphs"]): r["tokens_per_s"] for s, r in found if "fastest" in s and r["kind"] == "train"}
-    bf16 = one(found, "/gpt-1b-fused.jsonl", kind="train", mode="bf16")["tokens_per_s"]
-    te = one(found, "/gpt-1b-fused.jsonl", kind="train", mode="te-fp8-delayed")["tokens_per_s"]
-    # the default since this run: the weight gradient added by cuBLASLt (commands.txt)
-    coat = one(found, "fused-cublaslt", kind="train", mode="coat")["tokens_per_s"]
+    # the H200's one run of all three, with apex (commands.txt)
+    bf16, te, coat = (one(found, "2026-11-29 h200", kind="train", mode=m)["tokens_per_s"] for m in H200_MODES)
     return [
         f"default {x(h100['coat', 'local'] / h100['bf16', 'local'], 3)} BF16",
         f"{x(h100['coat', 'local'] / h100['te-fp8-delayed', 'local'], 3)} TE FP8 delayed (H100)",

@@ -17,8 +17,8 @@ import statistics
 
 import pytest
 from load_file import load_file
-from test_readme_figures import INDEX_CHECKED as README_INDEX_CHECKED
 from test_readme_figures import (
+    H200_MODES,
     RESULTS,
     check_index,
     dp4_reports,
@@ -38,6 +38,7 @@ from test_readme_figures import (
     tp2dp2_eager_printed,
     x,
 )
+from test_readme_figures import INDEX_CHECKED as README_INDEX_CHECKED
 
 MARK = "no rows: rerun or retire"
 
@@ -498,6 +499,8 @@ def gpt_1b_speed_index():
     # the FP32 temporary and an add
     cublaslt = one(found, "fused-cublaslt", kind="train", mode="coat")["tokens_per_s"]
     coat = h100["coat", "local"]
+    # the H200's one run of all three at eb50b98, with apex (commands.txt)
+    bf16, te, h200 = (one(found, "2026-11-29 h200", kind="train", mode=m)["tokens_per_s"] for m in H200_MODES)
 
     def gain(new, old):
         return f"{100 * (new / old - 1):+.1f}%"
@@ -506,10 +509,9 @@ def gpt_1b_speed_index():
         f"graphs: the default {coat:.0f} tokens/s, {x(coat / h100['bf16', 'local'], 3)} BF16, "
         f"{x(coat / h100['te-fp8-delayed', 'local'], 3)} TE FP8 delayed, "
         f"{x(coat / h100['te-fp8-current', 'local'], 3)} TE FP8 current (H100)",
-        f"{cublaslt:.0f}, {x(cublaslt / fused['bf16'])} BF16, {x(cublaslt / fused['te-fp8-delayed'], 3)} TE FP8 "
-        "delayed (H200)",
+        f"{h200:.0f}, {x(h200 / bf16)} BF16, {x(h200 / te, 3)} TE FP8 delayed in one run with apex (H200, 2026-11-29)",
         f"Eager: {h100['coat', 'none']:.0f}, {x(h100['coat', 'none'] / h100['bf16', 'none'])} BF16 (H100)",
-        f"The fusion: TE {gain(fused['te-fp8-delayed'], unfused['te-fp8-delayed'])} over its unfused run, COAT's "
+        f"The fusion (H200, 2026-11-26, separate runs): TE {gain(fused['te-fp8-delayed'], unfused['te-fp8-delayed'])} over its unfused run, COAT's "
         f"cuBLASLt add {gain(cublaslt, unfused['coat'])}, an FP32 temporary and an add "
         f"{gain(fused['coat'], unfused['coat'])}",
     ]
@@ -892,6 +894,26 @@ def dp_scaling_index():
     ]
 
 
+def apex_wgrad_fusion():
+    """With apex's fused wgrad: each call's rows (commands.txt: COAT on in call 1, BF16 and TE on in call 2, all
+    three off in call 3), every run ended with its logged losses under 0.5."""
+    found = rows("apex-wgrad-fusion-1gpu")
+    run = {(s.partition(" ")[2].partition(" ")[0], r["mode"]): r for s, r in found}
+    assert all(r["status"] == "ok" and r["losses"]["20"] < 0.5 for _, r in found)
+    on = {m: run[call, m] for call, m in (("1", "coat-auto"), ("2", "bf16-graphs"), ("2", "te-fp8-graphs"))}
+    off = {m: run["3", m] for m in ("coat-auto", "bf16-graphs", "te-fp8-graphs")}
+
+    def gain(mode):
+        return f"{100 * (on[mode]['tokens_s'] / off[mode]['tokens_s'] - 1):+.1f}%"
+
+    coat, bf16, te = (on[m] for m in ("coat-auto", "bf16-graphs", "te-fp8-graphs"))
+    return [
+        f"`--coat-fp8` alone {coat['tokens_s']:.0f} tokens/s, {x(coat['tokens_s'] / bf16['tokens_s'])} BF16 and "
+        f"{x(coat['tokens_s'] / te['tokens_s'])} TE FP8 (each graphed), peak {x(coat['peak'] / bf16['peak'])} BF16's",
+        f"the fusion gains BF16 {gain('bf16-graphs')}, TE FP8 {gain('te-fp8-graphs')}, COAT {gain('coat-auto')}",
+    ]
+
+
 CHECKED = {
     "layer-llama2-7b-tp2-2gpu": layer_tp2,
     "gradient-fidelity-1gpu": fidelity,
@@ -920,6 +942,7 @@ CHECKED = {
     "llama2-7b-speed-1gpu": llama2_7b_speed_index,
     "llama2-7b-max-batch-1gpu": max_batch_index,
     "pretrain-gpt-1b-1gpu": pretrain_index,
+    "apex-wgrad-fusion-1gpu": apex_wgrad_fusion,
     "optimizer-step-1gpu": optimizer_step_index,
     "accuracy-gpt-1b-1gpu: gpt-1b, 30.1M tokens": accuracy_gpt_1b_index,
     "accuracy-gpt-1b-1gpu: the accuracy protocol `gpt-1b-accuracy`": floor_rule,
