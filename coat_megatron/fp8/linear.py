@@ -29,6 +29,7 @@ from coat_kernels import (
     quantize_per_tensor_transposed,
     tensor_amax,
     transpose_codes,
+    workspace,
 )
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.gemm_accumulate import fp8_gemm_accumulate
@@ -50,6 +51,13 @@ def weight_for_fprop(weight: torch.Tensor, cache: Fp8WeightCache, config: CoatCo
     if cache.keep_codes:
         w_q, w_t, w_scale = cache.get(weight)
         return w_q, w_scale, (w_t, w_q, w_scale, None)
+    if config.scratch_buffers:  # the codes, read by this forward's GEMMs only, in a reused buffer; the
+        # scale, which the backward reads, in the cache's own (the same value each micro-batch of a step)
+        w_amax, scale_out = cache.amax_and_scale(weight)
+        w_q, w_scale = quantize_per_tensor(
+            weight, config.weight_format, amax=w_amax, check_finite=False, scratch="w", scale_out=scale_out
+        )
+        return w_q, w_scale, (None, None, w_scale, w_amax)
     w_amax = cache.amax(weight)
     w_q, w_scale = quantize_per_tensor(weight, config.weight_format, amax=w_amax, check_finite=False)
     return w_q, w_scale, (None, None, w_scale, w_amax)
@@ -60,9 +68,15 @@ def weight_for_dgrad(saved, weight: torch.Tensor, config: CoatConfig) -> tuple[t
     or quantized transposed from the weight with the forward's amax (the same scale and codes)."""
     w_t, w_q, w_scale, w_amax = saved
     if w_t is None and w_q is not None:
-        w_t = transpose_codes(w_q)
+        w_t = transpose_codes(w_q, scratch=workspace.name(config.scratch_buffers, "w_t"))
     elif w_t is None:
-        w_t = quantize_per_tensor_transposed(weight.detach(), config.weight_format, amax=w_amax, check_finite=False)[0]
+        w_t = quantize_per_tensor_transposed(
+            weight.detach(),
+            config.weight_format,
+            amax=w_amax,
+            check_finite=False,
+            scratch=workspace.name(config.scratch_buffers, "w_t"),
+        )[0]
     return w_t, w_scale
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from coat_kernels import dequantize_per_group
+from coat_kernels import dequantize_per_group, workspace
 from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8, write_or_add
 from coat_kernels.per_tensor import transpose_chunk_codes
 
@@ -45,6 +45,7 @@ class _NormToFp8(torch.autograd.Function):
         input_store,
         packed,
         into_main_grad,
+        scratch,
     ):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved input); input_store: "fp8" (the 1xG copy is saved) or "bf16" (x itself)
@@ -63,11 +64,13 @@ class _NormToFp8(torch.autograd.Function):
             saved_fmt=saved_fmt,
             transpose=transpose == "store",
             packed=packed,
+            # the amax is read by the second pass only, unless the backward recomputes the output with it
+            scratch_amax=workspace.name(scratch and transpose != "recompute", "norm.amax"),
         )
         exact = input_store == "bf16"
         # exact: x in the slots of the codes, no scales (the kernel wrote the 1xG copy anyway; it is dropped)
         ctx.save_for_backward(x if exact else r.x_q, None if exact else r.x_scales, r.mean, r.rstd, weight)
-        ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype, into_main_grad)
+        ctx.meta = (group_size, zero_centered_gamma, bias is not None, x.dtype, into_main_grad, scratch)
         ctx.bias = bias  # the parameter (its main_grad), not an activation
         transposed_fn = None
         if transpose == "recompute":
@@ -93,7 +96,7 @@ class _NormToFp8(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x_saved, x_scales, mean, rstd, weight = ctx.saved_tensors
-        group_size, zero_centered_gamma, has_bias, dtype, into_main_grad = ctx.meta
+        group_size, zero_centered_gamma, has_bias, dtype, into_main_grad, scratch = ctx.meta
         multiplier = _multiplier(weight, zero_centered_gamma)
         params = [weight, ctx.bias] if has_bias else [weight]
         # where dW (dB) goes: the parameter's main_grad (Megatron's gradient-accumulation protocol, as
@@ -126,9 +129,10 @@ class _NormToFp8(torch.autograd.Function):
                 dw_out=outs[0],
                 db_out=outs[1] if has_bias else None,
                 accumulate=accumulate[0],
+                scratch=workspace.name(scratch, "norm.partials"),
             )
         grads = [added_to_main_grad(p) if m is not None else g for p, m, g in zip(params, mains, (dw, db))]
-        return dx, grads[0], grads[1] if has_bias else None, *([None] * 11)
+        return dx, grads[0], grads[1] if has_bias else None, *([None] * 12)
 
 
 def rmsnorm_to_fp8(
@@ -144,6 +148,7 @@ def rmsnorm_to_fp8(
     input_store: str = "fp8",
     packed: bool = False,
     into_main_grad: bool = False,
+    scratch: bool = False,
 ) -> Fp8Tensor:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
@@ -159,6 +164,8 @@ def rmsnorm_to_fp8(
     gradient there, or adds it after a step's first micro-batch, and autograd gets a placeholder
     (``CoatConfig.fuse_wgrad_accumulation``, as COAT's linears do); elsewhere the gradient, in the
     parameter's dtype.
+    ``scratch``: the buffers read within one pass or one backward (the amax tiles, dW's partial sums)
+    reused from call to call (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``).
     """
     return _NormToFp8.apply(
         x,
@@ -174,6 +181,7 @@ def rmsnorm_to_fp8(
         input_store,
         packed,
         into_main_grad,
+        scratch,
     )
 
 
@@ -191,6 +199,7 @@ def layernorm_to_fp8(
     input_store: str = "fp8",
     packed: bool = False,
     into_main_grad: bool = False,
+    scratch: bool = False,
 ) -> Fp8Tensor:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
     return _NormToFp8.apply(
@@ -207,4 +216,5 @@ def layernorm_to_fp8(
         input_store,
         packed,
         into_main_grad,
+        scratch,
     )

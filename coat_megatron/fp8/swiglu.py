@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from coat_kernels import quantize_per_tensor, tensor_amax
+from coat_kernels import quantize_per_tensor, tensor_amax, workspace
 from coat_kernels.per_tensor import transpose_chunk_codes
 from coat_kernels.swiglu import (
     quantize_swiglu_input,
@@ -31,7 +31,7 @@ from .tensor import Fp8Tensor
 
 class _SwigluFp8(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, group_size, out_fmt, saved_fmt):
+    def forward(ctx, h, group_size, out_fmt, saved_fmt, scratch):
         handoff = h.handoff if isinstance(h, Fp8Tensor) else None
         if isinstance(h, Fp8Tensor) and h.group_size is not None:
             if h.group_size != group_size:
@@ -50,8 +50,13 @@ class _SwigluFp8(torch.autograd.Function):
             q, scales = h_q.view(-1, h_q.shape[-1])[rows], h_scales.view(-1, h_scales.shape[-1])[rows]
             if chunks == 1:
                 return swiglu_to_fp8(q, scales, group_size, out_fmt, transpose=True, amax=out_amax, store_q=False).q_t
-            codes = swiglu_to_fp8(q, scales, group_size, out_fmt, amax=out_amax).q
-            return transpose_chunk_codes(codes.view(chunks, -1, codes.shape[-1]), chunk_major=True)
+            # the codes are read once, by the byte pass that hands out the chunks' transposes
+            codes = swiglu_to_fp8(
+                q, scales, group_size, out_fmt, amax=out_amax, scratch=workspace.name(scratch, "swiglu.q")
+            ).q
+            return transpose_chunk_codes(
+                codes.view(chunks, -1, codes.shape[-1]), chunk_major=True, scratch=workspace.name(scratch, "x_t")
+            )
 
         return Fp8Tensor(r.q, r.scale, transposed_fn=transposed, dtype=h.dtype)
 
@@ -62,7 +67,7 @@ class _SwigluFp8(torch.autograd.Function):
         dh, dh_amax = swiglu_backward(da.contiguous(), h_q, h_scales, group_size, dh_dtype=dtype)
         if ctx.handoff is not None:
             ctx.handoff.deposit_grad_amax(dh, dh_amax)
-        return dh, None, None, None
+        return dh, None, None, None, None
 
 
 class _SwigluFromInput(torch.autograd.Function):
@@ -98,12 +103,15 @@ def swiglu_fp8(
     out_fmt: str = "e4m3",
     saved_fmt: str = "e4m3",
     input_store: str = "fp8",
+    scratch: bool = False,
 ) -> Fp8Tensor:
     """silu(gate) * up of h = [gate | up] (..., 2F), Megatron's order, as a per-tensor FP8 ``Fp8Tensor``.
 
     h is normally fc1's 1xG ``Fp8Tensor`` output; a plain tensor is quantized to 1xG first. F must be
     a multiple of ``group_size``. ``input_store="bf16"`` (``CoatConfig.swiglu_input_store``) takes a
     plain h (BF16), computes the output from it exactly and saves it for an exact backward.
+    ``scratch``: the recomputed output's codes that a sequence-parallel fc2 transposes in its backward
+    come from a reused buffer (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``).
     """
     if input_store not in INPUT_STORES:
         raise ValueError(f"input_store={input_store!r}: use one of {', '.join(INPUT_STORES)}")
@@ -114,4 +122,4 @@ def swiglu_fp8(
                 "OutputForm.BF16 (CoatMLP does with CoatConfig(swiglu_input_store='bf16'))"
             )
         return _SwigluFromInput.apply(h, out_fmt)
-    return _SwigluFp8.apply(h, group_size, out_fmt, saved_fmt)
+    return _SwigluFp8.apply(h, group_size, out_fmt, saved_fmt, scratch)

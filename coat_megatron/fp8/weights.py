@@ -107,7 +107,8 @@ class Fp8WeightCache:
             q_t=torch.empty((n_cols, weight.numel() // max(n_cols, 1)), dtype=dtype, device=dev)
             if self.keep_transpose
             else None,
-            scale=torch.ones((), dtype=torch.float32, device=dev) if codes else None,
+            # without codes too: the scale each forward's quantizing pass writes (``amax_and_scale``)
+            scale=torch.ones((), dtype=torch.float32, device=dev),
             amax=torch.zeros((), dtype=torch.float32, device=dev),
             kept_amax=None if codes else torch.zeros((), dtype=torch.float32, device=dev),
             generation=torch.full((), -1, dtype=torch.int64, device=dev),
@@ -146,6 +147,14 @@ class Fp8WeightCache:
             raise RuntimeError("this cache keeps no codes (keep_codes=False): quantize with its amax(weight)")
         b = self._refreshed(weight)
         return b.q, b.q_t, b.scale
+
+    def amax_and_scale(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``amax(weight)``, the 0-d FP32 buffer a forward that quantizes W from it writes W's scale into,
+        which its backward reads: the same value in every micro-batch of a step) (``keep_codes=False``)."""
+        if self.keep_codes:
+            raise RuntimeError("this cache keeps the codes (keep_codes=True): take them from get(weight)")
+        b = self._refreshed(weight)
+        return b.kept_amax, b.scale
 
     def amax(self, weight: torch.Tensor) -> torch.Tensor:
         """max |weight| as a 0-d FP32 tensor, remade when the weight changes (``keep_codes=False``)."""

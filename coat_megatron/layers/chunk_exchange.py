@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from coat_kernels import workspace
 from coat_kernels.per_tensor import SCALE_ROW_BYTES, packed_message
 
 SCALE_ROW = SCALE_ROW_BYTES // 4  # FP32 words per gathered scale: 16 bytes
@@ -126,9 +127,13 @@ class CollectiveAllGather:
 
     The scales handed out are views into the gathered message, alive as long as any is; with
     ``keep_scales`` they are copied out instead (one small copy), for a caller that keeps them
-    (for its backward) without keeping the gathered codes."""
+    (for its backward) without keeping the gathered codes. ``scratch``: the gathered message in the
+    reused buffer of that name (``coat_kernels.workspace``), for a caller done with the chunks (and,
+    without ``keep_scales``, the scales) before it returns."""
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None, keep_scales=False):
+    def __init__(
+        self, codes: torch.Tensor, scale: torch.Tensor | None, group, scales=None, keep_scales=False, scratch=None
+    ):
         self.rank, self.size = _rank_and_size(group)
         codes = codes.contiguous()
         n = codes.numel()
@@ -138,7 +143,7 @@ class CollectiveAllGather:
             message[:n].copy_(codes.view(-1).view(torch.uint8))
             message[n : n + 4].view(torch.float32).copy_(scale.reshape(1))
         if message is not None:
-            gathered = torch.empty(self.size * message.numel(), dtype=torch.uint8, device=codes.device)
+            gathered = workspace.empty(self.size * message.numel(), torch.uint8, codes.device, scratch)
             dist.all_gather_into_tensor(gathered, message, group=group)
             gathered = gathered.view(self.size, message.numel())
             self._codes = gathered[:, :n].view(codes.dtype).view(self.size, *codes.shape)
@@ -186,14 +191,22 @@ class CollectiveAllGather:
 
 
 def all_gather_chunks(
-    codes: torch.Tensor, scale: torch.Tensor | None, group, *, overlap: bool, scales=None, keep_scales: bool = False
+    codes: torch.Tensor,
+    scale: torch.Tensor | None,
+    group,
+    *,
+    overlap: bool,
+    scales=None,
+    keep_scales: bool = False,
+    scratch: str | None = None,
 ):
     """Start gathering every rank's (R_c, N) FP8 ``codes`` (contiguous) and 0-d FP32 ``scale`` (or,
     with ``scales`` given, the codes only); ``take()`` hands out the chunks, this rank's first.
-    ``keep_scales``: the scales handed out may be kept without keeping the gathered codes alive."""
+    ``keep_scales``: the scales handed out may be kept without keeping the gathered codes alive.
+    ``scratch``: without the ring, gathered into the reused buffer of that name (``CollectiveAllGather``)."""
     if overlap:  # each scale travels in a buffer of its own
         return RingAllGather(codes, scale, group, scales=scales)
-    return CollectiveAllGather(codes, scale, group, scales=scales, keep_scales=keep_scales)
+    return CollectiveAllGather(codes, scale, group, scales=scales, keep_scales=keep_scales, scratch=scratch)
 
 
 class RingReduceScatter:
@@ -241,13 +254,15 @@ class RingReduceScatter:
 
 
 class CollectiveReduceScatter:
-    """The same partial sums, in the same order, into one buffer reduce-scattered at the end (``overlap`` off)."""
+    """The same partial sums, in the same order, into one buffer reduce-scattered at the end (``overlap`` off);
+    ``scratch``: that buffer reused from call to call (``coat_kernels.workspace``; the reduce-scatter blocks the
+    compute stream until it has read it)."""
 
-    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device, group):
+    def __init__(self, shape: tuple[int, int], dtype: torch.dtype, device, group, scratch: str | None = None):
         self.rank, self.size = _rank_and_size(group)
         self.group = group
         self.shape = shape
-        self.partials = torch.empty((self.size * shape[0], *shape[1:]), dtype=dtype, device=device)
+        self.partials = workspace.empty((self.size * shape[0], *shape[1:]), dtype, device, scratch)
         self.step = 0
 
     def __len__(self) -> int:
@@ -278,8 +293,12 @@ class CollectiveReduceScatter:
         return out
 
 
-def reduce_scatter_chunks(shape: tuple[int, int], dtype: torch.dtype, device, group, *, overlap: bool):
+def reduce_scatter_chunks(
+    shape: tuple[int, int], dtype: torch.dtype, device, group, *, overlap: bool, scratch: str | None = None
+):
     """Start a reduce-scatter of ``shape`` = (R_c, N) chunks of ``dtype``: ``partial()`` / ``reduce()``
-    once per rank of ``group``, then ``result()``."""
-    cls = RingReduceScatter if overlap else CollectiveReduceScatter
-    return cls(shape, dtype, device, group)
+    once per rank of ``group``, then ``result()``; ``scratch``: without the ring, the partial sums in the
+    reused buffer of that name (``CollectiveReduceScatter``)."""
+    if overlap:
+        return RingReduceScatter(shape, dtype, device, group)
+    return CollectiveReduceScatter(shape, dtype, device, group, scratch=scratch)

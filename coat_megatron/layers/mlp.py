@@ -59,5 +59,6 @@ class CoatMLP(MLP):
             out_fmt=self.coat.forward_format,
             saved_fmt=self.coat.forward_format,
             input_store=self.coat.swiglu_input_store,
+            scratch=self.coat.scratch_buffers,
         )
         return self.linear_fc2(a)

@@ -77,6 +77,7 @@ class CoatNorm(MegatronModule):
             # dW into DDP's main_grad in the backward's own kernels, as COAT's linears do
             into_main_grad=self.coat.fuse_wgrad_accumulation
             or bool(getattr(self.config, "gradient_accumulation_fusion", False)),
+            scratch=self.coat.scratch_buffers,
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

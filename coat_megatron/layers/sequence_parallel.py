@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coat_kernels import quantize_per_tensor, quantize_per_tensor_transposed, tensor_amax, transpose_codes
+from coat_kernels import quantize_per_tensor, quantize_per_tensor_transposed, tensor_amax, transpose_codes, workspace
 from coat_kernels.gemm import fp8_gemm
 from coat_kernels.per_tensor import packed_message, quantize_folded_chunks, transpose_chunk_codes
 
@@ -89,12 +89,14 @@ def _cat_codes(codes: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat([c.view(torch.uint8) for c in codes], dim=dim).view(codes[0].dtype)
 
 
-def _reduced_amax(handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def _reduced_amax(
+    handoff: AmaxHandoff | None, t: torch.Tensor, rows: torch.Tensor, scratch: str | None = None
+) -> torch.Tensor:
     """The 0-d amax of a gradient ``t`` (``rows``: it as contiguous rows): the one its producer left
     in ``handoff`` (reduced if it is per tile), or computed."""
     amax = take_grad_amax(handoff, t)
     if amax is None:
-        return tensor_amax(rows)
+        return tensor_amax(rows, scratch=scratch)
     return amax.reshape(()) if amax.numel() == 1 else amax.amax()
 
 
@@ -111,10 +113,15 @@ class _ColumnParallelSP(torch.autograd.Function):
         # without the ring, codes and scale packed in one message (as COAT's producers write them) are
         # sent again in backward, scale and all: nothing else to keep; otherwise the n scales are kept
         resend = not overlap and packed_message(local, scale) is not None
-        gather = all_gather_chunks(local, scale, group, overlap=overlap, keep_scales=not resend)  # under way from here
+        on = config.scratch_buffers
+        gather = all_gather_chunks(  # under way from here
+            local, scale, group, overlap=overlap, keep_scales=not resend, scratch=workspace.name(on, "gathered")
+        )
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         n, r_c = len(gather), local.shape[0]
-        y = torch.empty((n * r_c, weight.shape[0]), dtype=x.dtype, device=local.device)
+        # a GEMM output that quantize_output turns into FP8 is read once, there; a BF16 one is the output
+        y_name = workspace.name(on and output_form is not OutputForm.BF16, "y")
+        y = workspace.empty((n * r_c, weight.shape[0]), x.dtype, local.device, y_name)
         for _ in range(n):
             j, chunk, scale_j = gather.take()
             _gemm_into(y[j * r_c : (j + 1) * r_c], chunk, scale_j, w_q, w_scale, config, bias=bias, fprop=True)
@@ -129,18 +136,25 @@ class _ColumnParallelSP(torch.autograd.Function):
         config, group, has_bias, x_shape, x_dtype, main_grad, n, resend = ctx.meta
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         r_c = local.shape[0]
-        overlap = config.tp_comm_overlap
+        overlap, on = config.tp_comm_overlap, config.scratch_buffers
         # the input's codes again, for wgrad: under way while dY is quantized and the dgrad runs
         gather = x_scales = None
         if need_dw and resend:  # this rank's message again: every chunk's scale comes with its codes
-            gather = all_gather_chunks(local, saved_scale, group, overlap=False)
+            gather = all_gather_chunks(local, saved_scale, group, overlap=False, scratch=workspace.name(on, "gathered"))
             x_scales = gather.scale_vector()
         elif need_dw:
             x_scales = saved_scale
-            gather = all_gather_chunks(local, None, group, overlap=overlap, scales=list(x_scales.unbind()))
+            gather = all_gather_chunks(
+                local,
+                None,
+                group,
+                overlap=overlap,
+                scales=list(x_scales.unbind()),
+                scratch=workspace.name(on, "gathered"),
+            )
         dy = _plain(dy)
         dy_rows = _rows(dy.contiguous())
-        amax = _reduced_amax(ctx.handoff, dy, dy_rows)
+        amax = _reduced_amax(ctx.handoff, dy, dy_rows, workspace.name(on, "dy.amax"))
         # dY is this rank's whole (R, out/n), quantized chunk by chunk in one pass (with the chunks'
         # transposed codes side by side, the wgrad operand), chunk c against X's chunk c: then every
         # chunk pair has one product of scales, and the wgrad is one GEMM over the sequence
@@ -151,8 +165,11 @@ class _ColumnParallelSP(torch.autograd.Function):
             amax=amax,
             x_scales=x_scales,
             transpose=need_dw,
+            scratch=workspace.name(on, "dy"),
         )
-        scatter = reduce_scatter_chunks((r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap)
+        scatter = reduce_scatter_chunks(
+            (r_c, x_shape[-1]), x_dtype, local.device, group, overlap=overlap, scratch=workspace.name(on, "partials")
+        )
         scatter = scatter if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
         x_chunks = [None] * n
@@ -170,7 +187,7 @@ class _ColumnParallelSP(torch.autograd.Function):
             if overlap:
                 x_t = transpose_codes(_cat_codes(x_chunks, 0))
             else:  # (h, R) from the gathered chunks where they lie (between the scale rows) in one pass
-                x_t = transpose_chunk_codes(gather.chunk_codes())
+                x_t = transpose_chunk_codes(gather.chunk_codes(), scratch=workspace.name(on, "x_t"))
             wgrad = WeightGradient(weight, main_grad, accumulate=config.wgrad_accumulate)
             # scale_c * s_c is the same number for every chunk c (to FP32 rounding): chunk 0's pair
             wgrad.add(dy_t, dy_scales[0], x_t.t(), x_scales[0])
@@ -187,8 +204,11 @@ def _chunks_transposed(ctx, x_orig, x_amax, saved_t, chunked_t: bool, n: int, r_
     if chunked_t:
         return saved_t
     if x_orig is not None:  # one pass writes every chunk's transposed codes (a BF16 input's from registers)
-        fmt = ctx.meta[0].forward_format
-        return quantize_per_tensor_transposed(_rows(x_orig), fmt, amax=x_amax, chunks=n, check_finite=False)[0]
+        config = ctx.meta[0]
+        scratch = workspace.name(config.scratch_buffers, "x_t")
+        return quantize_per_tensor_transposed(
+            _rows(x_orig), config.forward_format, amax=x_amax, chunks=n, check_finite=False, scratch=scratch
+        )[0]
     if saved_t is not None:  # (in/n, R) -> (n, in/n, R_c): one copy
         x_t = saved_t
         return x_t.view(torch.uint8).view(x_t.shape[0], n, r_c).transpose(0, 1).contiguous().view(x_t.dtype)
@@ -199,7 +219,7 @@ class _RowParallelSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cache, config, save_original_input, main_grad, group):
         n, rank = dist.get_world_size(group), dist.get_rank(group)
-        fmt = config.forward_format
+        fmt, on = config.forward_format, config.scratch_buffers
         r_c = x.numel() // x.shape[-1] // n
         x_t = x_orig = x_amax = x_t_fn = codes = None
         if isinstance(x, Fp8Tensor) and x.group_size is None:
@@ -210,7 +230,9 @@ class _RowParallelSP(torch.autograd.Function):
             x = _plain(x)
             x_amax = tensor_amax(x)
             if save_original_input:  # x is kept anyway: the wgrad operand is requantized from it in backward
-                codes, x_scale = quantize_per_tensor(_rows(x), fmt, amax=x_amax, check_finite=False)
+                codes, x_scale = quantize_per_tensor(
+                    _rows(x), fmt, amax=x_amax, check_finite=False, scratch=workspace.name(on, "x"), keep_scale=True
+                )
                 chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
                 x_orig = x
             else:  # one scale; the codes and every chunk's transposed codes (chunk-major) from one pass
@@ -220,7 +242,12 @@ class _RowParallelSP(torch.autograd.Function):
                 chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
         w_q, w_scale, ctx.w = weight_for_fprop(weight, cache, config)
         scatter = reduce_scatter_chunks(
-            (r_c, weight.shape[0]), x.dtype, x_scale.device, group, overlap=config.tp_comm_overlap
+            (r_c, weight.shape[0]),
+            x.dtype,
+            x_scale.device,
+            group,
+            overlap=config.tp_comm_overlap,
+            scratch=workspace.name(on, "partials"),
         )
         whole = scatter.all_partials() if codes is not None else None
         if whole is not None:  # every chunk's partial in one GEMM: X has one scale (each row the same product)
@@ -243,7 +270,7 @@ class _RowParallelSP(torch.autograd.Function):
         config, group, n, rank, r_c, x_shape, x_dtype, main_grad, chunked_t = ctx.meta
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)
-        overlap = config.tp_comm_overlap
+        overlap, on = config.tp_comm_overlap, config.scratch_buffers
         # the wgrad's dY_j^T: with the ring, each chunk's as it arrives (this rank's from its quantizing
         # pass); without, every chunk's in one pass where they were gathered
         dy_q, dy_scale, *own_t = quantize_per_tensor(
@@ -252,9 +279,14 @@ class _RowParallelSP(torch.autograd.Function):
             transpose=need_dw and overlap,
             check_finite=False,
             packed=True,
+            scratch=workspace.name(on and not overlap, "dy"),
         )
-        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=overlap)
-        dy_t = transpose_chunk_codes(gather.chunk_codes(), chunk_major=True) if need_dw and not overlap else None
+        gather = all_gather_chunks(dy_q, dy_scale, group, overlap=overlap, scratch=workspace.name(on, "gathered"))
+        dy_t = (
+            transpose_chunk_codes(gather.chunk_codes(), chunk_major=True, scratch=workspace.name(on, "dy_t"))
+            if need_dw and not overlap
+            else None
+        )
         dx = torch.empty((n * r_c, x_shape[-1]), dtype=x_dtype, device=dy_q.device) if need_dx else None
         w_t, w_scale = weight_for_dgrad(ctx.w, weight, config) if need_dx else (None, None)
         wgrad = WeightGradient(weight, main_grad, chunks=n, accumulate=config.wgrad_accumulate) if need_dw else None

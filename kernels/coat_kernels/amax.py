@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import workspace
+
 SLOTS = 256
 _REDUCE_BLOCK = tl.constexpr(1024)
 _pools: dict[torch.device, torch.Tensor] = {}
@@ -73,9 +75,12 @@ def counter(device: torch.device) -> torch.Tensor:
     return entry[1][next(_turn) % SLOTS]
 
 
-def amax_outputs(n_programs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def amax_outputs(
+    n_programs: int, device: torch.device, scratch: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(partials, amax, counter)`` for a launch of ``n_programs`` programs that calls
-    ``finish_amax``: one partial per program, the 0-d FP32 amax it leaves (one allocation for both),
-    and its counter."""
-    buf = torch.empty(n_programs + 1, dtype=torch.float32, device=device)
+    ``finish_amax``: one partial per program, the 0-d FP32 amax it leaves (one allocation for both,
+    or the ``scratch`` buffer of that name where the amax is read only by the caller's next pass:
+    ``workspace``), and its counter."""
+    buf = workspace.empty(n_programs + 1, torch.float32, device, scratch)
     return buf[:n_programs], buf[n_programs], counter(device)

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import workspace
 from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, check_group_size, fp8_format
@@ -384,6 +385,7 @@ def norm_to_fp8(
     transpose: bool = True,
     packed: bool = False,
     backend: str = "auto",
+    scratch_amax: str | None = None,
 ) -> NormFp8:
     """Normalise x (RMSNorm or LayerNorm) into per-tensor FP8, keeping a 1xG FP8 copy of x.
 
@@ -396,6 +398,8 @@ def norm_to_fp8(
         transpose: also write q_t (H, R), the wgrad operand of the next GEMM.
         packed: write q and scale into one buffer, the message a sequence-parallel all-gather
             sends (``per_tensor.packed_message``; where the codes fill whole 16-byte rows).
+        scratch_amax: the amax tiles (and the returned amax) in the reused buffer of that name
+            (``workspace``), for a caller that does not keep the amax.
     Returns:
         ``NormFp8(q, scale, q_t, x_q, x_scales, mean, rstd)``; mean is None for RMSNorm.
     """
@@ -426,20 +430,20 @@ def norm_to_fp8(
     x_scales = torch.empty(*x.shape[:-1], n_cols // group_size, dtype=torch.float32, device=dev)
     q, q_t, scale = per_tensor_outputs(x.shape, n_rows, n_cols, f_out, transpose, dev, packed)
     if n_rows:
-        amax = _stats_pass(rows, weight, bias, eps, x_q, x_scales, mean, rstd, f_saved, group_size)
+        amax = _stats_pass(rows, weight, bias, eps, x_q, x_scales, mean, rstd, f_saved, group_size, scratch_amax)
         _quantize_pass(rows, weight, bias, mean, rstd, amax, q, q_t, scale, f_out, transpose, x.dtype)
     else:
         amax = torch.zeros((), dtype=torch.float32, device=dev)
     return NormFp8(q, scale, q_t if transpose else None, x_q, x_scales, mean, rstd, amax.reshape(()))
 
 
-def _stats_pass(rows, weight, bias, eps, x_q, x_scales, mean, rstd, f_saved, group_size) -> torch.Tensor:
+def _stats_pass(rows, weight, bias, eps, x_q, x_scales, mean, rstd, f_saved, group_size, scratch=None) -> torch.Tensor:
     """norm_to_fp8's first pass: mean (LayerNorm; None for RMSNorm), rstd and the 1xG copy of x
     written; returns the tensor's amax of y (a 0-d FP32 on the device)."""
     n_rows, n_cols = rows.shape
     stats_rows, stats_warps = _stats_blocks(n_cols, group_size)
     stats_grid = (cdiv(n_rows, stats_rows),)
-    tiles, amax, count = amax_outputs(stats_grid[0], rows.device)  # every program's amax, and their max
+    tiles, amax, count = amax_outputs(stats_grid[0], rows.device, scratch)  # every program's amax, and their max
     _norm_stats_kernel[stats_grid](
         rows,
         weight,
@@ -597,6 +601,7 @@ def norm_backward(
     db_out: torch.Tensor | None = None,
     accumulate: bool = False,
     backend: str = "auto",
+    scratch: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward of ``norm_to_fp8`` from the saved 1xG FP8 copy of x.
 
@@ -606,6 +611,7 @@ def norm_backward(
         weight: the multiplier the forward used.
         dw_out, db_out: where dw (db) goes, a contiguous float vector of H (the weight's dtype, or its
             ``main_grad``): written, or with ``accumulate`` added to (rounded once); None: a new FP32 one.
+        scratch: the per-program partial sums in the reused buffers of that name (``workspace``).
     Returns:
         ``(dx, dw, db)``: dx in ``dx_dtype`` and x's shape; dw, db: ``dw_out``/``db_out`` or FP32
         vectors (db None without bias).
@@ -626,17 +632,14 @@ def norm_backward(
     dx = torch.empty(dy.shape, dtype=dx_dtype, device=dy.device)
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
-        return (
-            dx,
-            write_or_add(dw_out, zeros, accumulate),
-            write_or_add(db_out, zeros, accumulate) if has_bias else None,
-        )
+        db = write_or_add(db_out, zeros, accumulate) if has_bias else None
+        return dx, write_or_add(dw_out, zeros, accumulate), db
     per_sm, warps = _BACKWARD_BLOCKS
     programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
     rows_per_program = cdiv(n_rows, programs)
     programs = cdiv(n_rows, rows_per_program)
-    dw = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device)
-    db = torch.empty(programs, n_cols, dtype=torch.float32, device=dy.device) if has_bias else dw
+    dw = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "dw"))
+    db = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "db")) if has_bias else dw
     block_n = max(group_size, next_power_of_2(n_cols))
     _norm_backward_kernel[(programs,)](
         dy,

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import workspace
 from .amax import amax_outputs, finish_amax
 from .backend import use_triton
 from .formats import as_rows, fp8_format
@@ -169,26 +170,44 @@ def _quantize_blocks(n_cols: int, transpose: bool) -> tuple[int, int, int]:
 SCALE_ROW_BYTES = 16
 
 
-def per_tensor_outputs(shape, n_rows: int, n_cols: int, f, transpose: bool, device, packed: bool = False):
+def per_tensor_outputs(
+    shape,
+    n_rows: int,
+    n_cols: int,
+    f,
+    transpose: bool,
+    device,
+    packed: bool = False,
+    scratch: str | None = None,
+    scale_out: torch.Tensor | None = None,
+    keep_scale: bool = False,
+):
     """Allocate (q, q_t, scale) for a per-tensor FP8 output; q_t is q itself when not transposing
     (a placeholder pointer the kernel never writes). The kernel writes the scale; for an empty
     tensor, which launches none, it is 1 (no fill launch otherwise).
 
     ``packed``: q and scale in one buffer, the codes then the scale in a ``SCALE_ROW_BYTES`` row,
     as a sequence-parallel all-gather sends them (``packed_message``; no copy into a send buffer),
-    where the codes fill whole 16-byte rows; otherwise (or for an empty tensor) apart."""
+    where the codes fill whole 16-byte rows; otherwise (or for an empty tensor) apart.
+
+    ``scratch``: the outputs in the reused buffers of that name (``workspace``), for a caller that
+    reads them before it returns; the scale there too unless ``keep_scale`` (a caller that keeps
+    the scale but not the codes), or in ``scale_out`` (a 0-d FP32 buffer the caller keeps)."""
     n = n_rows * n_cols
     if packed and n and n % SCALE_ROW_BYTES == 0:
-        message = torch.empty(n + SCALE_ROW_BYTES, dtype=torch.uint8, device=device)
+        message = workspace.empty(n + SCALE_ROW_BYTES, torch.uint8, device, workspace.sub(scratch, "msg"))
         q = message[:n].view(f.dtype).view(shape)
         scale = message[n : n + 4].view(torch.float32).view(())
-        q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
+        q_t = workspace.empty((n_cols, n_rows), f.dtype, device, workspace.sub(scratch, "t")) if transpose else q
         return q, q_t, scale
-    q = torch.empty(shape, dtype=f.dtype, device=device)
-    q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=device) if transpose else q
-    scale = (
-        torch.empty((), dtype=torch.float32, device=device) if n else torch.ones((), dtype=torch.float32, device=device)
-    )
+    q = workspace.empty(shape, f.dtype, device, workspace.sub(scratch, "q"))
+    q_t = workspace.empty((n_cols, n_rows), f.dtype, device, workspace.sub(scratch, "t")) if transpose else q
+    if scale_out is not None:
+        scale = scale_out
+    else:
+        scale = workspace.empty((), torch.float32, device, None if keep_scale else workspace.sub(scratch, "scale"))
+    if not n:
+        scale.fill_(1.0)
     return q, q_t, scale
 
 
@@ -198,15 +217,16 @@ def packed_message(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     None where they are apart."""
     n = q.numel()
     storage = q.untyped_storage()
+    offset = q.storage_offset() * q.element_size()
     if (
         scale.untyped_storage().data_ptr() != storage.data_ptr()
-        or storage.nbytes() != n + SCALE_ROW_BYTES
-        or q.storage_offset() != 0
-        or scale.storage_offset() * 4 != n
+        or storage.nbytes() < offset + n + SCALE_ROW_BYTES
+        or scale.storage_offset() * 4 != offset + n
+        or offset % SCALE_ROW_BYTES
         or not q.is_contiguous()
     ):
         return None
-    return q.view(torch.uint8).view(-1).as_strided((n + SCALE_ROW_BYTES,), (1,), 0)
+    return q.view(torch.uint8).view(-1).as_strided((n + SCALE_ROW_BYTES,), (1,), offset)
 
 
 def _packed_copy(q: torch.Tensor, scale: torch.Tensor, f) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,14 +290,14 @@ def _transpose_codes_kernel(
     tl.store(qt_ptr + qt_offs, tl.trans(q), mask=mask_t)
 
 
-def transpose_codes(q: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def transpose_codes(q: torch.Tensor, *, backend: str = "auto", scratch: str | None = None) -> torch.Tensor:
     """The (N, R) row-major transpose of FP8 codes q (R rows of N; any leading shape), in one
     1-byte pass: wgrad operands of inputs that were all-gathered or produced without a copy, and
     the dgrad's W^T where the weight cache keeps W's codes only. Tiled, so that both the reads and
     the writes are coalesced (a strided torch copy reads one byte per 32-byte sector)."""
     n_cols = q.shape[-1]
     n_rows = q.numel() // max(n_cols, 1)
-    q_t = torch.empty((n_cols, n_rows), dtype=q.dtype, device=q.device)
+    q_t = workspace.empty((n_cols, n_rows), q.dtype, q.device, scratch)
     if not use_triton(q, backend):
         q_t.view(torch.uint8).copy_(q.view(torch.uint8).reshape(n_rows, n_cols).t())
         return q_t
@@ -285,7 +305,9 @@ def transpose_codes(q: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     return q_t
 
 
-def transpose_chunk_codes(chunks: torch.Tensor, *, chunk_major: bool = False, backend: str = "auto") -> torch.Tensor:
+def transpose_chunk_codes(
+    chunks: torch.Tensor, *, chunk_major: bool = False, backend: str = "auto", scratch: str | None = None
+) -> torch.Tensor:
     """The transposed codes of n chunks of R_c rows of N FP8 codes each, in one 1-byte pass.
 
     Args:
@@ -303,7 +325,7 @@ def transpose_chunk_codes(chunks: torch.Tensor, *, chunk_major: bool = False, ba
             f"each chunk's rows must be contiguous, got strides {chunks.stride()} for {tuple(chunks.shape)}"
         )
     shape = (n, n_cols, r_c) if chunk_major else (n_cols, n * r_c)
-    q_t = torch.empty(shape, dtype=chunks.dtype, device=chunks.device)
+    q_t = workspace.empty(shape, chunks.dtype, chunks.device, scratch)
     if not use_triton(chunks, backend):
         t = chunks.view(torch.uint8).transpose(1, 2)  # (n, N, R_c)
         q_t.view(torch.uint8).copy_(t if chunk_major else t.transpose(0, 1).reshape(n_cols, n * r_c))
@@ -342,7 +364,7 @@ def finish_transpose(q: torch.Tensor, q_t: torch.Tensor, transpose: bool, in_pas
     )
 
 
-def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def tensor_amax(x: torch.Tensor, *, backend: str = "auto", scratch: str | None = None) -> torch.Tensor:
     """max |x| as a 0-d FP32 tensor (+inf if x holds inf or NaN), by group scaling.
 
     One pass: every program writes the amax of its tile of x, and the last one reduces them (no
@@ -357,7 +379,7 @@ def tensor_amax(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         return abs_or_inf_reference(rows.float()).amax()
     block_m, block_n, warps = _AMAX_BLOCKS
     grid = (cdiv(rows.shape[0], block_m), cdiv(rows.shape[1], block_n))
-    tiles, amax, count = amax_outputs(grid[0] * grid[1], x.device)
+    tiles, amax, count = amax_outputs(grid[0] * grid[1], x.device, scratch=scratch)
     _tile_amax_kernel[grid](
         rows,
         tiles,
@@ -412,6 +434,9 @@ def quantize_per_tensor(
     packed: bool = False,
     chunks: int = 1,
     backend: str = "auto",
+    scratch: str | None = None,
+    scale_out: torch.Tensor | None = None,
+    keep_scale: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Quantize ``x`` to FP8 with one just-in-time scale for the whole tensor.
 
@@ -440,7 +465,19 @@ def quantize_per_tensor(
                 f"chunks={chunks} needs transpose=True, packed=False and rows that split into equal chunks "
                 f"({n_rows} rows)"
             )
-    q, scale, q_t = _quantize(x, fmt, transpose, amax, backend, codes=True, packed=packed, chunks=chunks)
+    q, scale, q_t = _quantize(
+        x,
+        fmt,
+        transpose,
+        amax,
+        backend,
+        codes=True,
+        packed=packed,
+        chunks=chunks,
+        scratch=scratch,
+        scale_out=scale_out,
+        keep_scale=keep_scale,
+    )
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor")
     return (q, scale, q_t) if transpose else (q, scale)
@@ -454,6 +491,7 @@ def quantize_per_tensor_transposed(
     chunks: int = 1,
     check_finite: bool = True,
     backend: str = "auto",
+    scratch: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_t, scale)``: the (N, R) row-major per-tensor FP8 transpose of ``x`` and its scale,
     bit-identical to ``quantize_per_tensor(x, fmt, transpose=True, amax=amax)``'s, without writing
@@ -462,18 +500,30 @@ def quantize_per_tensor_transposed(
     are not kept: W^T for the dgrad. ``chunks`` = n: the R rows as n equal blocks (a sequence
     parallel linear's chunks), each transposed on its own: q_t chunk-major, (n, N, R / n)."""
     if chunks == 1:
-        _, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False)
+        _, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False, scratch=scratch)
     else:
         n_rows = x.numel() // x.shape[-1]
         if n_rows % chunks:
             raise ValueError(f"{n_rows} rows do not split into {chunks} equal chunks")
-        q, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False, chunks=chunks)
+        q, scale, q_t = _quantize(x, fmt, True, amax, backend, codes=False, chunks=chunks, scratch=scratch)
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor_transposed")
     return q_t, scale
 
 
-def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, packed: bool = False, chunks: int = 1):
+def _quantize(
+    x,
+    fmt: str,
+    transpose: bool,
+    amax,
+    backend: str,
+    codes: bool,
+    packed: bool = False,
+    chunks: int = 1,
+    scratch: str | None = None,
+    scale_out: torch.Tensor | None = None,
+    keep_scale: bool = False,
+):
     """(q, scale, q_t) of the per-tensor quantization: q_t None without ``transpose``; q None
     where ``codes`` is False and the pass writes q_t from its registers (the codes then unwritten);
     q and scale in one buffer where ``packed`` (``per_tensor_outputs``); q_t chunk-major,
@@ -490,22 +540,36 @@ def _quantize(x, fmt: str, transpose: bool, amax, backend: str, codes: bool, pac
     if plan is None:
         plan = _make_plan(x, fmt, transpose, codes, chunks)
     f, n_rows, n_cols, in_pass, store_q, grid, launch = plan
-    amax = tensor_amax(x, backend=backend) if amax is None else _reduce_amax(amax, x)
+    if amax is None:
+        amax = tensor_amax(x, backend=backend, scratch=workspace.sub(scratch, "amax"))
+    else:
+        amax = _reduce_amax(amax, x)
     if store_q:  # (a chunk-major q_t from a byte pass is allocated there)
         q, q_t, scale = per_tensor_outputs(
-            x.shape, n_rows, n_cols, f, transpose and (in_pass or chunks == 1), x.device, packed
+            x.shape,
+            n_rows,
+            n_cols,
+            f,
+            transpose and (in_pass or chunks == 1),
+            x.device,
+            packed,
+            scratch,
+            scale_out,
+            keep_scale,
         )
         if q_t is not None and chunks > 1:
             q_t = q_t.view(chunks, n_cols, n_rows // chunks)  # the pass writes it chunk-major
     else:  # q_t alone; it also stands in for the codes' pointer, which the kernel never writes
-        q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device)
+        q_t, _, scale = per_tensor_outputs((n_cols, n_rows), n_cols, n_rows, f, False, x.device, scratch=scratch)
         q = q_t
         if chunks > 1:
             q_t = q_t.view(chunks, n_cols, n_rows // chunks)  # the same buffer, laid out chunk-major
     if grid is not None:  # None: an empty tensor, no launch (the scale is 1)
         _quantize_per_tensor_kernel[grid](rows, amax, q, q_t, scale, n_rows, n_cols, rows.stride(0), **launch)
         if chunks > 1 and transpose and not in_pass:  # the codes' byte pass, chunk by chunk
-            q_t = transpose_chunk_codes(q.view(chunks, n_rows // chunks, n_cols), chunk_major=True)
+            q_t = transpose_chunk_codes(
+                q.view(chunks, n_rows // chunks, n_cols), chunk_major=True, scratch=workspace.sub(scratch, "ct")
+            )
         else:
             finish_transpose(q, q_t, transpose, in_pass)
     return (q if store_q else None), scale, (q_t if transpose else None)
@@ -604,6 +668,7 @@ def quantize_folded_chunks(
     x_scales: torch.Tensor | None = None,
     transpose: bool = False,
     backend: str = "auto",
+    scratch: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize the ``chunks`` equal blocks of rows of ``x`` per tensor each, in one pass (see above).
 
@@ -632,9 +697,9 @@ def quantize_folded_chunks(
             x, fmt, chunks=chunks, amax=amax, x_scales=x_scales, transpose=transpose
         )
     f = fp8_format(fmt)
-    q = torch.empty((n_rows, n_cols), dtype=f.dtype, device=x.device)
-    q_t = torch.empty((n_cols, n_rows), dtype=f.dtype, device=x.device) if transpose else None
-    scales = torch.empty((chunks, SCALE_ROW_BYTES // 4), dtype=torch.float32, device=x.device)
+    q = workspace.empty((n_rows, n_cols), f.dtype, x.device, workspace.sub(scratch, "q"))
+    q_t = workspace.empty((n_cols, n_rows), f.dtype, x.device, workspace.sub(scratch, "t")) if transpose else None
+    scales = workspace.empty((chunks, SCALE_ROW_BYTES // 4), torch.float32, x.device, workspace.sub(scratch, "scales"))
     if n_rows * n_cols == 0:
         scales.fill_(1.0)
         return q, scales[:, 0], q_t

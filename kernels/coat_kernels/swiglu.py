@@ -242,6 +242,7 @@ def swiglu_to_fp8(
     amax: torch.Tensor | None = None,
     store_q: bool = True,
     backend: str = "auto",
+    scratch: str | None = None,
 ) -> SwigluFp8:
     """SwiGLU of a 1xG FP8 [gate | up] input, quantized per tensor for the next GEMM.
 
@@ -251,6 +252,8 @@ def swiglu_to_fp8(
         transpose: also write q_t (F, R) for fc2's wgrad.
         amax: the output's amax when already known (a recompute in backward); skips the amax pass.
         store_q: write q (False: only q_t, for the recompute of fc2's wgrad operand).
+        scratch: q, q_t and the scale in the reused buffers of that name (``workspace``), for a
+            caller that reads them before it returns (the recompute in fc2's backward).
     """
     n_ffn = _check(h_q, h_scales, group_size)
     if not use_triton(h_q, backend):
@@ -259,7 +262,9 @@ def swiglu_to_fp8(
     n_rows = h_q.numel() // h_q.shape[-1]
     # the transposed copy comes from a pass over the codes (see per_tensor.transpose_in_pass):
     # q is then written even when not returned
-    q, q_t, scale = per_tensor_outputs((*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device)
+    q, q_t, scale = per_tensor_outputs(
+        (*h_q.shape[:-1], n_ffn), n_rows, n_ffn, f, transpose, h_q.device, scratch=scratch
+    )
     grid, launch = _launch(n_rows, n_ffn, group_size, "forward")
     if amax is None:
         if n_rows:  # the amax pass: every program writes its tile's, the last one their max

@@ -293,7 +293,7 @@ def _column_into_swiglu(hand_over: bool) -> dict:
     a = swiglu_fp8(h, group_size=config.group_size)
     amax_passes = []
     real_amax = sequence_parallel_module.tensor_amax
-    sequence_parallel_module.tensor_amax = lambda t: amax_passes.append(t) or real_amax(t)
+    sequence_parallel_module.tensor_amax = lambda t, **kw: amax_passes.append(t) or real_amax(t, **kw)
     try:
         if hand_over:
             dx, dw = torch.autograd.grad(a, [x, w], da)

@@ -1,0 +1,91 @@
+"""Scratch buffers (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``) change no number: two
+COAT layers stacked at TP 2 + SP, three micro-batches of forward and backward into DDP's main_grad,
+give bit-identical outputs, input gradients and main_grads with the buffers on and off. Two layers,
+so that a buffer one layer's forward left for its backward (which would be a bug) is overwritten by
+the other's before that backward reads it; three micro-batches, so that each buffer is reused with
+the same shapes, as in training. The Triton kernels run (interpreted), as on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from distributed import run_distributed
+from layer_config import layer_config
+
+SIZES = (32, 2, 64, 128, 4)  # seq, micro-batch, hidden, FFN, heads
+MICRO_BATCHES = 3
+
+
+def _layers(coat, proj_saved: bool, scratch: bool):
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.spec_utils import build_module
+
+    from coat_megatron.spec import get_gpt_layer_coat_spec
+
+    seq, micro_batch, hidden, ffn, heads = SIZES
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    model_parallel_cuda_manual_seed(1234)
+    config = layer_config(
+        hidden, ffn, heads, pipeline_dtype=torch.bfloat16, use_cpu_initialization=True,
+        tensor_model_parallel_size=tp, sequence_parallel=True,
+    )  # fmt: skip
+    spec = get_gpt_layer_coat_spec(
+        dataclasses.replace(coat, scratch_buffers=scratch),
+        core_attention=DotProductAttention,
+        proj_input_saved_by_attention=proj_saved,
+    )
+    layers = [build_module(spec, config=config, layer_number=i + 1) for i in range(2)]
+    g = torch.Generator().manual_seed(100 + parallel_state.get_tensor_model_parallel_rank())
+    weights = []
+    with torch.no_grad():
+        for layer in layers:
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (0.05 if p.dim() > 1 else 0.1) + (p.dim() == 1))
+                p.main_grad = torch.zeros(p.shape, dtype=torch.bfloat16)
+                weights.append(p)
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)(seq)
+    xs = [torch.randn(seq // tp, micro_batch, hidden, generator=g).to(torch.bfloat16) for _ in range(MICRO_BATCHES)]
+    dys = [torch.randn(x.shape, generator=g).to(torch.bfloat16) for x in xs]
+    return layers, weights, rope, xs, dys
+
+
+def two_layers(recipe: str, proj_saved: bool, scratch: bool) -> list[torch.Tensor]:
+    """In each rank: the outputs and input gradients of every micro-batch, then every main_grad."""
+    import coat_kernels.backend as backend
+    from coat_kernels import workspace
+    from coat_megatron.config import CoatConfig
+
+    backend._OVERRIDE = "triton"
+    workspace.release()
+    layers, weights, rope, xs, dys = _layers(CoatConfig.recipe(recipe), proj_saved, scratch)
+    got = []
+    for i, (x, dy) in enumerate(zip(xs, dys)):
+        for w in weights:
+            w.grad_added_to_main_grad = i > 0  # DDP: written at a step's first micro-batch, added after
+        x = x.clone().requires_grad_()
+        h = x
+        for layer in layers:
+            h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
+        h.backward(dy)
+        got += [h.detach(), x.grad]
+    held = workspace.nbytes()
+    assert (held > 0) == scratch, held
+    return got + [w.main_grad.clone() for w in weights]
+
+
+@pytest.mark.parametrize("recipe,proj_saved", [("memory", True), ("codes", False)])
+def test_scratch_buffers_change_no_number(recipe, proj_saved):
+    on, off = (
+        run_distributed(two_layers, 2, args=(recipe, proj_saved, scratch), tensor_parallel=2, timeout=300)
+        for scratch in (True, False)
+    )
+    for rank in range(2):
+        assert len(on[rank]) == len(off[rank])
+        for i, (a, b) in enumerate(zip(on[rank], off[rank])):
+            assert a.abs().sum() > 0, f"rank {rank}, tensor {i} is zero: the test would prove nothing"
+            assert torch.equal(a, b), f"rank {rank}, tensor {i}: scratch buffers changed it"
