@@ -35,9 +35,9 @@ coat-tp-ring       coat with ``tp_comm_overlap=True``: under sequence parallelis
 coat-fp8-gather    coat with ``fp8_param_gather=True``: the distributed optimizer's parameter all-gather
                    sends COAT linears' weights as FP8 codes (1 byte per element instead of 2); the
                    same training (bit for bit on the CPU), fewer bytes over data parallelism
-coat-no-scratch    coat with ``scratch_buffers=False``: every buffer a call writes and reads before it
-                   returns allocated, as before the scratch buffers (the same numbers, bit for bit):
-                   what the reuse is worth in host time and costs in memory
+coat-scratch       coat with ``scratch_buffers=True``: what a call writes and reads before it returns
+                   taken from reused buffers instead of the allocator (the same numbers, bit for
+                   bit): what the reuse is worth in host time and costs in memory
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states and masters,
                    FP32 gradient buffers)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
@@ -137,7 +137,7 @@ MODES: dict[str, Mode] = {
         ),
         Mode("coat-tp-ring", "coat", "coat", coat=CoatConfig(tp_comm_overlap=True)),
         Mode("coat-fp8-gather", "coat", "coat", coat=CoatConfig(fp8_param_gather=True)),
-        Mode("coat-no-scratch", "coat", "coat", coat=CoatConfig(scratch_buffers=False)),
+        Mode("coat-scratch", "coat", "coat", coat=CoatConfig(scratch_buffers=True)),
         Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),
         Mode("coat-opt", "best-bf16", "coat", coat=CoatConfig()),
         Mode("coat-opt-states", "best-bf16", "coat", coat=CoatConfig(master_weights="fp32", grad_buffers="fp32")),
@@ -156,8 +156,8 @@ RETIRED = {
 ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")
 # Not in "all" either: without tensor parallelism coat-tp-ring is coat, run twice, and without data
 # parallelism so is coat-fp8-gather.
-# Nor coat-no-scratch, which is coat (the same numbers) allocating what coat takes from reused buffers.
-PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather", "coat-no-scratch")
+# Nor coat-scratch, which is coat (the same numbers) taking what coat allocates from reused buffers.
+PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather", "coat-scratch")
 DEFAULT_MODES = [
     "bf16",
     "te-fp8-delayed",

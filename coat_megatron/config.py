@@ -172,12 +172,12 @@ class CoatConfig:
         choices=ACCUMULATE_BACKENDS,
     )
     scratch_buffers: bool = knob(
-        True,
+        False,
         "eager COAT layers take the buffers they write and read within one call (gathered codes, partial sums, W's "
         "and W^T's codes in the memory recipe, transposed operands, amax tiles) from reused scratch buffers, one per "
-        "call site, instead of allocating each (coat_kernels.workspace): about 50 fewer allocations per layer and "
-        "micro-batch at TP 2, the same values bit for bit. Off: every one allocated, the buffers not held between "
-        "uses. CUDA graph capture always allocates. Default on",
+        "call site, instead of the caching allocator (coat_kernels.workspace): 52 fewer allocations per layer and "
+        "micro-batch at TP 2, the same values bit for bit, the buffers held between uses. Default off: its speed on "
+        "GPUs is not shown yet (docs/multi-gpu.md). CUDA graph capture always allocates",
     )
     fp8_param_gather: bool = knob(
         False,

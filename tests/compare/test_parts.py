@@ -19,9 +19,9 @@ from coat_megatron.optional import transformer_engine_available
 def test_parse_modes():
     assert [m.name for m in parse_modes("bf16, te-fp8 ,coat,te-fp8-current")] == ["bf16", "te-fp8-current", "coat"]
     assert [m.name for m in parse_modes("all")] == [
-        n for n in MODES if n not in (*ABLATIONS, "coat-tp-ring", "coat-fp8-gather", "coat-no-scratch")
+        n for n in MODES if n not in (*ABLATIONS, "coat-tp-ring", "coat-fp8-gather", "coat-scratch")
     ]
-    assert not parse_modes("coat-no-scratch")[0].coat_config().scratch_buffers
+    assert parse_modes("coat-scratch")[0].coat_config().scratch_buffers
     assert parse_modes("coat-tp-ring")[0].coat_config().tp_comm_overlap  # named, it runs
     assert parse_modes("coat-fp8-gather")[0].coat_config().fp8_param_gather
     assert [m.name for m in parse_modes("coat-act,coat-opt,coat-opt-states,bf16-grads")] == list(ABLATIONS)

@@ -23,6 +23,8 @@ def test_a_name_hands_out_one_buffer_again():
     b = workspace.empty((2, 16), torch.float32, "cpu", "t.a")
     assert a.data_ptr() == b.data_ptr() and b.shape == (2, 16) and b.dtype == torch.float32
     assert workspace.nbytes("cpu") == 128
+    assert workspace.empty((2, 16), torch.float32, "cpu", "t.a") is b  # a request seen before: its view again
+    assert workspace.empty([2, 16], torch.float32, "cpu", "t.a").shape == (2, 16)
 
 
 def test_another_dtype_or_a_smaller_request_reuses_it_and_a_larger_one_grows_it():
@@ -31,6 +33,8 @@ def test_another_dtype_or_a_smaller_request_reuses_it_and_a_larger_one_grows_it(
     assert small.data_ptr() == a.data_ptr() and small.dtype == torch.bfloat16
     big = workspace.empty(1000, torch.float8_e4m3fn, "cpu", "t.b")
     assert big.numel() == 1000 and workspace.nbytes() == 1008  # rounded up to 16 bytes
+    moved = workspace.empty(100, torch.uint8, "cpu", "t.b")  # the grown buffer's view, not the old one's
+    assert moved.data_ptr() == big.data_ptr() != a.data_ptr()
     again = workspace.empty(1001, torch.uint8, "cpu", "t.b")  # within the rounding: not grown
     assert again.data_ptr() == big.data_ptr()
 
@@ -54,7 +58,7 @@ def test_no_name_allocates_a_new_tensor_each_time():
 def test_graph_capture_allocates(monkeypatch):
     """While a CUDA graph is captured a request allocates (from the graph's pool), never from a buffer."""
     kept = workspace.empty(64, torch.uint8, "cpu", "t.f")
-    monkeypatch.setattr(workspace, "_capturing", lambda device: True)
+    monkeypatch.setattr(workspace, "_capturing", lambda: True)
     during = workspace.empty(64, torch.uint8, "cpu", "t.f")
     assert during.data_ptr() != kept.data_ptr() and workspace.nbytes() == 64
 

@@ -50,8 +50,9 @@ def _spec(kind: str, recipe: str | None, device: str):
         # on a CPU linear_proj runs as beside flash attention on a GPU, which keeps its output: its
         # wgrad operand is requantized from that BF16 input in backward; on a GPU, the spec's default
         cpu = device == "cpu"
+        name, _, extra = recipe.partition("+")  # "memory+scratch": the recipe with CoatConfig.scratch_buffers
         return get_gpt_layer_coat_spec(
-            CoatConfig.recipe(recipe),
+            CoatConfig.recipe(name, scratch_buffers=extra == "scratch"),
             core_attention=DotProductAttention if cpu else None,
             proj_input_saved_by_attention=True if cpu else None,
         )
