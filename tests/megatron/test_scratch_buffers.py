@@ -1,8 +1,8 @@
 """Scratch buffers (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``) change no number: two
-COAT layers stacked at TP 2 + SP, three micro-batches of forward and backward into DDP's main_grad,
+COAT layers stacked at TP 2 + SP, two micro-batches of forward and backward into DDP's main_grad,
 give bit-identical outputs, input gradients and main_grads with the buffers on and off. Two layers,
 so that a buffer one layer's forward left for its backward (which would be a bug) is overwritten by
-the other's before that backward reads it; three micro-batches, so that each buffer is reused with
+the other's before that backward reads it; two micro-batches, so that each buffer is reused with
 the same shapes, as in training. The Triton kernels run (interpreted), as on a GPU."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from distributed import run_distributed
 from layer_config import layer_config
 
 SIZES = (32, 2, 64, 128, 4)  # seq, micro-batch, hidden, FFN, heads
-MICRO_BATCHES = 3
+MICRO_BATCHES = 2
 
 
 def _layers(coat, proj_saved: bool, scratch: bool):
