@@ -1,5 +1,5 @@
 """Scratch buffers (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``) change no number: two
-COAT layers stacked at TP 2 + SP, two micro-batches of forward and backward into DDP's main_grad,
+COAT layers stacked at TP 2 + SP (and on one process, without TP), two micro-batches of forward and backward into DDP's main_grad,
 give bit-identical outputs, input gradients and main_grads with the buffers on and off. Two layers,
 so that a buffer one layer's forward left for its backward (which would be a bug) is overwritten by
 the other's before that backward reads it; two micro-batches, so that each buffer is reused with
@@ -32,7 +32,7 @@ def _layers(coat, proj_saved: bool, scratch: bool):
     model_parallel_cuda_manual_seed(1234)
     config = layer_config(
         hidden, ffn, heads, pipeline_dtype=torch.bfloat16, use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, sequence_parallel=True,
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
     )  # fmt: skip
     spec = get_gpt_layer_coat_spec(
         dataclasses.replace(coat, scratch_buffers=scratch),
@@ -78,13 +78,13 @@ def two_layers(recipe: str, proj_saved: bool, scratch: bool) -> list[torch.Tenso
     return got + [w.main_grad.clone() for w in weights]
 
 
-@pytest.mark.parametrize("recipe,proj_saved", [("memory", True), ("codes", False)])
-def test_scratch_buffers_change_no_number(recipe, proj_saved):
+@pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("codes", False, 2), ("memory", False, 1)])
+def test_scratch_buffers_change_no_number(recipe, proj_saved, tp):
     on, off = (
-        run_distributed(two_layers, 2, args=(recipe, proj_saved, scratch), tensor_parallel=2, timeout=300)
+        run_distributed(two_layers, tp, args=(recipe, proj_saved, scratch), tensor_parallel=tp, timeout=300)
         for scratch in (True, False)
     )
-    for rank in range(2):
+    for rank in range(tp):
         assert len(on[rank]) == len(off[rank])
         for i, (a, b) in enumerate(zip(on[rank], off[rank])):
             assert a.abs().sum() > 0, f"rank {rank}, tensor {i} is zero: the test would prove nothing"
