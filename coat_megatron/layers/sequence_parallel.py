@@ -230,8 +230,15 @@ class _RowParallelSP(torch.autograd.Function):
             x = _plain(x)
             x_amax = tensor_amax(x)
             if save_original_input:  # x is kept anyway: the wgrad operand is requantized from it in backward
+                # (the codes are read by this forward's GEMM only; the scale is kept for the backward)
+                kept_scale = torch.empty((), dtype=torch.float32, device=x.device)
                 codes, x_scale = quantize_per_tensor(
-                    _rows(x), fmt, amax=x_amax, check_finite=False, scratch=workspace.name(on, "x"), keep_scale=True
+                    _rows(x),
+                    fmt,
+                    amax=x_amax,
+                    check_finite=False,
+                    scratch=workspace.name(on, "x"),
+                    scale_out=kept_scale,
                 )
                 chunks = [codes[c * r_c : (c + 1) * r_c] for c in range(n)]
                 x_orig = x

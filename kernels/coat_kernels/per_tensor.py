@@ -180,7 +180,6 @@ def per_tensor_outputs(
     packed: bool = False,
     scratch: str | None = None,
     scale_out: torch.Tensor | None = None,
-    keep_scale: bool = False,
 ):
     """Allocate (q, q_t, scale) for a per-tensor FP8 output; q_t is q itself when not transposing
     (a placeholder pointer the kernel never writes). The kernel writes the scale; for an empty
@@ -191,8 +190,8 @@ def per_tensor_outputs(
     where the codes fill whole 16-byte rows; otherwise (or for an empty tensor) apart.
 
     ``scratch``: the outputs in the reused buffers of that name (``workspace``), for a caller that
-    reads them before it returns; the scale there too unless ``keep_scale`` (a caller that keeps
-    the scale but not the codes), or in ``scale_out`` (a 0-d FP32 buffer the caller keeps)."""
+    reads them before it returns; the scale there too, or in ``scale_out`` (a 0-d FP32 buffer, for
+    a caller that keeps the scale)."""
     n = n_rows * n_cols
     if packed and n and n % SCALE_ROW_BYTES == 0:
         message = workspace.empty(n + SCALE_ROW_BYTES, torch.uint8, device, workspace.sub(scratch, "msg"))
@@ -205,7 +204,7 @@ def per_tensor_outputs(
     if scale_out is not None:
         scale = scale_out
     else:
-        scale = workspace.empty((), torch.float32, device, None if keep_scale else workspace.sub(scratch, "scale"))
+        scale = workspace.empty((), torch.float32, device, workspace.sub(scratch, "scale"))
     if not n:
         scale.fill_(1.0)
     return q, q_t, scale
@@ -436,7 +435,6 @@ def quantize_per_tensor(
     backend: str = "auto",
     scratch: str | None = None,
     scale_out: torch.Tensor | None = None,
-    keep_scale: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Quantize ``x`` to FP8 with one just-in-time scale for the whole tensor.
 
@@ -454,6 +452,8 @@ def quantize_per_tensor(
         chunks: with ``transpose``, the R rows as that many equal blocks (a sequence-parallel
             linear's chunks), each transposed on its own: q_t chunk-major, (chunks, N, R / chunks),
             from the same pass (as ``quantize_per_tensor_transposed``, the codes written too).
+        scratch, scale_out: the outputs in reused buffers, the scale in ``scale_out`` where given
+            (``per_tensor_outputs``); the Triton path only, the same values.
     Returns:
         ``(q, scale)`` or ``(q, scale, q_t)``: FP8 codes of x's shape, a 0-d FP32 scale, and the
         per-tensor FP8 transpose.
@@ -476,7 +476,6 @@ def quantize_per_tensor(
         chunks=chunks,
         scratch=scratch,
         scale_out=scale_out,
-        keep_scale=keep_scale,
     )
     if check_finite:
         raise_if_nonfinite(scale, "quantize_per_tensor")
@@ -522,7 +521,6 @@ def _quantize(
     chunks: int = 1,
     scratch: str | None = None,
     scale_out: torch.Tensor | None = None,
-    keep_scale: bool = False,
 ):
     """(q, scale, q_t) of the per-tensor quantization: q_t None without ``transpose``; q None
     where ``codes`` is False and the pass writes q_t from its registers (the codes then unwritten);
@@ -555,7 +553,6 @@ def _quantize(
             packed,
             scratch,
             scale_out,
-            keep_scale,
         )
         if q_t is not None and chunks > 1:
             q_t = q_t.view(chunks, n_cols, n_rows // chunks)  # the pass writes it chunk-major
