@@ -38,6 +38,9 @@ coat-fp8-gather    coat with ``fp8_param_gather=True``: the distributed optimize
 coat-scratch       coat with ``scratch_buffers=True``: what a call writes and reads before it returns
                    taken from reused buffers instead of the allocator (the same numbers, bit for
                    bit): what the reuse is worth in host time and costs in memory
+coat-unfused-residual  coat with ``fuse_residual_backward=False``: the norms return one output and
+                   autograd sums the residual stream's gradient (the same numbers, bit for bit):
+                   what the norms' fused residual backward is worth
 coat-act           ablation: the COAT layer spec with Megatron's Adam (FP32 states and masters,
                    FP32 gradient buffers)
 coat-opt           ablation: the bf16 mode's layer spec with COAT's FP8 AdamW (its default
@@ -138,6 +141,7 @@ MODES: dict[str, Mode] = {
         Mode("coat-tp-ring", "coat", "coat", coat=CoatConfig(tp_comm_overlap=True)),
         Mode("coat-fp8-gather", "coat", "coat", coat=CoatConfig(fp8_param_gather=True)),
         Mode("coat-scratch", "coat", "coat", coat=CoatConfig(scratch_buffers=True)),
+        Mode("coat-unfused-residual", "coat", "coat", coat=CoatConfig(fuse_residual_backward=False)),
         Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),
         Mode("coat-opt", "best-bf16", "coat", coat=CoatConfig()),
         Mode("coat-opt-states", "best-bf16", "coat", coat=CoatConfig(master_weights="fp32", grad_buffers="fp32")),
@@ -156,8 +160,9 @@ RETIRED = {
 ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")
 # Not in "all" either: without tensor parallelism coat-tp-ring is coat, run twice, and without data
 # parallelism so is coat-fp8-gather.
-# Nor coat-scratch, which is coat (the same numbers) taking what coat allocates from reused buffers.
-PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather", "coat-scratch")
+# Nor coat-scratch, which is coat (the same numbers) taking what coat allocates from reused buffers, nor
+# coat-unfused-residual (the same numbers again, with autograd's sum of the residual gradient).
+PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather", "coat-scratch", "coat-unfused-residual")
 DEFAULT_MODES = [
     "bf16",
     "te-fp8-delayed",

@@ -156,6 +156,14 @@ class CoatConfig:
         "or without apex (--no-gradient-accumulation-fusion governs Megatron's own linears only). Default on; off "
         "leaves the addition to Megatron",
     )
+    fuse_residual_backward: bool = knob(
+        True,
+        "COAT's input norms also return their input as the layer's residual (Megatron's (output, residual) norm "
+        "output), so that their backward adds the residual branch's gradient to dx in its own pass, rounded as "
+        "autograd would, and finds the sum's amax there for the linear that quantizes it next: the same bits, two "
+        "launches fewer per layer (the sum) and no amax pass for linear_proj's and linear_fc2's dY. Default on; off "
+        "where Megatron recomputes the norms (recompute_modules layernorm), which needs a norm of one output",
+    )
     tp_comm_overlap: bool = knob(
         False,
         "with sequence parallelism, pass the sequence chunks between tensor-parallel ranks in a ring of "
@@ -196,6 +204,7 @@ class CoatConfig:
             "recompute_norm_output",
             "cache_weight_transpose",
             "fuse_wgrad_accumulation",
+            "fuse_residual_backward",
             "tp_comm_overlap",
             "scratch_buffers",
             "fp8_param_gather",

@@ -228,6 +228,10 @@ def _pickled(report: dict) -> bytes:
 
 def _child(rank: int, setup: dict, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(setup["threads"])
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's exact float casts, as in the test process
+        from triton_interpreter import install
+
+        install()
     world_size = setup["world_size"]
     os.environ.update(
         RANK=str(rank),

@@ -84,6 +84,28 @@ class AmaxHandoff:
         return amax
 
 
+# gradients whose amax the op that wrote them found, for whichever op quantizes them next, keyed by id():
+# a norm's dx (its input's gradient, residual branch included) is a BF16 tensor that carries no hand-off,
+# and reaches the linear whose output it is the gradient of through Megatron's residual add, unchanged
+_LOOSE_SLOTS = 8  # a backward has one or two in flight; older ones are dropped
+_loose: dict[int, AmaxHandoff] = {}
+
+
+def deposit_loose_grad_amax(grad: torch.Tensor, amax: torch.Tensor) -> None:
+    """Leave ``amax`` (0-d FP32, max |grad|) for the op that next quantizes ``grad`` itself, whatever it is
+    (``take_grad_amax`` finds it for that very tensor, unmodified since). Keeps no reference to ``grad``."""
+    while len(_loose) >= _LOOSE_SLOTS:
+        del _loose[next(iter(_loose))]
+    handoff = _loose[id(grad)] = AmaxHandoff()
+    handoff.deposit_grad_amax(grad, amax)
+
+
 def take_grad_amax(handoff: AmaxHandoff | None, grad: torch.Tensor) -> torch.Tensor | None:
-    """``handoff.take_grad_amax(grad)``, or None where the output carried no hand-off (BF16)."""
-    return handoff.take_grad_amax(grad) if handoff is not None else None
+    """The amax deposited for ``grad``: by its consumer in the hand-off its producer made
+    (``handoff.take_grad_amax(grad)``), or by the op that wrote it (``deposit_loose_grad_amax``); None where
+    none was (a BF16 output with no hand-off, whose gradient no op measured)."""
+    amax = handoff.take_grad_amax(grad) if handoff is not None else None
+    loose = _loose.pop(id(grad), None)
+    if amax is None and loose is not None:
+        amax = loose.take_grad_amax(grad)  # None where id(grad) was another, now dead, tensor's
+    return amax

@@ -13,10 +13,18 @@ from __future__ import annotations
 import torch
 
 from coat_kernels import dequantize_per_group, workspace
-from coat_kernels.norm import norm_backward, norm_backward_from_input, norm_quantize, norm_to_fp8, write_or_add
+from coat_kernels.norm import (
+    add_residual_grad,
+    norm_backward,
+    norm_backward_from_input,
+    norm_quantize,
+    norm_to_fp8,
+    write_or_add,
+)
 from coat_kernels.per_tensor import transpose_chunk_codes
 
 from ..config import INPUT_STORES
+from .handoff import deposit_loose_grad_amax
 from .linear import added_to_main_grad, main_grad_is_fresh
 from .tensor import Fp8Tensor
 
@@ -46,6 +54,7 @@ class _NormToFp8(torch.autograd.Function):
         packed,
         into_main_grad,
         scratch,
+        residual=False,
     ):
         # transpose: None (no transposed copy), "store" (written now), "recompute" (in backward,
         # from the saved input); input_store: "fp8" (the 1xG copy is saved) or "bf16" (x itself)
@@ -91,12 +100,20 @@ class _NormToFp8(torch.autograd.Function):
                     return out[2]
                 return transpose_chunk_codes(out[0].view(chunks, -1, h), chunk_major=True)
 
-        return Fp8Tensor(r.q, r.scale, transposed=r.q_t, transposed_fn=transposed_fn, dtype=x.dtype)
+        out = Fp8Tensor(r.q, r.scale, transposed=r.q_t, transposed_fn=transposed_fn, dtype=x.dtype)
+        if not residual:
+            return out
+        # x again, as the layer's residual: its gradient comes back here, to be added in the backward's pass
+        ctx.set_materialize_grads(False)
+        return out, x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, grad_residual=None):
         x_saved, x_scales, mean, rstd, weight = ctx.saved_tensors
         group_size, zero_centered_gamma, has_bias, dtype, into_main_grad, scratch = ctx.meta
+        if grad is None:  # (grads are not materialized with a residual) the output was not used
+            grad = torch.zeros(x_saved.shape, dtype=dtype, device=x_saved.device)
+        residual = grad_residual.contiguous() if grad_residual is not None else None
         multiplier = _multiplier(weight, zero_centered_gamma)
         params = [weight, ctx.bias] if has_bias else [weight]
         # where dW (dB) goes: the parameter's main_grad (Megatron's gradient-accumulation protocol, as
@@ -113,10 +130,11 @@ class _NormToFp8(torch.autograd.Function):
             dx, dw, db = norm_backward_from_input(
                 grad, x_saved, multiplier, mean, rstd, has_bias=has_bias, dx_dtype=dtype
             )
+            dx = add_residual_grad(dx, residual)
             dw = write_or_add(outs[0], dw, accumulate[0])
             db = write_or_add(outs[1], db, accumulate[1]) if has_bias else None
         else:
-            dx, dw, db = norm_backward(
+            dx, dw, db, *amax = norm_backward(
                 grad.contiguous(),
                 x_saved,
                 x_scales,
@@ -129,10 +147,14 @@ class _NormToFp8(torch.autograd.Function):
                 dw_out=outs[0],
                 db_out=outs[1] if has_bias else None,
                 accumulate=accumulate[0],
+                residual_grad=residual,
+                dx_amax=residual is not None,
                 scratch=workspace.name(scratch, "norm.partials"),
             )
+            if amax:  # for the linear whose output's gradient dx is too (through the residual add)
+                deposit_loose_grad_amax(dx, amax[0])
         grads = [added_to_main_grad(p) if m is not None else g for p, m, g in zip(params, mains, (dw, db))]
-        return dx, grads[0], grads[1] if has_bias else None, *([None] * 12)
+        return dx, grads[0], grads[1] if has_bias else None, *([None] * 13)
 
 
 def rmsnorm_to_fp8(
@@ -149,7 +171,8 @@ def rmsnorm_to_fp8(
     packed: bool = False,
     into_main_grad: bool = False,
     scratch: bool = False,
-) -> Fp8Tensor:
+    residual: bool = False,
+) -> Fp8Tensor | tuple[Fp8Tensor, torch.Tensor]:
     """RMSNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor`` for the next linear.
 
     H must be a multiple of ``group_size`` (the 1xG FP8 copy of x saved for backward).
@@ -166,6 +189,9 @@ def rmsnorm_to_fp8(
     parameter's dtype.
     ``scratch``: the buffers read within one pass or one backward (the amax tiles, dW's partial sums)
     reused from call to call (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``).
+    ``residual``: return ``(output, x)``, x as the layer's residual (Megatron's (output, residual) norm
+    output), whose gradient the backward adds to dx in its own pass, finding the sum's amax for the
+    linear that quantizes it next (``CoatConfig.fuse_residual_backward``); the same bits as autograd's sum.
     """
     return _NormToFp8.apply(
         x,
@@ -182,6 +208,7 @@ def rmsnorm_to_fp8(
         packed,
         into_main_grad,
         scratch,
+        residual,
     )
 
 
@@ -200,7 +227,8 @@ def layernorm_to_fp8(
     packed: bool = False,
     into_main_grad: bool = False,
     scratch: bool = False,
-) -> Fp8Tensor:
+    residual: bool = False,
+) -> Fp8Tensor | tuple[Fp8Tensor, torch.Tensor]:
     """LayerNorm of x (..., H) into a per-tensor FP8 ``Fp8Tensor``; as ``rmsnorm_to_fp8``."""
     return _NormToFp8.apply(
         x,
@@ -217,4 +245,5 @@ def layernorm_to_fp8(
         packed,
         into_main_grad,
         scratch,
+        residual,
     )

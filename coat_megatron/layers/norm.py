@@ -17,7 +17,9 @@ from ..fp8 import layernorm_to_fp8, rmsnorm_to_fp8
 
 
 class CoatNorm(MegatronModule):
-    """``output="fp8"`` (input_layernorm, pre_mlp_layernorm) returns FP8 for the next COAT linear;
+    """``output="fp8"`` (input_layernorm, pre_mlp_layernorm) returns FP8 for the next COAT linear
+    (with ``CoatConfig.fuse_residual_backward``, as ``(output, residual)``: its input is the layer's
+    residual, whose gradient its backward adds in its own pass);
     ``output="bf16"`` (the block's final norm, before the output layer) returns BF16, and unlike
     Megatron's torch fallback norm it works under sequence parallelism."""
 
@@ -53,6 +55,10 @@ class CoatNorm(MegatronModule):
             None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype, device=device))
         )
         self.sequence_parallel = config.sequence_parallel
+        # (output, residual): Megatron's layer takes the residual from the norm; not where it recomputes the
+        # norm (its checkpoint of the norm keeps one output, and would free the residual with it)
+        recomputed = config.recompute_granularity == "selective" and "layernorm" in (config.recompute_modules or [])
+        self.returns_residual = output == "fp8" and self.coat.fuse_residual_backward and not recomputed
         for p in self.parameters():
             # Megatron all-reduces the grads of these over the tensor-parallel group under SP
             p.sequence_parallel = self.sequence_parallel
@@ -78,6 +84,7 @@ class CoatNorm(MegatronModule):
             into_main_grad=self.coat.fuse_wgrad_accumulation
             or bool(getattr(self.config, "gradient_accumulation_fusion", False)),
             scratch=self.coat.scratch_buffers,
+            residual=self.returns_residual,
         )
         if self.rms:
             return rmsnorm_to_fp8(x, self.weight, self.eps, **kw)

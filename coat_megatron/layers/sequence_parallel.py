@@ -278,12 +278,15 @@ class _RowParallelSP(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[:2]
         dy = _plain(dy)
         overlap, on = config.tp_comm_overlap, config.scratch_buffers
+        # dY's amax where the next layer's norm found it in its backward (CoatConfig.fuse_residual_backward)
+        dy_amax = take_grad_amax(None, dy)
         # the wgrad's dY_j^T: with the ring, each chunk's as it arrives (this rank's from its quantizing
         # pass); without, every chunk's in one pass where they were gathered
         dy_q, dy_scale, *own_t = quantize_per_tensor(
             _rows(dy.contiguous()),
             config.backward_format,
             transpose=need_dw and overlap,
+            amax=dy_amax,
             check_finite=False,
             packed=True,
             scratch=workspace.name(on and not overlap, "dy"),

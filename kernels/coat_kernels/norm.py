@@ -19,6 +19,12 @@ FP8 copy with the forward's exact mean and rstd:
     LayerNorm: dx = rstd * (g - mean(g) - x^ * mean(g * x^))
     dw = sum over rows of dy * x^,   db = sum over rows of dy
 
+Where the norm also returns x as the layer's residual (``CoatConfig.fuse_residual_backward``), the
+backward adds that branch's gradient to dx in the same pass, rounded as autograd's own sum would be
+(the same bits, without the sum's launch and its three passes over the activation), and finds the
+result's amax there too, for the linear whose output gradient it is (its quantization needs no
+amax pass of its own).
+
 The backward's programs each sum their rows' dw (db) into a row of FP32 partials; a second kernel
 sums the partials in a fixed order and writes dw in the caller's dtype, or adds it into the
 caller's buffer (a weight's ``main_grad``, Megatron's gradient-accumulation protocol), rounding
@@ -190,12 +196,18 @@ def _norm_backward_kernel(
     dx_ptr,
     dw_ptr,
     db_ptr,
+    dres_ptr,
+    tiles_ptr,
+    amax_ptr,
+    counter_ptr,
     n_rows,
     n_cols,
     rows_per_program,
     GROUP: tl.constexpr,
     IS_LAYERNORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    AMAX: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_N)
@@ -205,6 +217,7 @@ def _norm_backward_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dx_amax = tl.zeros((BLOCK_N,), dtype=tl.float32)
     first = (tl.program_id(0) * rows_per_program).to(tl.int64)
     for i in range(0, rows_per_program):
         row64 = first + i
@@ -224,14 +237,23 @@ def _norm_backward_kernel(
             dx = (g - xhat * c1 - c2) * rstd
         else:
             dx = (g - xhat * c1) * rstd
+        dx = dx.to(dx_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:  # autograd's sum of the two branches, as it rounds it: dx rounded, then the add
+            r = tl.load(dres_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = (dx.to(tl.float32) + r).to(dx_ptr.dtype.element_ty)
         live = row64 < n_rows
-        tl.store(dx_ptr + row64 * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask & live)
+        tl.store(dx_ptr + row64 * n_cols + cols, dx, mask=mask & live)
+        if AMAX:
+            dx_amax = tl.maximum(dx_amax, tl.where(mask & live, abs_or_inf(dx.to(tl.float32)), 0.0))
         dw += tl.where(live, dy * xhat, 0.0)
         if HAS_BIAS:
             db += tl.where(live, dy, 0.0)
     tl.store(dw_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(db_ptr + tl.program_id(0).to(tl.int64) * n_cols + cols, db, mask=mask)
+    if AMAX:  # dx's amax, for the op that quantizes dx next (no pass of its own to find it)
+        tl.store(tiles_ptr + tl.program_id(0), tl.max(dx_amax, axis=0))
+        finish_amax(tiles_ptr, amax_ptr, counter_ptr)
 
 
 @lean
@@ -546,9 +568,19 @@ def norm_backward_reference(
     group_size: int,
     has_bias: bool,
     dx_dtype: torch.dtype,
+    residual_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     x = dequantize_per_group_reference(x_q, x_scales, group_size, torch.float32)
-    return norm_backward_from_input(dy, x, weight, mean, rstd, has_bias=has_bias, dx_dtype=dx_dtype)
+    dx, dw, db = norm_backward_from_input(dy, x, weight, mean, rstd, has_bias=has_bias, dx_dtype=dx_dtype)
+    return add_residual_grad(dx, residual_grad), dw, db
+
+
+def add_residual_grad(dx: torch.Tensor, residual_grad: torch.Tensor | None) -> torch.Tensor:
+    """dx + the residual branch's gradient as autograd sums the two (in dx's dtype: each rounded, then
+    added, the sum rounded once); dx itself without one."""
+    if residual_grad is None:
+        return dx
+    return (dx.float() + residual_grad.reshape(dx.shape).float()).to(dx.dtype)
 
 
 def norm_backward_from_input(
@@ -600,9 +632,11 @@ def norm_backward(
     dw_out: torch.Tensor | None = None,
     db_out: torch.Tensor | None = None,
     accumulate: bool = False,
+    residual_grad: torch.Tensor | None = None,
+    dx_amax: bool = False,
     backend: str = "auto",
     scratch: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, ...]:
     """Backward of ``norm_to_fp8`` from the saved 1xG FP8 copy of x.
 
     Args:
@@ -611,13 +645,22 @@ def norm_backward(
         weight: the multiplier the forward used.
         dw_out, db_out: where dw (db) goes, a contiguous float vector of H (the weight's dtype, or its
             ``main_grad``): written, or with ``accumulate`` added to (rounded once); None: a new FP32 one.
+        residual_grad: the gradient that reaches x by the residual branch (x's shape, contiguous),
+            added to dx in the same pass as autograd would add it (``add_residual_grad``: the same
+            bits); the caller's norm returns x as its residual (``CoatConfig.fuse_residual_backward``).
+        dx_amax: also return dx's amax (0-d FP32), found in the same pass, for the op that quantizes dx.
         scratch: the per-program partial sums in the reused buffers of that name (``workspace``).
     Returns:
-        ``(dx, dw, db)``: dx in ``dx_dtype`` and x's shape; dw, db: ``dw_out``/``db_out`` or FP32
-        vectors (db None without bias).
+        ``(dx, dw, db)``, and dx's amax with ``dx_amax``: dx in ``dx_dtype`` and x's shape; dw, db:
+        ``dw_out``/``db_out`` or FP32 vectors (db None without bias).
     """
     if not dy.is_contiguous():
         raise ValueError("dy must be contiguous; pass dy.contiguous()")
+    if residual_grad is not None and (residual_grad.shape != dy.shape or not residual_grad.is_contiguous()):
+        raise ValueError(
+            f"residual_grad must be contiguous and of dy's shape {tuple(dy.shape)}, got "
+            f"{tuple(residual_grad.shape)}; pass residual_grad.contiguous()"
+        )
     n_cols = dy.shape[-1]
     if dw_out is None:
         dw_out = torch.empty(n_cols, dtype=torch.float32, device=dy.device)
@@ -625,21 +668,37 @@ def norm_backward(
         db_out = torch.empty(n_cols, dtype=torch.float32, device=dy.device)
     if not use_triton(dy, backend):
         dx, dw, db = norm_backward_reference(
-            dy, x_q, x_scales, weight, mean, rstd, group_size=group_size, has_bias=has_bias, dx_dtype=dx_dtype
+            dy,
+            x_q,
+            x_scales,
+            weight,
+            mean,
+            rstd,
+            group_size=group_size,
+            has_bias=has_bias,
+            dx_dtype=dx_dtype,
+            residual_grad=residual_grad,
         )
-        return dx, write_or_add(dw_out, dw, accumulate), write_or_add(db_out, db, accumulate) if has_bias else None
+        db = write_or_add(db_out, db, accumulate) if has_bias else None
+        out = (dx, write_or_add(dw_out, dw, accumulate), db)
+        if not dx_amax:
+            return out
+        return (*out, abs_or_inf_reference(dx.float()).amax() if dx.numel() else torch.zeros((), device=dx.device))
     n_rows = dy.numel() // max(n_cols, 1)
     dx = torch.empty(dy.shape, dtype=dx_dtype, device=dy.device)
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
         db = write_or_add(db_out, zeros, accumulate) if has_bias else None
-        return dx, write_or_add(dw_out, zeros, accumulate), db
+        out = (dx, write_or_add(dw_out, zeros, accumulate), db)
+        return (*out, zeros[:1].reshape(())) if dx_amax else out
     per_sm, warps = _BACKWARD_BLOCKS
     programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
     rows_per_program = cdiv(n_rows, programs)
     programs = cdiv(n_rows, rows_per_program)
     dw = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "dw"))
     db = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "db")) if has_bias else dw
+    # dx's amax is read by another op's backward, later: its own allocation, never a scratch buffer
+    tiles, amax, counter = amax_outputs(programs, dy.device) if dx_amax else (rstd, rstd, rstd)
     block_n = max(group_size, next_power_of_2(n_cols))
     _norm_backward_kernel[(programs,)](
         dy,
@@ -651,16 +710,23 @@ def norm_backward(
         dx,
         dw,
         db,
+        residual_grad if residual_grad is not None else dy,
+        tiles,
+        amax,
+        counter,
         n_rows,
         n_cols,
         rows_per_program,
         GROUP=group_size,
         IS_LAYERNORM=mean is not None,
         HAS_BIAS=has_bias,
+        HAS_RESIDUAL=residual_grad is not None,
+        AMAX=dx_amax,
         BLOCK_N=block_n,
         num_warps=warps or min(16, max(4, block_n // 512)),
     )
     sum_partials(dw, dw_out, accumulate=accumulate)
     if has_bias:
         sum_partials(db, db_out, accumulate=accumulate)
-    return dx, dw_out, db_out if has_bias else None
+    out = (dx, dw_out, db_out if has_bias else None)
+    return (*out, amax) if dx_amax else out

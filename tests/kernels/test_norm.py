@@ -143,6 +143,47 @@ def test_backward_matches_reference(device, kind, shape, seed):
         assert torch.allclose(got[2].cpu(), want[2], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@pytest.mark.parametrize("shape", [(7, 96), (2, 17, 640)], ids=str)
+@pytest.mark.parametrize("residual", ["random", "zero", "outlier"])
+def test_backward_adds_the_residual_gradient_and_finds_its_amax(device, kind, shape, residual, seed):
+    """The fused residual branch: dx is the unfused kernel's dx plus the residual's gradient as autograd
+    adds them (BF16 bits equal), and its amax is that tensor's, bit for bit."""
+    x = random_activations(shape, seed=seed)
+    w, b = weights(shape[-1], kind, seed)
+    r = norm_to_fp8_reference(x, w, b, eps=1e-5, kind=kind)
+    dy = random_activations(shape, seed=seed + 1, outliers=False)
+    res = {
+        "random": random_activations(shape, seed=seed + 2),
+        "zero": torch.zeros(shape, dtype=torch.bfloat16),
+        "outlier": random_activations(shape, seed=seed + 2, outliers=False),
+    }[residual]
+    if residual == "outlier":  # one element far above the rest: the amax is its sum with dx there
+        res.view(-1)[res.numel() // 3] = 3.0e4
+    args = [a.to(device) if a is not None else None for a in (r.x_q, r.x_scales, w, r.mean, r.rstd)]
+    kw = dict(group_size=16, has_bias=b is not None, backend="triton")
+    plain = norm_backward(dy.to(device), *args, **kw)
+    fused = norm_backward(dy.to(device), *args, residual_grad=res.to(device), dx_amax=True, **kw)
+    want = (plain[0].cpu() + res).to(torch.bfloat16)  # autograd's add of the two branches
+    assert len(fused) == 4 and torch.equal(fused[0].cpu(), want)
+    assert torch.equal(fused[3].cpu(), want.float().abs().amax())
+    assert torch.equal(fused[1].cpu(), plain[1].cpu())
+    # the reference does the same, from its own dx
+    ref = norm_backward_reference(dy, r.x_q, r.x_scales, w, r.mean, r.rstd, group_size=16, has_bias=b is not None,
+                                  dx_dtype=torch.bfloat16, residual_grad=res)  # fmt: skip
+    assert torch.allclose(fused[0].cpu().float(), ref[0].float(), rtol=2**-6, atol=1e-4)
+    only_amax = norm_backward(dy.to(device), *args, dx_amax=True, **kw)
+    assert torch.equal(only_amax[0].cpu(), plain[0].cpu())
+    assert torch.equal(only_amax[3].cpu(), plain[0].cpu().float().abs().amax())
+
+
+def test_backward_rejects_a_residual_gradient_of_another_shape():
+    r = norm_to_fp8_reference(torch.randn(4, 32), torch.ones(32), None, eps=1e-5, kind="rmsnorm")
+    with pytest.raises(ValueError, match="residual_grad must be contiguous and of dy's shape"):
+        norm_backward(torch.randn(4, 32), r.x_q, r.x_scales, torch.ones(32), r.mean, r.rstd, group_size=16,
+                      residual_grad=torch.randn(4, 16))  # fmt: skip
+
+
 def test_bad_arguments_name_the_fix():
     x = torch.randn(4, 40)
     with pytest.raises(

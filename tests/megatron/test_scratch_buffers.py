@@ -1,4 +1,5 @@
-"""Scratch buffers (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``) change no number: two
+"""Scratch buffers (``CoatConfig.scratch_buffers``, ``coat_kernels.workspace``) change no number, nor does the
+norms' fused residual gradient (``CoatConfig.fuse_residual_backward``): two
 COAT layers stacked at TP 2 + SP (and on one process, without TP), two micro-batches of forward and backward into DDP's main_grad,
 give bit-identical outputs, input gradients and main_grads with the buffers on and off. Two layers,
 so that a buffer one layer's forward left for its backward (which would be a bug) is overwritten by
@@ -18,7 +19,7 @@ SIZES = (32, 2, 64, 128, 4)  # seq, micro-batch, hidden, FFN, heads
 MICRO_BATCHES = 2
 
 
-def _layers(coat, proj_saved: bool, scratch: bool):
+def _layers(coat, proj_saved: bool):
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -35,7 +36,7 @@ def _layers(coat, proj_saved: bool, scratch: bool):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
     )  # fmt: skip
     spec = get_gpt_layer_coat_spec(
-        dataclasses.replace(coat, scratch_buffers=scratch),
+        coat,
         core_attention=DotProductAttention,
         proj_input_saved_by_attention=proj_saved,
     )
@@ -54,15 +55,16 @@ def _layers(coat, proj_saved: bool, scratch: bool):
     return layers, weights, rope, xs, dys
 
 
-def two_layers(recipe: str, proj_saved: bool, scratch: bool) -> list[torch.Tensor]:
-    """In each rank: the outputs and input gradients of every micro-batch, then every main_grad."""
+def two_layers(recipe: str, proj_saved: bool, changes: dict) -> list[torch.Tensor]:
+    """In each rank: the outputs and input gradients of every micro-batch, then every main_grad, with the
+    recipe's ``CoatConfig`` changed as ``changes`` says."""
     import coat_kernels.backend as backend
     from coat_kernels import workspace
     from coat_megatron.config import CoatConfig
 
     backend._OVERRIDE = "triton"
     workspace.release()
-    layers, weights, rope, xs, dys = _layers(CoatConfig.recipe(recipe), proj_saved, scratch)
+    layers, weights, rope, xs, dys = _layers(dataclasses.replace(CoatConfig.recipe(recipe), **changes), proj_saved)
     got = []
     for i, (x, dy) in enumerate(zip(xs, dys)):
         for w in weights:
@@ -74,18 +76,30 @@ def two_layers(recipe: str, proj_saved: bool, scratch: bool) -> list[torch.Tenso
         h.backward(dy)
         got += [h.detach(), x.grad]
     held = workspace.nbytes()
-    assert (held > 0) == scratch, held
+    assert (held > 0) == changes.get("scratch_buffers", False), held
     return got + [w.main_grad.clone() for w in weights]
 
 
-@pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("codes", False, 2), ("memory", False, 1)])
-def test_scratch_buffers_change_no_number(recipe, proj_saved, tp):
+def _equal_with_and_without(recipe: str, proj_saved: bool, tp: int, knob: str) -> None:
     on, off = (
-        run_distributed(two_layers, tp, args=(recipe, proj_saved, scratch), tensor_parallel=tp, timeout=300)
-        for scratch in (True, False)
+        run_distributed(two_layers, tp, args=(recipe, proj_saved, {knob: value}), tensor_parallel=tp, timeout=300)
+        for value in (True, False)
     )
     for rank in range(tp):
         assert len(on[rank]) == len(off[rank])
         for i, (a, b) in enumerate(zip(on[rank], off[rank])):
             assert a.abs().sum() > 0, f"rank {rank}, tensor {i} is zero: the test would prove nothing"
-            assert torch.equal(a, b), f"rank {rank}, tensor {i}: scratch buffers changed it"
+            assert torch.equal(a, b), f"rank {rank}, tensor {i}: {knob} changed it"
+
+
+@pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("codes", False, 2), ("memory", False, 1)])
+def test_scratch_buffers_change_no_number(recipe, proj_saved, tp):
+    _equal_with_and_without(recipe, proj_saved, tp, "scratch_buffers")
+
+
+@pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("memory", False, 1)])
+def test_the_norms_residual_gradient_changes_no_number(recipe, proj_saved, tp):
+    """``fuse_residual_backward``: the norms return the residual and add its gradient in their backward, and
+    linear_proj (and, across the two layers, the first layer's linear_fc2) quantize dY with the amax the norm
+    found: the same bits as autograd's sum and the linears' own amax passes."""
+    _equal_with_and_without(recipe, proj_saved, tp, "fuse_residual_backward")
