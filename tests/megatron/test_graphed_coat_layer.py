@@ -129,3 +129,24 @@ def test_an_eager_coat_layer_step_never_synchronises(megatron_on_one_gpu):
         out.backward(dy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_norms_fused_residual_gradient_changes_no_bit_on_a_gpu(megatron_on_one_gpu):
+    """``CoatConfig.fuse_residual_backward``: two stacked layers whose norms add the residual stream's
+    gradient in their backward (and hand its amax to linear_proj and the first layer's linear_fc2) give the
+    outputs, input gradient and weight gradients of autograd's sum, bit for bit, on cuBLASLt and Triton."""
+    from coat_megatron.config import CoatConfig
+
+    got = []
+    for fuse in (True, False):
+        built = [coat_layer(CoatConfig(fuse_residual_backward=fuse)) for _ in range(2)]
+        layers, (_, rope, x, dy) = [b[0] for b in built], built[0]
+        assert layers[0].input_layernorm.returns_residual == fuse
+        xi = x.clone().requires_grad_()
+        h = xi
+        for layer in layers:
+            h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
+        h.backward(dy)
+        got.append([h.detach(), xi.grad] + [p.grad for layer in layers for p in layer.parameters()])
+    for i, (a, b) in enumerate(zip(*got)):
+        assert a.abs().sum() > 0 and torch.equal(a, b), f"tensor {i} differs"

@@ -64,6 +64,7 @@ def two_layers(recipe: str, proj_saved: bool, changes: dict) -> list[torch.Tenso
 
     backend._OVERRIDE = "triton"
     workspace.release()
+    handed = _count_handed_amaxes()
     layers, weights, rope, xs, dys = _layers(dataclasses.replace(CoatConfig.recipe(recipe), **changes), proj_saved)
     got = []
     for i, (x, dy) in enumerate(zip(xs, dys)):
@@ -77,19 +78,39 @@ def two_layers(recipe: str, proj_saved: bool, changes: dict) -> list[torch.Tenso
         got += [h.detach(), x.grad]
     held = workspace.nbytes()
     assert (held > 0) == changes.get("scratch_buffers", False), held
-    return got + [w.main_grad.clone() for w in weights]
+    return got + [w.main_grad.clone() for w in weights] + [torch.tensor(handed)]
 
 
-def _equal_with_and_without(recipe: str, proj_saved: bool, tp: int, knob: str) -> None:
+def _count_handed_amaxes() -> list[int]:
+    """A one-element list counting the gradient amaxes the linears took from an op that found them (a
+    hand-off), instead of finding them themselves."""
+    from coat_megatron.fp8.handoff import AmaxHandoff
+
+    count = [0]
+    take = AmaxHandoff.take_grad_amax
+
+    def counted(self, grad):
+        amax = take(self, grad)
+        count[0] += amax is not None
+        return amax
+
+    AmaxHandoff.take_grad_amax = counted
+    return count
+
+
+def _equal_with_and_without(recipe: str, proj_saved: bool, tp: int, knob: str) -> list[int]:
+    """Asserts that every tensor is the same with ``knob`` on and off; returns, per rank, how many more
+    gradient amaxes the linears were handed with it on."""
     on, off = (
         run_distributed(two_layers, tp, args=(recipe, proj_saved, {knob: value}), tensor_parallel=tp, timeout=300)
         for value in (True, False)
     )
     for rank in range(tp):
         assert len(on[rank]) == len(off[rank])
-        for i, (a, b) in enumerate(zip(on[rank], off[rank])):
+        for i, (a, b) in enumerate(zip(on[rank][:-1], off[rank][:-1])):
             assert a.abs().sum() > 0, f"rank {rank}, tensor {i} is zero: the test would prove nothing"
             assert torch.equal(a, b), f"rank {rank}, tensor {i}: {knob} changed it"
+    return [int(on[rank][-1] - off[rank][-1]) for rank in range(tp)]
 
 
 @pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("codes", False, 2), ("memory", False, 1)])
@@ -102,4 +123,7 @@ def test_the_norms_residual_gradient_changes_no_number(recipe, proj_saved, tp):
     """``fuse_residual_backward``: the norms return the residual and add its gradient in their backward, and
     linear_proj (and, across the two layers, the first layer's linear_fc2) quantize dY with the amax the norm
     found: the same bits as autograd's sum and the linears' own amax passes."""
-    _equal_with_and_without(recipe, proj_saved, tp, "fuse_residual_backward")
+    handed = _equal_with_and_without(recipe, proj_saved, tp, "fuse_residual_backward")
+    # per micro-batch: both layers' linear_proj, and the first layer's linear_fc2 (whose dY the second
+    # layer's input norm wrote); the second layer's linear_fc2 gets the test's own dY
+    assert handed == [3 * MICRO_BATCHES] * tp, handed
