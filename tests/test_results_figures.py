@@ -419,29 +419,47 @@ def fidelity():
 
 def layer_tp2():
     # coat-compare's rows of the four modes (the 11.42 / 15.19 ms pair is layer-tp2-overlap.md's: no rows)
-    found = {
-        r["mode"]: r
-        for _, r in rows("layer-llama2-7b-tp2-2gpu", "llama2-7b-layer-tp2-mb4.jsonl")
-        if r["kind"] == "layer"
-    }
+    everything = rows("layer-llama2-7b-tp2-2gpu", "llama2-7b-layer-tp2-mb4.jsonl")
+    found = {r["mode"]: r for s, r in everything if r["kind"] == "layer" and s.endswith(".jsonl")}  # the first run's
     bf16, te, coat = found["bf16"], found["te-fp8-current"], found["coat"]
     mib = 1 << 20
-    # the lean path's counts: the 2-GPU test's xfail lines in the appended session-5 log
+    # the lean path's counts: the 2-GPU test's xfail lines in the appended session-5 log, then session 9's
     log = (RESULTS / "layer-llama2-7b-tp2-2gpu" / "gpu-tests.log").read_text().split("session 5")[1]
-    counts = {
-        m[1]: (int(m[2]), int(m[3]))
-        for m in re.finditer(r"test_launches_on_two_gpus\[(\w+)\] - \w+: \((\d+), (\d+)\) on two GPUs", log)
-    }
+    session5, _, session9 = log.partition("## session 9")
+
+    def counts(text):
+        pattern = r"test_launches_on_two_gpus\[(\w+)\] - \w+: \((\d+), (\d+)\) on two GPUs"
+        return {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(pattern, text)}
+
     recipes = ("memory", "codes", "cached")
+    before, after = counts(session5), counts(session9)
+    runs = [
+        {r["mode"]: r["ms"] for s, r in everything if f"session 9, 2 x h200 39f01f0{tag}" in s and r["kind"] == "layer"}
+        for tag in (": coat-compare", ": the same modes in reverse")
+    ]
+
+    def both(mode):
+        return " and ".join(f"{run[mode]:.2f}" for run in runs)
+
+    te_over_scratch = sum(run["te-fp8-current"] for run in runs) / sum(run["coat-scratch"] for run in runs)
+    assert "372 passed" in session9 and not re.search(r"\d+ failed", session9)
     return [
+        f"COAT {both('coat')} ms, with scratch buffers {both('coat-scratch')} ({x(te_over_scratch)} TE's speed "
+        f"over the two), with autograd's residual sum {both('coat-unfused-residual')}, TE FP8 current "
+        f"{both('te-fp8-current')}, BF16 {both('bf16')}",
+        "launches "
+        + ", ".join(str(after[r][0]) for r in recipes)
+        + " (allocations "
+        + ", ".join(str(after[r][1]) for r in recipes)
+        + "; with scratch buffers 69 and 33)",
         f"the ring alone {coat['ms']:.2f} against TE FP8 current {te['ms']:.2f} and BF16 {bf16['ms']:.2f}",
         f"activations {coat['activation_MiB'] / bf16['activation_MiB']:.2f}x BF16, "
         f"{coat['activation_MiB'] / te['activation_MiB']:.2f}x TE",
         f"SP gathers {coat['sp_all_gather_fp8_bytes'] // mib} MiB all FP8 against {bf16['sp_all_gather_bytes'] // mib}",
         "the lean path's launches per layer and micro-batch "
-        + ", ".join(str(counts[r][0]) for r in recipes)
+        + ", ".join(str(before[r][0]) for r in recipes)
         + " (memory, codes, cached recipes; allocations "
-        + ", ".join(str(counts[r][1]) for r in recipes)
+        + ", ".join(str(before[r][1]) for r in recipes)
         + "; goal 60 and 40)",
     ]
 

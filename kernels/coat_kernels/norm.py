@@ -613,9 +613,54 @@ def norm_backward_from_input(
     return dx, dw, dy2.sum(dim=0) if has_bias else None
 
 
+def _amax_reference(t: torch.Tensor) -> torch.Tensor:
+    """max |t| (NaN as inf) as a 0-d FP32 tensor; 0 for an empty t."""
+    return abs_or_inf_reference(t.float()).amax() if t.numel() else torch.zeros((), device=t.device)
+
+
 # The backward's programs per multiprocessor (each walks its rows in turn) and warps (None: by
 # the row length)
 _BACKWARD_BLOCKS: tuple[int, int | None] = (4, None)
+
+
+def _launch_backward(dy, x_q, x_scales, weight, mean, rstd, dx, residual_grad, group_size, has_bias, dx_amax, scratch):
+    """The backward kernel's launch: dx written; returns the per-program dW (dB) partials and dx's amax (or None)."""
+    n_rows, n_cols = dy.numel() // dy.shape[-1], dy.shape[-1]
+    per_sm, warps = _BACKWARD_BLOCKS
+    programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
+    rows_per_program = cdiv(n_rows, programs)
+    programs = cdiv(n_rows, rows_per_program)
+    dw = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "dw"))
+    db = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "db")) if has_bias else dw
+    # dx's amax is read by another op's backward, later: its own allocation, never a scratch buffer
+    tiles, amax, counter = amax_outputs(programs, dy.device) if dx_amax else (rstd, rstd, rstd)
+    block_n = max(group_size, next_power_of_2(n_cols))
+    _norm_backward_kernel[(programs,)](
+        dy,
+        x_q,
+        x_scales,
+        weight,
+        mean if mean is not None else rstd,
+        rstd,
+        dx,
+        dw,
+        db,
+        residual_grad if residual_grad is not None else dy,
+        tiles,
+        amax,
+        counter,
+        n_rows,
+        n_cols,
+        rows_per_program,
+        GROUP=group_size,
+        IS_LAYERNORM=mean is not None,
+        HAS_BIAS=has_bias,
+        HAS_RESIDUAL=residual_grad is not None,
+        AMAX=dx_amax,
+        BLOCK_N=block_n,
+        num_warps=warps or min(16, max(4, block_n // 512)),
+    )
+    return dw, db, amax if dx_amax else None
 
 
 def norm_backward(
@@ -666,6 +711,7 @@ def norm_backward(
         dw_out = torch.empty(n_cols, dtype=torch.float32, device=dy.device)
     if has_bias and db_out is None:
         db_out = torch.empty(n_cols, dtype=torch.float32, device=dy.device)
+    n_rows = dy.numel() // max(n_cols, 1)
     if not use_triton(dy, backend):
         dx, dw, db = norm_backward_reference(
             dy,
@@ -679,51 +725,16 @@ def norm_backward(
             dx_dtype=dx_dtype,
             residual_grad=residual_grad,
         )
-        db = write_or_add(db_out, db, accumulate) if has_bias else None
-        out = (dx, write_or_add(dw_out, dw, accumulate), db)
-        if not dx_amax:
-            return out
-        return (*out, abs_or_inf_reference(dx.float()).amax() if dx.numel() else torch.zeros((), device=dx.device))
-    n_rows = dy.numel() // max(n_cols, 1)
+        out = (dx, write_or_add(dw_out, dw, accumulate), write_or_add(db_out, db, accumulate) if has_bias else None)
+        return (*out, _amax_reference(dx)) if dx_amax else out
     dx = torch.empty(dy.shape, dtype=dx_dtype, device=dy.device)
     if n_rows == 0:
         zeros = torch.zeros(n_cols, dtype=torch.float32, device=dy.device)
         db = write_or_add(db_out, zeros, accumulate) if has_bias else None
         out = (dx, write_or_add(dw_out, zeros, accumulate), db)
         return (*out, zeros[:1].reshape(())) if dx_amax else out
-    per_sm, warps = _BACKWARD_BLOCKS
-    programs = min(n_rows, per_sm * _multiprocessors(dy.device.index) if dy.is_cuda else 8)
-    rows_per_program = cdiv(n_rows, programs)
-    programs = cdiv(n_rows, rows_per_program)
-    dw = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "dw"))
-    db = workspace.empty((programs, n_cols), torch.float32, dy.device, workspace.sub(scratch, "db")) if has_bias else dw
-    # dx's amax is read by another op's backward, later: its own allocation, never a scratch buffer
-    tiles, amax, counter = amax_outputs(programs, dy.device) if dx_amax else (rstd, rstd, rstd)
-    block_n = max(group_size, next_power_of_2(n_cols))
-    _norm_backward_kernel[(programs,)](
-        dy,
-        x_q,
-        x_scales,
-        weight,
-        mean if mean is not None else rstd,
-        rstd,
-        dx,
-        dw,
-        db,
-        residual_grad if residual_grad is not None else dy,
-        tiles,
-        amax,
-        counter,
-        n_rows,
-        n_cols,
-        rows_per_program,
-        GROUP=group_size,
-        IS_LAYERNORM=mean is not None,
-        HAS_BIAS=has_bias,
-        HAS_RESIDUAL=residual_grad is not None,
-        AMAX=dx_amax,
-        BLOCK_N=block_n,
-        num_warps=warps or min(16, max(4, block_n // 512)),
+    dw, db, amax = _launch_backward(
+        dy, x_q, x_scales, weight, mean, rstd, dx, residual_grad, group_size, has_bias, dx_amax, scratch
     )
     sum_partials(dw, dw_out, accumulate=accumulate)
     if has_bias:

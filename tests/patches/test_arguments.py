@@ -307,6 +307,26 @@ def test_coat_fp8_turns_on_per_layer_graphs_on_a_gpu_where_safe(monkeypatch, cap
         assert args.cuda_graph_warmup_steps == 3 and args.inference_cuda_graph_scope.name == "layer"
 
 
+@pytest.mark.parametrize(
+    "argv, scratch",
+    [
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--coat-cuda-graphs", "off"], True),
+        (["--tensor-model-parallel-size", "2", "--sequence-parallel"], False),  # graphed: they allocate once
+        (["--tensor-model-parallel-size", "2", "--coat-cuda-graphs", "off", "--coat-scratch-buffers", "off"], False),
+        (["--coat-cuda-graphs", "off"], False),  # one GPU: not shown to pay there
+    ],
+    ids=["eager-tp2", "graphed-tp2", "user-off", "eager-one-gpu"],
+)
+def test_eager_tensor_parallel_layers_take_scratch_buffers_unless_told_otherwise(monkeypatch, capsys, argv, scratch):
+    from coat_patches.arguments import coat_config_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2" if "2" in argv else "1")
+    args = parse_on_gpu(monkeypatch, *LLAMA, "--coat-fp8", *argv)
+    assert coat_config_from_args(args).scratch_buffers == scratch
+    said = [line for line in capsys.readouterr().out.splitlines() if "scratch buffers" in line]
+    assert len(said) == scratch, said
+
+
 def test_no_graphs_without_a_gpu(monkeypatch, capsys):
     args = parse(monkeypatch, *LLAMA, "--coat-fp8")
     assert args.cuda_graph_impl == "none" and "CUDA graphs" not in capsys.readouterr().out
