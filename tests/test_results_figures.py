@@ -441,26 +441,25 @@ def layer_tp2():
     def both(mode):
         return " and ".join(f"{run[mode]:.2f}" for run in runs)
 
+    def joined(counted, i):
+        return ", ".join(str(counted[r][i]) for r in recipes)
+
+    # the memory recipe with scratch buffers: layer_launches_gpu.py by hand, its rank lines quoted in commands.txt
+    commands = (RESULTS / "layer-llama2-7b-tp2-2gpu" / "commands.txt").read_text()
+    scratch = re.search(r"memory\+scratch launches (\d+) allocations (\d+)", commands).groups()
     te_over_scratch = sum(run["te-fp8-current"] for run in runs) / sum(run["coat-scratch"] for run in runs)
     assert "372 passed" in session9 and not re.search(r"\d+ failed", session9)
     return [
         f"COAT {both('coat')} ms, with scratch buffers {both('coat-scratch')} ({x(te_over_scratch)} TE's speed "
         f"over the two), with autograd's residual sum {both('coat-unfused-residual')}, TE FP8 current "
         f"{both('te-fp8-current')}, BF16 {both('bf16')}",
-        "launches "
-        + ", ".join(str(after[r][0]) for r in recipes)
-        + " (allocations "
-        + ", ".join(str(after[r][1]) for r in recipes)
-        + "; with scratch buffers 69 and 33)",
+        f"launches {joined(after, 0)} (allocations {joined(after, 1)}; with scratch buffers {scratch[0]} and {scratch[1]})",
         f"the ring alone {coat['ms']:.2f} against TE FP8 current {te['ms']:.2f} and BF16 {bf16['ms']:.2f}",
         f"activations {coat['activation_MiB'] / bf16['activation_MiB']:.2f}x BF16, "
         f"{coat['activation_MiB'] / te['activation_MiB']:.2f}x TE",
         f"SP gathers {coat['sp_all_gather_fp8_bytes'] // mib} MiB all FP8 against {bf16['sp_all_gather_bytes'] // mib}",
-        "the lean path's launches per layer and micro-batch "
-        + ", ".join(str(before[r][0]) for r in recipes)
-        + " (memory, codes, cached recipes; allocations "
-        + ", ".join(str(before[r][1]) for r in recipes)
-        + "; goal 60 and 40)",
+        f"the lean path's launches per layer and micro-batch {joined(before, 0)} (memory, codes, cached recipes; "
+        f"allocations {joined(before, 1)}; goal 60 and 40)",
     ]
 
 
