@@ -37,7 +37,9 @@ coat-fp8-gather    coat with ``fp8_param_gather=True``: the distributed optimize
                    same training (bit for bit on the CPU), fewer bytes over data parallelism
 coat-scratch       coat with ``scratch_buffers=True``: what a call writes and reads before it returns
                    taken from reused buffers instead of the allocator (the same numbers, bit for
-                   bit): what the reuse is worth in host time and costs in memory
+                   bit): what the reuse is worth in host time and costs in memory. coat's default
+                   (auto) is this where the layers run eagerly at tensor parallelism
+coat-no-scratch    coat with ``scratch_buffers=False``: every call allocates, eager TP included
 coat-unfused-residual  coat with ``fuse_residual_backward=False``: the norms return one output and
                    autograd sums the residual stream's gradient (the same numbers, bit for bit):
                    what the norms' fused residual backward is worth
@@ -141,6 +143,7 @@ MODES: dict[str, Mode] = {
         Mode("coat-tp-ring", "coat", "coat", coat=CoatConfig(tp_comm_overlap=True)),
         Mode("coat-fp8-gather", "coat", "coat", coat=CoatConfig(fp8_param_gather=True)),
         Mode("coat-scratch", "coat", "coat", coat=CoatConfig(scratch_buffers=True)),
+        Mode("coat-no-scratch", "coat", "coat", coat=CoatConfig(scratch_buffers=False)),
         Mode("coat-unfused-residual", "coat", "coat", coat=CoatConfig(fuse_residual_backward=False)),
         Mode("coat-act", "coat", "coat", coat=CoatConfig(optimizer=False)),
         Mode("coat-opt", "best-bf16", "coat", coat=CoatConfig()),
@@ -160,9 +163,9 @@ RETIRED = {
 ABLATIONS = ("coat-act", "coat-opt", "coat-opt-states", "bf16-grads")
 # Not in "all" either: without tensor parallelism coat-tp-ring is coat, run twice, and without data
 # parallelism so is coat-fp8-gather.
-# Nor coat-scratch, which is coat (the same numbers) taking what coat allocates from reused buffers, nor
-# coat-unfused-residual (the same numbers again, with autograd's sum of the residual gradient).
-PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather", "coat-scratch", "coat-unfused-residual")
+# Nor coat-scratch and coat-no-scratch, which are coat (the same numbers) taking what it allocates from reused
+# buffers or not, nor coat-unfused-residual (the same numbers again, with autograd's sum of the residual gradient).
+PARALLEL_VARIANTS = ("coat-tp-ring", "coat-fp8-gather", "coat-scratch", "coat-no-scratch", "coat-unfused-residual")
 DEFAULT_MODES = [
     "bf16",
     "te-fp8-delayed",

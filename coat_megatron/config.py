@@ -7,7 +7,7 @@ layer spec, the fused ops and the optimizer read it, nothing threads flags throu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from coat_kernels.expanded import K_RESOLUTION
 from coat_kernels.formats import FP8_FORMATS, GROUP_SIZES
@@ -179,14 +179,15 @@ class CoatConfig:
         "temporary and the add, for comparisons. The CPU always adds",
         choices=ACCUMULATE_BACKENDS,
     )
-    scratch_buffers: bool = knob(
-        False,
+    scratch_buffers: bool | None = knob(
+        None,
         "eager COAT layers take the buffers they write and read within one call (gathered codes, partial sums, W's "
         "and W^T's codes in the memory recipe, transposed operands, amax tiles) from reused scratch buffers, one per "
-        "call site, instead of the caching allocator (coat_kernels.workspace): 52 fewer allocations per layer and "
-        "micro-batch at TP 2, the same values bit for bit, the buffers held between uses. Default off; "
-        "coat-megatron-run turns them on for eager layers at tensor parallelism, where one Llama-2-7B layer ran 1.17x "
-        "as fast with them on two H200s (docs/multi-gpu.md). CUDA graph capture always allocates",
+        "call site, instead of the caching allocator (coat_kernels.workspace): 51 fewer allocations per layer and "
+        "micro-batch at TP 2, the same values bit for bit, the buffers held between uses. Default auto: on where the "
+        "layers run eagerly at tensor parallelism (one Llama-2-7B layer at TP 2 + SP ran 1.17x as fast with them on "
+        "two H200s), off on one GPU (not shown to pay there) and with CUDA graphs, whose capture allocates once "
+        "(docs/multi-gpu.md)",
     )
     fp8_param_gather: bool = knob(
         False,
@@ -207,10 +208,11 @@ class CoatConfig:
             "fuse_wgrad_accumulation",
             "fuse_residual_backward",
             "tp_comm_overlap",
-            "scratch_buffers",
             "fp8_param_gather",
         ):
             object.__setattr__(self, name, parse_switch(getattr(self, name), name))
+        if self.scratch_buffers is not None:  # None: auto, decided per model by for_layers
+            object.__setattr__(self, "scratch_buffers", parse_switch(self.scratch_buffers, "scratch_buffers"))
         # unset: W's codes are kept exactly where W^T's are (the cached configuration)
         cache_weight = self.cache_weight_transpose if self.cache_weight is None else self.cache_weight
         object.__setattr__(self, "cache_weight", parse_switch(cache_weight, "cache_weight"))
@@ -292,6 +294,19 @@ class CoatConfig:
         if name not in RECIPES:
             raise ValueError(f"recipe={name!r} is not a COAT recipe: use one of {', '.join(RECIPES)}")
         return cls(**{**RECIPES[name][0], **changes})
+
+    def for_layers(self, config) -> "CoatConfig":
+        """This recipe as the layers of a model of Megatron ``TransformerConfig`` ``config`` run it, each
+        choice left to the layout made: ``scratch_buffers`` None (auto) is on where the layers run eagerly at
+        tensor parallelism, where the host pays for every allocation, and off elsewhere (one GPU; CUDA
+        graphs, whose capture allocates once, where scratch buffers would only hold memory)."""
+        if self.scratch_buffers is not None:
+            return self
+        tensor_parallel = (getattr(config, "tensor_model_parallel_size", 1) or 1) > 1
+        graphs = getattr(config, "cuda_graph_impl", "none") not in (None, "none") or any(
+            getattr(config, name, False) for name in ("enable_cuda_graph", "external_cuda_graph")
+        )
+        return replace(self, scratch_buffers=tensor_parallel and not graphs)
 
     @classmethod
     def from_args(cls, args) -> "CoatConfig":

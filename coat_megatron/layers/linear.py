@@ -48,7 +48,7 @@ class CoatColumnParallelLinear(ColumnParallelLinear):
     or BF16. Output: BF16, or 1xG FP8 as ``output_form`` says (fc1 feeding SwiGLU: set by ``CoatMLP``)."""
 
     def __init__(self, input_size, output_size, *args, **kwargs):
-        self.coat = _coat_kwargs(kwargs)
+        self.coat = _coat_kwargs(kwargs).for_layers(kwargs.get("config"))
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)
@@ -85,7 +85,7 @@ class CoatRowParallelLinear(RowParallelLinear):
     instead of an FP8 transposed copy, so the layer saves nothing the attention has not saved."""
 
     def __init__(self, input_size, output_size, *args, input_saved_by_producer: bool = False, **kwargs):
-        self.coat = _coat_kwargs(kwargs)
+        self.coat = _coat_kwargs(kwargs).for_layers(kwargs.get("config"))
         super().__init__(input_size, output_size, *args, **kwargs)
         self.weight_cache = weight_cache_for(self.coat)
         self.register_load_state_dict_post_hook(_weights_loaded)

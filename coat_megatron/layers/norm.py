@@ -37,7 +37,7 @@ class CoatNorm(MegatronModule):
         if output not in ("fp8", "bf16"):
             raise ValueError(f"output={output!r}: use 'fp8' or 'bf16'")
         self.output = output
-        self.coat = coat_config or CoatConfig()
+        self.coat = (coat_config or CoatConfig()).for_layers(config)
         if config.normalization not in ("RMSNorm", "LayerNorm"):
             raise ValueError(f"COAT norms support RMSNorm and LayerNorm, not {config.normalization!r}")
         if hidden_size % self.coat.group_size:

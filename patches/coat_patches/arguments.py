@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 
@@ -185,7 +185,7 @@ def check_coat_args(args: argparse.Namespace) -> None:
         _RUN = (args, None)
         return
     try:
-        coat = eager_tensor_parallel_scratch(args, CoatConfig.from_args(args))
+        coat = CoatConfig.from_args(args)
     except ValueError as e:
         raise CoatArgumentError(f"--coat-fp8: {_in_flag_words(str(e))}") from None
     problems = _precision_problems(args)
@@ -203,25 +203,21 @@ def check_coat_args(args: argparse.Namespace) -> None:
     problems += _memory_problems(args, coat)
     if problems:
         raise CoatArgumentError("--coat-fp8 cannot run with these arguments:\n  - " + "\n  - ".join(problems))
+    say_scratch_buffers(args, coat)
     _RUN = (args, coat)
 
 
-def eager_tensor_parallel_scratch(args: argparse.Namespace, coat: CoatConfig) -> CoatConfig:
-    """``coat`` with scratch buffers on where COAT's layers run eagerly at tensor parallelism (no
-    ``--cuda-graph-impl``) and the command line left ``--coat-scratch-buffers`` unset: there the host
-    pays for every allocation, and one Llama-2-7B layer at TP 2 + SP ran 15% faster with them on two
-    H200s (docs/multi-gpu.md); elsewhere (graphs, which allocate once; one GPU) ``coat`` as it is."""
-    if getattr(args, "coat_scratch_buffers", None) is not None or not coat.activations or coat.scratch_buffers:
-        return coat
+def say_scratch_buffers(args: argparse.Namespace, coat: CoatConfig) -> None:
+    """One log line where ``CoatConfig.scratch_buffers``'s auto default turns scratch buffers on: COAT's
+    layers run eagerly (no ``--cuda-graph-impl``) at tensor parallelism (``CoatConfig.for_layers``)."""
+    if coat.scratch_buffers is not None or not coat.activations or getattr(args, "rank", 0) != 0:
+        return
     if args.tensor_model_parallel_size > 1 and getattr(args, "cuda_graph_impl", "none") == "none":
-        if getattr(args, "rank", 0) == 0:
-            print(
-                "coat-megatron-run: eager layers at tensor parallelism: --coat-fp8 turns on scratch buffers "
-                "(--coat-scratch-buffers off turns them off)",
-                flush=True,
-            )
-        return replace(coat, scratch_buffers=True)
-    return coat
+        print(
+            "coat-megatron-run: eager layers at tensor parallelism take scratch buffers (--coat-scratch-buffers off "
+            "turns them off)",
+            flush=True,
+        )
 
 
 def apply_coat_args(args: argparse.Namespace) -> None:

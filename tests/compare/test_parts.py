@@ -8,7 +8,7 @@ import torch
 
 from coat_compare.goals import evaluate
 from coat_compare.memory import SavedTensors, tensor_bytes
-from coat_compare.modes import ABLATIONS, DEFAULT_MODES, MODES, parse_modes, unavailable_reason
+from coat_compare.modes import ABLATIONS, DEFAULT_MODES, MODES, PARALLEL_VARIANTS, parse_modes, unavailable_reason
 from coat_compare.presets import PRESETS, get_preset
 from coat_compare.progress import Progress
 from coat_kernels import quantize_per_group
@@ -18,10 +18,18 @@ from coat_megatron.optional import transformer_engine_available
 
 def test_parse_modes():
     assert [m.name for m in parse_modes("bf16, te-fp8 ,coat,te-fp8-current")] == ["bf16", "te-fp8-current", "coat"]
-    assert [m.name for m in parse_modes("all")] == [
-        n for n in MODES if n not in (*ABLATIONS, "coat-tp-ring", "coat-fp8-gather", "coat-scratch")
-    ]
+    assert [m.name for m in parse_modes("all")] == [n for n in MODES if n not in (*ABLATIONS, *PARALLEL_VARIANTS)]
+    assert set(PARALLEL_VARIANTS) == {
+        "coat-tp-ring",
+        "coat-fp8-gather",
+        "coat-scratch",
+        "coat-no-scratch",
+        "coat-unfused-residual",
+    }
     assert parse_modes("coat-scratch")[0].coat_config().scratch_buffers
+    assert parse_modes("coat-no-scratch")[0].coat_config().scratch_buffers is False
+    assert parse_modes("coat")[0].coat_config().scratch_buffers is None  # auto: the layers decide
+    assert parse_modes("coat-unfused-residual")[0].coat_config().fuse_residual_backward is False
     assert parse_modes("coat-tp-ring")[0].coat_config().tp_comm_overlap  # named, it runs
     assert parse_modes("coat-fp8-gather")[0].coat_config().fp8_param_gather
     assert [m.name for m in parse_modes("coat-act,coat-opt,coat-opt-states,bf16-grads")] == list(ABLATIONS)

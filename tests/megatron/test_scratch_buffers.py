@@ -76,8 +76,14 @@ def two_layers(recipe: str, proj_saved: bool, changes: dict) -> list[torch.Tenso
             h, _ = layer(h, attention_mask=None, rotary_pos_emb=rope)
         h.backward(dy)
         got += [h.detach(), x.grad]
+    # scratch buffers unset: CoatConfig's auto, on for these eager layers where they are tensor-parallel
+    from megatron.core import parallel_state
+
+    expected = changes.get("scratch_buffers", parallel_state.get_tensor_model_parallel_world_size() > 1)
+    resolved = {m.coat.scratch_buffers for layer in layers for m in layer.modules() if hasattr(m, "coat")}
+    assert resolved == {expected}, resolved
     held = workspace.nbytes()
-    assert (held > 0) == changes.get("scratch_buffers", False), held
+    assert (held > 0) == expected, held
     return got + [w.main_grad.clone() for w in weights] + [torch.tensor(handed)]
 
 

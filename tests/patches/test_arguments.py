@@ -318,11 +318,17 @@ def test_coat_fp8_turns_on_per_layer_graphs_on_a_gpu_where_safe(monkeypatch, cap
     ids=["eager-tp2", "graphed-tp2", "user-off", "eager-one-gpu"],
 )
 def test_eager_tensor_parallel_layers_take_scratch_buffers_unless_told_otherwise(monkeypatch, capsys, argv, scratch):
+    from megatron.training.arguments import core_transformer_config_from_args
+
     from coat_patches.arguments import coat_config_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "2" if "2" in argv else "1")
     args = parse_on_gpu(monkeypatch, *LLAMA, "--coat-fp8", *argv)
-    assert coat_config_from_args(args).scratch_buffers == scratch
+    coat = coat_config_from_args(args)
+    assert coat.scratch_buffers == (False if "--coat-scratch-buffers" in argv else None)  # None: auto
+    # what the layers do with it: Megatron's TransformerConfig carries the layout and the graphs
+    config = core_transformer_config_from_args(args)
+    assert coat.for_layers(config).scratch_buffers == scratch
     said = [line for line in capsys.readouterr().out.splitlines() if "scratch buffers" in line]
     assert len(said) == scratch, said
 
