@@ -5,7 +5,8 @@ with ``tensor_parallel=2``): it builds one Megatron ``TransformerLayer`` -- COAT
 ``recipe`` (``CoatConfig.recipe``), or ``"bf16"``: Megatron's local spec (BF16 linears) -- runs two
 micro-batches to warm up (the FP8 weight copies or amaxes are made in the first), then counts one
 micro-batch's forward and backward with ``launch_counter.LaunchCounter``: what it would launch and
-allocate on a GPU. COAT's kernels run as Triton (the interpreter), not as their torch references,
+allocate on a GPU, as one layer of a stack of COAT layers (dy's amax left by the next layer's input
+norm, as ``CoatConfig.fuse_residual_backward`` does there). COAT's kernels run as Triton (the interpreter), not as their torch references,
 so the count follows the GPU path.
 
 Core attention (Megatron's unfused local one here; flash attention on a GPU) is the same in every
@@ -131,11 +132,19 @@ class MicroBatch:
     def __init__(self, kind: str, recipe: str | None = None, device: str = "cpu", sizes: tuple = SIZES):
         self.layer, self.rope, self.x, self.dy = build_layer(kind, recipe, device, sizes)
         self.weights = _with_main_grads(self.layer)
+        # as in a stack of COAT layers: the next layer's input norm, which wrote dy (the residual stream's
+        # gradient), leaves its amax for this layer's linear_fc2 (CoatConfig.fuse_residual_backward)
+        in_stack = getattr(self.layer.input_layernorm, "returns_residual", False)
+        self.dy_amax = self.dy.float().abs().amax() if in_stack else None
 
     def __call__(self, context=None) -> None:
+        from coat_megatron.fp8.handoff import deposit_loose_grad_amax
+
         for w in self.weights:
             w.grad_added_to_main_grad = False  # DDP's zero_grad_buffer: the first micro-batch of a step
         x = self.x.clone().requires_grad_()
+        if self.dy_amax is not None:
+            deposit_loose_grad_amax(self.dy, self.dy_amax)
         with context if context is not None else contextlib.nullcontext():
             out, _ = self.layer(x, attention_mask=None, rotary_pos_emb=self.rope)
             out.backward(self.dy)
