@@ -212,7 +212,8 @@ def say_scratch_buffers(args: argparse.Namespace, coat: CoatConfig) -> None:
     layers run eagerly (no ``--cuda-graph-impl``) at tensor parallelism (``CoatConfig.for_layers``)."""
     if coat.scratch_buffers is not None or not coat.activations or getattr(args, "rank", 0) != 0:
         return
-    if args.tensor_model_parallel_size > 1 and getattr(args, "cuda_graph_impl", "none") == "none":
+    # Megatron's arguments carry the layout and graph fields under the TransformerConfig's names
+    if coat.for_layers(args).scratch_buffers:
         print(
             "coat-megatron-run: eager layers at tensor parallelism take scratch buffers (--coat-scratch-buffers off "
             "turns them off)",
