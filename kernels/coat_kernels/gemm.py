@@ -56,6 +56,19 @@ def check_gpu_layout(a: torch.Tensor, b: torch.Tensor, caller: str) -> None:
         raise ValueError(f"the output width {b.shape[1]} of an FP8 GEMM must be a multiple of 16; pad the layer")
 
 
+def check_scale_alignment(a_scale: torch.Tensor, b_scale: torch.Tensor, caller: str) -> None:
+    """cuBLASLt's FP8 GEMM reads a scale only at a 16-byte aligned address: any other (the second
+    element of a plain FP32 vector, say) ends in CUBLAS_STATUS_NOT_SUPPORTED (status 15), through
+    ``torch._scaled_mm`` too (measured on an H200, cuBLAS 13.0)."""
+    for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if scale.is_cuda and scale.data_ptr() % 16:
+            raise ValueError(
+                f"{caller}: {name} lies at an address that is not a multiple of 16 bytes, which cuBLASLt's FP8 "
+                f"GEMM rejects (status 15): pass a scale tensor of its own ({name}.clone()) or views 16 bytes "
+                f"apart (the quantizers' scale vectors are, with stride 4 FP32 words)"
+            )
+
+
 def _cached_plan_fits(a, a_scale, b, b_scale, out_dtype, out) -> bool:
     """Whether the cached-plan cuBLASLt call takes this GEMM: an output height that is a multiple of
     16 (cuBLASLt's FP8 rule for the leading dimension of its transposed view), a BF16 or FP32
@@ -114,6 +127,7 @@ def fp8_gemm(
         result = fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
         return result if out is None else out.copy_(result)
     check_gpu_layout(a, b, "fp8_gemm")
+    check_scale_alignment(a_scale, b_scale, "fp8_gemm")
     a, b = _pad_k(a, b)
     if bias is None and GEMM == "auto" and _cached_plan_fits(a, a_scale, b, b_scale, out_dtype, out):
         lt = _cublaslt()

@@ -131,3 +131,21 @@ def test_alignment_is_the_largest_power_of_two_up_to_256():
 
     assert alignment(0) == 256 and alignment(512, 1024) == 256 and alignment(512 + 16) == 16
     assert alignment(1 << 20, 8) == 8 and alignment(3) == 1 and alignment() == 256
+
+
+@pytest.mark.gpu
+def test_a_scale_off_a_16_byte_address_is_refused_with_the_fix():
+    """cuBLASLt's FP8 GEMM takes a scale pointer only at a multiple of 16 bytes: the second element of a
+    plain FP32 vector failed with CUBLAS_STATUS_NOT_SUPPORTED, in the cached plan and in torch._scaled_mm
+    alike (H200, cuBLAS 13.0). Both GEMMs refuse it in one line that names the fix."""
+    from coat_kernels.gemm_accumulate import fp8_gemm_accumulate
+
+    a_q, a_s, b, b_s = _gpu_operands(64, 128, 64)
+    scales = torch.stack([a_s.reshape(()), a_s.reshape(())])
+    for offset in (1, 2, 3):
+        vector = torch.cat([scales, scales]).reshape(4)
+        with pytest.raises(ValueError, match=r"a_scale.*multiple of 16 bytes.*clone\(\)"):
+            fp8_gemm(a_q, vector[offset], b, b_s)
+        with pytest.raises(ValueError, match=r"b_scale.*multiple of 16 bytes"):
+            fp8_gemm_accumulate(a_q, a_s, b, vector[offset], torch.zeros(64, 64, device="cuda"))
+    assert torch.equal(fp8_gemm(a_q, vector[1].clone(), b, b_s), fp8_gemm(a_q, a_s, b, b_s))
