@@ -448,7 +448,7 @@ def layer_llama2_7b():
     # coat-compare's layer rows for activations (W^T cached then: the same activations); the kernel profile of
     # the default (W and W^T quantized in every micro-batch) for time
     layer = {r["mode"]: r for s, r in found if "speed-h100/llama2-7b-layer" in s and r["kind"] == "layer"}
-    profile = {r["mode"]: r for s, r in found if "issue23-h100/profile23/layer_profile" in s}
+    profile = _session10_profile(found, "llama2-7b-layer")
     coat = layer["coat"]["activation_MiB"]
     leanest_te = min(r["activation_MiB"] for m, r in layer.items() if m.startswith("te-fp8"))
     return [
@@ -456,6 +456,11 @@ def layer_llama2_7b():
         f"{x(coat / leanest_te)} the leanest TE FP8",
         f"time {x(profile['coat']['total_ms'] / profile['te-fp8-current']['total_ms'])} TE FP8 current",
     ]
+
+
+def _session10_profile(found, preset: str) -> dict:
+    """The kernel profile of session 10 (one H200, code 1a57ff6), by mode."""
+    return {r["mode"]: r for s, r in found if s.startswith("session 10") and r.get("preset") == preset}
 
 
 def layer_llama2_7b_index():
@@ -468,16 +473,21 @@ def layer_llama2_7b_index():
     te = min(r["activation_MiB"] for m, r in layer.items() if m.startswith("te-fp8"))
     recomputed = h200_layer["COAT (norm outputs recomputed for wgrad)"]["activation_MiB"]
 
-    def time(profile):
-        return x(profile["coat"]["total_ms"] / profile["te-fp8-current"]["total_ms"], 3)
+    now = _session10_profile(found, "llama2-7b-layer")
 
+    def time(profile, mode="coat", te="te-fp8-current"):
+        return x(profile[mode]["total_ms"] / profile[te]["total_ms"], 3)
+
+    same = sum(now["coat"]["by_class_ms"][c] for c in ("GEMM", "attention", "rope"))
     return [
         f"activations {coat:.0f} MiB against BF16's {bf16:.0f} ({x(coat / bf16)}) and the leanest TE FP8's "
         f"{te:.0f} ({x(coat / te)}); {recomputed:.0f} with the norm outputs recomputed",
-        f"GPU time: the default {time(h100)} TE FP8 current (H100; {time(h200)} H200), "
-        f"W^T cached {x(layer['coat']['ms'] / layer['te-fp8-current']['ms'])}",
-        f"GEMMs {h100['coat']['by_class_ms']['GEMM']:.2f} against TE's "
-        f"{h100['te-fp8-current']['by_class_ms']['GEMM']:.2f} ms",
+        f"GPU time: the default {time(now)} TE FP8 current and {time(now, te='te-fp8-delayed')} TE FP8 delayed "
+        f"(H200, 2026-11-29), W^T cached {time(now, 'coat-cached')}; {time(h100)} (H100) and {time(h200)} (H200) "
+        f"in November 26's code",
+        f"GEMMs {now['coat']['by_class_ms']['GEMM']:.2f} against TE's "
+        f"{now['te-fp8-current']['by_class_ms']['GEMM']:.2f} ms; GEMMs, attention and RoPE {same:.2f} of "
+        f"COAT's {now['coat']['total_ms']:.2f} ms",
     ]
 
 
