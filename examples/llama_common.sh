@@ -25,6 +25,12 @@ launch_llama() {
     if python3 -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
     # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
     # warm-up began (benchmarks/results/llama2-13b-1gpu)
+    local iters=${ITERS:-10000} warmup=$WARMUP
+    if (( iters <= warmup )); then  # Megatron asserts warm-up < decay (train) iterations: a short run warms up over a tenth
+        warmup=$(( iters / 10 > 0 ? iters / 10 : 1 ))
+        (( iters > warmup )) || { echo "ITERS=$iters: train at least 2 iterations" >&2; return 2; }
+        echo "ITERS=$iters is not above the recipe's $WARMUP warm-up iterations: warming up over $warmup (a tenth)" >&2
+    fi
     local mode=${MODE:-$([[ "${COAT:-1}" == 1 ]] && echo coat || echo bf16)}
     case $mode in
         coat) precision=(--coat-fp8) ;;
@@ -47,7 +53,7 @@ launch_llama() {
         --attention-dropout 0 --hidden-dropout 0 --init-method-std 0.02
         --bf16 --transformer-impl "$impl" "${layout[@]}" --use-distributed-optimizer --overlap-grad-reduce "${fusion[@]}"
         --micro-batch-size "${MICRO_BATCH:-$MICRO_BATCH_DEFAULT}" --global-batch-size "${GLOBAL_BATCH:-$GLOBAL_BATCH_DEFAULT}"
-        --train-iters "${ITERS:-10000}" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$WARMUP"
+        --train-iters "$iters" --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$warmup"
         --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-5 --clip-grad 1.0
         "${data[@]}" --log-interval 10 --log-throughput --eval-interval 1000 --eval-iters 10
         "${precision[@]}" "$@")

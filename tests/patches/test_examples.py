@@ -125,6 +125,23 @@ def test_the_llama3_recipe_prints_the_comparisons_other_lines(env, wanted, unwan
     assert bad.returncode == 2 and "MODE=fp4: use coat, bf16 or te-fp8" in bad.stderr
 
 
+@pytest.mark.parametrize("iters, warmup", [("12", "1"), ("2000", "200"), ("2001", "2000"), ("5", "1")])
+def test_a_short_run_of_a_recipe_warms_up_over_a_tenth_of_it(iters, warmup):
+    """Megatron asserts that the warm-up is shorter than the run: ITERS at or under the recipe's WARMUP
+    (2000 for Llama-3-8B; the evidence parts run 12) warms up over a tenth of ITERS, and says so."""
+    full = {**os.environ, "DRY_RUN": "1", "GPUS": "1", "ITERS": iters}
+    done = subprocess.run(["bash", str(ROOT / "examples" / "llama3_8b.sh")], capture_output=True, text=True, env=full)
+    assert done.returncode == 0, done.stderr
+    command = shlex.split(done.stdout)
+    assert command[command.index("--train-iters") + 1] == iters
+    assert command[command.index("--lr-warmup-iters") + 1] == warmup
+    assert ("warming up over" in done.stderr) is (warmup != "2000")
+    too_short = subprocess.run(
+        ["bash", str(ROOT / "examples" / "llama3_8b.sh")], capture_output=True, text=True, env={**full, "ITERS": "1"}
+    )
+    assert too_short.returncode == 2 and "ITERS=1: train at least 2 iterations" in too_short.stderr
+
+
 def test_gpu_pretrain_layouts_script_runs_tiny_and_summarizes(tmp_path):
     """scripts/gpu_pretrain_layouts.sh with the tiny model on the CPU (one process and DP 2, BF16 and
     eager COAT): each run's log, and a summary row per run with the numbers read back from the log,
