@@ -498,18 +498,6 @@ def accuracy_llama2_7b_dp4():
     return [f"DP 4, 80 steps at 64: default {pct(last['coat'] / last['bf16'] - 1)}"]
 
 
-def default_vs_cached():
-    gpt = rows("gpt-1b-default-vs-cached-1gpu")
-    llama = rows("llama2-7b-default-vs-cached-1gpu")
-    # that run's coat-min is today's default (no weight codes kept); graphed, each mode's fastest
-    gpt_default, gpt_cached = (one(gpt, "quick/gpt-1b", mode=m, graphs="local") for m in ("coat-min", "coat-cached"))
-    llama_default, llama_cached = (one(llama, "speed7b", mode=m, graphs="local") for m in ("coat", "coat-cached"))
-    return [
-        f"gpt-1b, micro-batch 4: {x(gpt_default['tokens_per_s'] / gpt_cached['tokens_per_s'])} its tokens/s",
-        f"Llama-2-7B, micro-batch 1: {x(llama_default['tokens_per_s'] / llama_cached['tokens_per_s'], 3)}",
-    ]
-
-
 def held(row: dict) -> float:
     """Bytes per parameter held between steps: weights, FP8 copies, gradients, masters and states."""
     return sum(v for k, v in row["bytes_per_param"].items() if k != "other")
@@ -539,9 +527,41 @@ def optimizer_step():
     ]
 
 
+def llama3_8b_one_gpu_runs() -> dict:
+    """examples/llama3_8b.sh through pretrain() on one H200, by mode (scripts/pretrain_summary.py's rows)."""
+    found = rows("llama3-8b-fits-one-h200-1gpu")
+    runs = {r["mode"]: r for _, r in found if r["layout"] == "one"}
+    assert runs["coat-auto"]["status"] == "ok" and runs["coat-auto"]["timed_iterations"] >= 5
+    for mode in ("bf16", "te-fp8"):
+        assert "OutOfMemoryError" in runs[mode]["status"], runs[mode]["status"]
+    return runs
+
+
+def llama3_8b_one_gpu():
+    coat = llama3_8b_one_gpu_runs()["coat-auto"]
+    return [
+        f"default: {coat['tokens_s']:.0f} tokens/s",
+        f"{coat['megatron_tflops_per_gpu']:.0f} Megatron TFLOP/s",
+        f"peak {gib(coat['peak_allocated_mib']['0'])}",
+        "BF16 and TE FP8 current run out of memory",
+    ]
+
+
+def llama3_8b_one_gpu_index():
+    runs = llama3_8b_one_gpu_runs()
+    coat, bf16 = runs["coat-auto"], runs["bf16"]
+    assert (bf16["iterations"], runs["te-fp8"]["iterations"]) == (1, 0)  # the iterations each logged
+    return [
+        f"the default (`--coat-fp8` alone: per-layer graphs) {coat['tokens_s']:.0f} tokens/s, "
+        f"{coat['megatron_tflops_per_gpu']:.1f} Megatron TFLOP/s, peak {coat['peak_allocated_mib']['0']:.0f} MiB "
+        f"allocated ({coat['peak_reserved_mib']['0']:.0f} reserved)",
+        f"BF16 ran out of memory in its second iteration, once its first optimizer step had made Adam's states "
+        f"(peak {bf16['peak_allocated_mib']['0']:.0f} MiB allocated), TE FP8 current in its first optimizer step",
+    ]
+
+
 CHECKED = {
     "fused FP8 AdamW step": optimizer_step,
-    "default against keeping W's and W^T's FP8 codes": default_vs_cached,
     "bytes per parameter between steps, gpt-1b": bytes_per_param,
     "Llama-2-7B, TP 2 x DP 2, micro-batch 1, graphed": tp2dp2,
     "gpt-1b end to end, micro-batch 4": gpt_1b_speed,
@@ -554,6 +574,7 @@ CHECKED = {
     "Llama-2-13B, micro-batch 2, 150 steps": llama2_13b_1gpu,
     "Llama-2-7B, DP 4, micro-batch 4, graphed; DP scaling": dp4_llama2_7b,
     "one Llama-2-7B layer, fwd+bwd": layer_llama2_7b,
+    "Llama-3-8B recipe (`examples/llama3_8b.sh`": llama3_8b_one_gpu,
 }
 
 # docs/results.md rows (by their evidence folder) whose figures are recomputed from the same rows
@@ -563,6 +584,7 @@ INDEX_CHECKED = {
     "llama2-13b-1gpu": llama2_13b_1gpu_index,
     "accuracy-llama2-7b-1gpu": accuracy_llama2_7b_index,
     "layer-llama2-7b-1gpu": layer_llama2_7b_index,
+    "llama3-8b-fits-one-h200-1gpu": llama3_8b_one_gpu_index,
 }
 
 
