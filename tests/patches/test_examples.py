@@ -212,6 +212,28 @@ def test_gpu_pretrain_layouts_script_runs_the_llama3_recipe_itself(tmp_path):
     assert len(kept) == 4 and all(r["status"].startswith("stopped: no iteration") for r in kept)
 
 
+def test_gpu_pretrain_layouts_script_gives_te_fp8_pa_megatrons_fp8_adam_states(tmp_path):
+    """te-fp8-pa: TE FP8 (current scaling) with Megatron's precision-aware optimizer keeping FP8 Adam states, stock
+    Megatron's leanest memory beside COAT's (here DRY_RUN=1 with a stand-in transformer_engine package, so that
+    the script takes TE for installed: the log holds the command the recipe would start)."""
+    fake = tmp_path / "fake" / "transformer_engine"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "pytorch.py").write_text("")
+    env = _cpu_env(SIZE="llama3-8b", ITERS="12", LAYOUTS="one", MODES="te-fp8-pa te-fp8", DRY_RUN="1",
+                   RES=str(tmp_path / "res"), OUT=str(tmp_path))  # fmt: skip
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), env.get("PYTHONPATH", "")])
+    script = ["bash", str(ROOT / "scripts" / "gpu_pretrain_layouts.sh")]
+    done = subprocess.run(script, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    pa = (tmp_path / "one-te-fp8-pa.log").read_text().splitlines()[-1].strip()
+    plain = (tmp_path / "one-te-fp8.log").read_text().splitlines()[-1].strip()
+    fp8 = "--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl none"
+    assert pa.endswith(f"{fp8} --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"), pa
+    assert plain.endswith(fp8) and "--transformer-impl transformer_engine" in pa
+
+
 def test_gpu_pretrain_layouts_script_names_te_when_a_te_mode_lacks_it(tmp_path):
     """The te-fp8 modes need TransformerEngine: without it the script says so and exits 2 before any run."""
     try:
