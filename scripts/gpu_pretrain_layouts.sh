@@ -16,7 +16,7 @@
 # Modes: bf16 (TE's layers when TE imports, else Megatron's local ones), bf16-graphs, te-fp8 (TE FP8
 # with current scaling: --fp8-format hybrid --fp8-recipe tensorwise; needs TE), te-fp8-graphs, te-fp8-pa (te-fp8
 # with Megatron's precision-aware optimizer keeping FP8 Adam states: --use-precision-aware-optimizer
-# --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8), coat
+# --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8), te-fp8-pa-graphs, coat
 # (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 with graphs), coat-auto (--coat-fp8
 # alone: what a user gets); +nosync and +gc after a mode add --coat-p2p-sync off (no device synchronization
 # after each pipeline exchange) and --manual-gc --manual-gc-interval 10 (coat-auto+nosync+gc). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
@@ -92,14 +92,14 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
       bf16-graphs) flags=(--cuda-graph-impl "$graphs") ;;
       coat)        flags=(--coat-fp8 --coat-cuda-graphs off) ;;
       coat-graphs) flags=(--coat-fp8 --cuda-graph-impl "$graphs") ;;
-      te-fp8 | te-fp8-graphs | te-fp8-pa)
+      te-fp8 | te-fp8-graphs | te-fp8-pa | te-fp8-pa-graphs)
         [ "$impl" = transformer_engine ] || { echo "mode $mode needs TransformerEngine: install it, or drop the mode" >&2; exit 2; }
-        flags=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl "$([ "${mode%%+*}" = te-fp8-graphs ] && echo "$graphs" || echo none)")
-        if [ "${mode%%+*}" = te-fp8-pa ]; then  # stock Megatron's leanest optimizer: FP8 Adam states (TE FusedAdam)
+        flags=(--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl "$([[ ${mode%%+*} == *-graphs ]] && echo "$graphs" || echo none)")
+        if [[ ${mode%%+*} == te-fp8-pa* ]]; then  # stock Megatron's leanest optimizer: FP8 Adam states (TE FusedAdam)
           flags+=(--use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8)
         fi ;;
       coat-auto)   flags=(--coat-fp8) ;;
-      *) echo "mode $mode: use bf16, bf16-graphs, te-fp8, te-fp8-graphs, te-fp8-pa, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
+      *) echo "mode $mode: use bf16, bf16-graphs, te-fp8, te-fp8-graphs, te-fp8-pa, te-fp8-pa-graphs, coat, coat-graphs or coat-auto" >&2; exit 2 ;;
     esac
     for option in ${options//+/ }; do
       case $option in

@@ -220,7 +220,7 @@ def test_gpu_pretrain_layouts_script_gives_te_fp8_pa_megatrons_fp8_adam_states(t
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     (fake / "pytorch.py").write_text("")
-    env = _cpu_env(SIZE="llama3-8b", ITERS="12", LAYOUTS="one", MODES="te-fp8-pa te-fp8", DRY_RUN="1",
+    env = _cpu_env(SIZE="llama3-8b", ITERS="12", LAYOUTS="one", MODES="te-fp8-pa te-fp8 te-fp8-pa-graphs", DRY_RUN="1",
                    RES=str(tmp_path / "res"), OUT=str(tmp_path))  # fmt: skip
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), env.get("PYTHONPATH", "")])
@@ -232,6 +232,8 @@ def test_gpu_pretrain_layouts_script_gives_te_fp8_pa_megatrons_fp8_adam_states(t
     fp8 = "--fp8-format hybrid --fp8-recipe tensorwise --cuda-graph-impl none"
     assert pa.endswith(f"{fp8} --use-precision-aware-optimizer --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8"), pa
     assert plain.endswith(fp8) and "--transformer-impl transformer_engine" in pa
+    graphed = (tmp_path / "one-te-fp8-pa-graphs.log").read_text().splitlines()[-1].strip()
+    assert "--cuda-graph-impl local --use-precision-aware-optimizer --exp-avg-dtype fp8" in graphed, graphed
 
 
 def test_gpu_pretrain_layouts_script_names_te_when_a_te_mode_lacks_it(tmp_path):
