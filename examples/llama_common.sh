@@ -23,14 +23,14 @@ launch_llama() {
     if python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then impl=transformer_engine; else impl=local; fi
     # Megatron's default gradient-accumulation fusion needs apex's fused wgrad kernel
     if python3 -c "import fused_weight_gradient_mlp_cuda" >/dev/null 2>&1; then fusion=(); else fusion=(--no-gradient-accumulation-fusion); fi
-    # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
-    # warm-up began (benchmarks/results/llama2-13b-1gpu)
     local iters=${ITERS:-10000} warmup=$WARMUP
     if (( iters <= warmup )); then  # Megatron asserts warm-up < decay (train) iterations: a short run warms up over a tenth
         warmup=$(( iters / 10 > 0 ? iters / 10 : 1 ))
         (( iters > warmup )) || { echo "ITERS=$iters: train at least 2 iterations" >&2; return 2; }
         echo "ITERS=$iters is not above the recipe's $WARMUP warm-up iterations: warming up over $warmup (a tenth)" >&2
     fi
+    # Adam's epsilon at Llama 2's 1e-5: at Megatron's 1e-8 Llama-2-13B's loss passed ln(vocab) after its
+    # warm-up began (benchmarks/results/llama2-13b-1gpu)
     local mode=${MODE:-$([[ "${COAT:-1}" == 1 ]] && echo coat || echo bf16)}
     case $mode in
         coat) precision=(--coat-fp8) ;;
