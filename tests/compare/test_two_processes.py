@@ -25,8 +25,9 @@ is the first three rows with L = 1 (its input is already a slice): BF16 6U, COAT
 
 DP = 2 with the distributed optimizer at the same global batch as DP = 1: each rank holds half
 of the optimizer bytes, and the losses are DP = 1's up to reduction order (see DP_LOSS_TOL).
-The checkpoint-resume check: a DP = 2 checkpoint resumes at DP = 2 bit for bit and at DP = 1
-within the same tolerance.
+The checkpoint-resume checks: a DP = 2 checkpoint resumes at DP = 2 bit for bit and at DP = 1
+within the same tolerance (one run over several commands); a TP 2 x DP 2 one at DP 4 and on one
+process (the resume sub-command, with its report).
 """
 
 import math
@@ -195,57 +196,41 @@ def test_tp2_by_dp2_accumulates_micro_batches_on_four_processes(dp_runs, tmp_pat
     assert four["coat"]["optimizer_bytes_per_param"] < 0.4 * four["bf16"]["optimizer_bytes_per_param"]
 
 
-def test_checkpoint_at_dp2_resumes_at_dp1_and_dp2(tmp_path):
-    run(
-        "resume",
-        "--preset",
-        "tiny",
-        "--modes",
-        "coat",
-        "--steps",
-        "8",
-        "--save-step",
-        "3",
-        "--dp",
-        "2",
-        "--micro-batch",
-        "4",
-        "--checkpoint-dir",
-        str(tmp_path / "ckpt"),
-        "--out",
-        str(tmp_path),
-    )
-    (r,) = rows(tmp_path / "tiny-resume.jsonl", "resume").values()
-    assert r["status"] == "ok", r
-    after = r["losses_uninterrupted"][3:]
-    assert len(r["losses_uninterrupted"]) == 8 and len(after) == 5
-    assert r["resumed"] == ["resumed_1", "resumed_dp2"] and r["checkpoint_format"] == "dp_reshardable"
-    assert r["losses_resumed_dp2"] == after and r["exact_resumed_dp2"]  # same layout: bit for bit
-    assert r["losses_resumed_1"] == pytest.approx(after, abs=DP_LOSS_TOL)  # resharded, same global batch
-    assert r["max_abs_diff_resumed_1"] <= DP_LOSS_TOL
-    assert not any((tmp_path / "ckpt").iterdir())  # the checkpoint is gone with its temporary directory
-    md = (tmp_path / "tiny-resume.md").read_text()
-    assert "## Checkpoint resume: tiny at TP 1 x PP 1 x DP 2" in md and "(bit-exact)" in md
-    assert "| resumed at 1 | difference | resumed at dp2 | difference |" in md
-
-
 def test_one_run_over_two_commands_stops_at_its_save_and_resumes_where_it_stopped(tmp_path):
     """--stop-after-save ends a DP 2 run at its checkpoint; a second command --load's it and trains
     the rest of --steps on the same schedule and batches: together, the uninterrupted run's losses
-    and validation losses bit for bit (the same layout)."""
+    and validation losses bit for bit (the same layout). A third --load's it at DP 1 (micro-batch 8:
+    the same global batch), through the checkpoint's dp_reshardable format: the uninterrupted run's
+    losses within DP_LOSS_TOL (another reduction order), and its checkpoint files untouched."""
     common = ["--preset", "tiny", "--modes", "coat", "--steps", "8", "--dp", "2", "--micro-batch", "4"]
     common += ["--eval-every", "2", "--eval-windows", "16"]
     run(*common, "--out", str(tmp_path), "--name", "whole")
     ckpt = str(tmp_path / "ckpt")
     run(*common, "--save", ckpt, "--save-step", "4", "--stop-after-save", "--out", str(tmp_path), "--name", "first")
     run(*common, "--load", ckpt, "--out", str(tmp_path), "--name", "second")
-    whole, first, second = (rows(tmp_path / f"{n}.jsonl")["coat"] for n in ("whole", "first", "second"))
+    at_one = [
+        "--preset",
+        "tiny",
+        "--modes",
+        "coat",
+        "--steps",
+        "8",
+        "--micro-batch",
+        "8",
+    ]  # DP 1, the same global batch
+    at_one += ["--eval-every", "2", "--eval-windows", "16"]
+    run(*at_one, "--load", ckpt, "--out", str(tmp_path), "--name", "second-dp1")
+    whole, first, second, dp1 = (
+        rows(tmp_path / f"{n}.jsonl")["coat"] for n in ("whole", "first", "second", "second-dp1")
+    )
     assert whole["status"] == first["status"] == second["status"] == "ok"
     assert (first["first_step"], first["last_step"], second["first_step"], second["last_step"]) == (0, 4, 4, 8)
     assert len(whole["losses"]) == 8 and first["losses"] + second["losses"] == whole["losses"]
     assert [s for s, _ in first["valid_losses"]] == [2, 4] and [s for s, _ in second["valid_losses"]] == [6, 8]
     assert first["valid_losses"] + second["valid_losses"] == whole["valid_losses"]
     assert second["valid_loss"] == whole["valid_loss"]
+    assert dp1["status"] == "ok" and (dp1["dp"], dp1["first_step"], dp1["last_step"]) == (1, 4, 8)
+    assert dp1["losses"] == pytest.approx(whole["losses"][4:], abs=DP_LOSS_TOL)
 
 
 def test_checkpoint_at_tp2_by_dp2_resumes_at_dp4_and_at_one_process(tmp_path):
@@ -264,6 +249,10 @@ def test_checkpoint_at_tp2_by_dp2_resumes_at_dp4_and_at_one_process(tmp_path):
     after = r["losses_uninterrupted"][3:]
     for name in r["resumed"]:
         assert r[f"losses_{name}"] == pytest.approx(after, abs=DP_LOSS_TOL), name
+    assert not any((tmp_path / "ckpt").iterdir())  # the checkpoint is gone with its temporary directory
+    md = (tmp_path / "tiny-resume.md").read_text()
+    assert "## Checkpoint resume: tiny at TP 2 x PP 1 x DP 2" in md
+    assert "| resumed at dp4 | difference | resumed at 1 | difference | resumed at tp2xdp2 | difference |" in md
 
 
 @pytest.mark.parametrize(

@@ -104,32 +104,44 @@ def _count_handed_amaxes() -> list[int]:
     return count
 
 
-def _equal_with_and_without(recipe: str, proj_saved: bool, tp: int, knob: str) -> list[int]:
-    """Asserts that every tensor is the same with ``knob`` on and off; returns, per rank, how many more
-    gradient amaxes the linears were handed with it on."""
-    on, off = (
-        run_distributed(two_layers, tp, args=(recipe, proj_saved, {knob: value}), tensor_parallel=tp, timeout=300)
-        for value in (True, False)
-    )
-    for rank in range(tp):
-        assert len(on[rank]) == len(off[rank])
-        for i, (a, b) in enumerate(zip(on[rank][:-1], off[rank][:-1])):
+def _runs(recipe: str, proj_saved: bool, tp: int, changes: list[dict]) -> list[list]:
+    """Per configuration (each ``changes`` of the recipe's CoatConfig), every rank's tensors from ``two_layers``."""
+    return [
+        run_distributed(two_layers, tp, args=(recipe, proj_saved, change), tensor_parallel=tp, timeout=300)
+        for change in changes
+    ]
+
+
+def _assert_equal(a_ranks: list, b_ranks: list, what: str) -> list[int]:
+    """Asserts that every tensor of two configurations is the same; returns, per rank, how many more gradient
+    amaxes the linears were handed in the first."""
+    for rank, (a_all, b_all) in enumerate(zip(a_ranks, b_ranks)):
+        assert len(a_all) == len(b_all)
+        for i, (a, b) in enumerate(zip(a_all[:-1], b_all[:-1])):
             assert a.abs().sum() > 0, f"rank {rank}, tensor {i} is zero: the test would prove nothing"
-            assert torch.equal(a, b), f"rank {rank}, tensor {i}: {knob} changed it"
-    return [int(on[rank][-1] - off[rank][-1]) for rank in range(tp)]
-
-
-@pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("codes", False, 2), ("memory", False, 1)])
-def test_scratch_buffers_change_no_number(recipe, proj_saved, tp):
-    _equal_with_and_without(recipe, proj_saved, tp, "scratch_buffers")
+            assert torch.equal(a, b), f"rank {rank}, tensor {i}: {what} changed it"
+    return [int(a[-1] - b[-1]) for a, b in zip(a_ranks, b_ranks)]
 
 
 @pytest.mark.parametrize("recipe,proj_saved,tp", [("memory", True, 2), ("memory", False, 1)])
-def test_the_norms_residual_gradient_changes_no_number(recipe, proj_saved, tp):
-    """``fuse_residual_backward``: the norms return the residual and add its gradient in their backward, and
-    linear_proj (and, across the two layers, the first layer's linear_fc2) quantize dY with the amax the norm
-    found: the same bits as autograd's sum and the linears' own amax passes."""
-    handed = _equal_with_and_without(recipe, proj_saved, tp, "fuse_residual_backward")
+def test_scratch_buffers_and_the_norms_residual_gradient_change_no_number(recipe, proj_saved, tp):
+    """Against the defaults (scratch buffers auto: on at TP 2, off on one process; the fused residual gradient on):
+    scratch buffers the other way, and ``fuse_residual_backward`` off. The fused residual gradient: the norms
+    return the residual and add its gradient in their backward, and linear_proj (and, across the two layers, the
+    first layer's linear_fc2) quantize dY with the amax the norm found: the same bits as autograd's sum and the
+    linears' own amax passes. (Three runs, where two tests of one knob each took four.)"""
+    default, scratch, unfused = _runs(
+        recipe, proj_saved, tp, [{}, {"scratch_buffers": tp == 1}, {"fuse_residual_backward": False}]
+    )
+    assert _assert_equal(default, scratch, "scratch_buffers") == [0] * tp
+    handed = _assert_equal(default, unfused, "fuse_residual_backward")
     # per micro-batch: both layers' linear_proj, and the first layer's linear_fc2 (whose dY the second
     # layer's input norm wrote); the second layer's linear_fc2 gets the test's own dY
     assert handed == [3 * MICRO_BATCHES] * tp, handed
+
+
+def test_scratch_buffers_change_no_number_in_the_codes_recipe():
+    """The codes recipe (W's codes kept between micro-batches) at TP 2 + SP, linear_proj quantizing its own
+    input (proj_input_saved_by_attention off), scratch buffers on against off."""
+    on, off = _runs("codes", False, 2, [{"scratch_buffers": True}, {"scratch_buffers": False}])
+    _assert_equal(on, off, "scratch_buffers")
