@@ -43,8 +43,20 @@ GPU_GOAL = (60, 40)  # layer_launches_gpu.py's LAUNCH_BOUND, ALLOCATION_BOUND
 RECIPES = ["memory", "codes", "cached"]  # the recipes by the FP8 weight codes they keep: none, W, W and W^T
 
 
+# every rank's count per (kind, recipe), made once per test process: the bound tests and the weight-codes test
+# read the same counts (the xdist_group keeps them on one worker)
+_COUNTED: dict[tuple, list] = {}
+ONE_WORKER = pytest.mark.xdist_group("layer_counts")
+
+
+def _ranks(kind: str, recipe: str | None) -> list[dict]:
+    if (kind, recipe) not in _COUNTED:
+        _COUNTED[kind, recipe] = run_distributed(count_layer, 2, args=(kind, recipe), tensor_parallel=2, timeout=300)
+    return _COUNTED[kind, recipe]
+
+
 def _count(kind: str, recipe: str | None) -> dict:
-    ranks = run_distributed(count_layer, 2, args=(kind, recipe), tensor_parallel=2, timeout=300)
+    ranks = _ranks(kind, recipe)
     assert ranks[0]["by_launch"] == ranks[1]["by_launch"], "the ranks launched different kernels"
     got = ranks[0]
     name = recipe or kind
@@ -58,6 +70,7 @@ def _count(kind: str, recipe: str | None) -> dict:
     return got
 
 
+@ONE_WORKER
 @pytest.mark.parametrize("recipe", [*RECIPES, "memory+scratch"])
 def test_a_coat_layer_launches_and_allocates_no_more_than_its_bound(recipe):
     got = _count("coat", recipe)["excluding_attention"]
@@ -73,12 +86,12 @@ def test_the_bf16_layer_is_counted_the_same_way():
     assert (got["launches"], got["allocations"]) == BEFORE["bf16"]
 
 
+@ONE_WORKER
 def test_weight_codes_are_made_once_per_step_where_the_recipe_keeps_them():
     """A micro-batch after the first of a step makes no FP8 weight copy where the recipe keeps W's and
     W^T's codes ("cached": refreshed once per step, by the first micro-batch after an optimizer step);
     the "memory" recipe keeps none and quantizes W in forward and W^T in backward, per linear."""
-    memory = run_distributed(count_layer, 2, args=("coat", "memory"), tensor_parallel=2, timeout=300)[0]
-    cached = run_distributed(count_layer, 2, args=("coat", "cached"), tensor_parallel=2, timeout=300)[0]
+    memory, cached = _ranks("coat", "memory")[0], _ranks("coat", "cached")[0]
     refreshes = [k for k in cached["by_launch"] if "refresh" in k]
     assert not refreshes, refreshes
     quantizes = [got["by_launch"]["triton:_quantize_per_tensor_kernel"] for got in (memory, cached)]
