@@ -16,7 +16,7 @@ README = ROOT / "README.md"
 README_LIMIT = 12 * 1024
 CI_BLOCKS = {
     "<!-- ci:install -->": 'python -m pip install -e ".[test]"',
-    "<!-- ci:test -->": "python -m pytest -n 2",
+    "<!-- ci:test -->": "python -m pytest -n 3",
 }
 DESIGN = ROOT / "docs" / "design.md"
 # "docs/design.md#the-fused-step" in a docstring, "(design.md#...)" in a markdown link
