@@ -55,6 +55,20 @@ def alignment(*pointers: int) -> int:
     return bits & -bits
 
 
+def check_scale_alignment(a_scale: torch.Tensor, b_scale: torch.Tensor, caller: str) -> None:
+    """cuBLASLt's FP8 GEMM reads a scale only at a 16-byte aligned address: any other (the second
+    element of a plain FP32 vector, say) ends in CUBLAS_STATUS_NOT_SUPPORTED (status 15), through
+    ``torch._scaled_mm`` too (measured on an H200, cuBLAS 13.0). Called once a GEMM has failed, so
+    that the GEMMs that succeed pay nothing for it: raises the error that names the fix."""
+    for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if scale.is_cuda and scale.data_ptr() % 16:
+            raise ValueError(
+                f"{caller}: {name} lies at an address that is not a multiple of 16 bytes, which cuBLASLt's FP8 "
+                f"GEMM rejects (status 15): pass a scale tensor of its own ({name}.clone()) or views 16 bytes "
+                f"apart (the quantizers' scale vectors are, with stride 4 FP32 words)"
+            )
+
+
 class _Algo(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint64 * 8)]
 
@@ -253,27 +267,27 @@ class _CublasLt:
             if held_b != a_scale_ptr:
                 self._set_pointer(desc, _DESC_B_SCALE_POINTER, a_scale_ptr)
                 plan[6] = a_scale_ptr
-            self._check(
-                self.lib.cublasLtMatmul(
-                    self.handles[device],
-                    desc,
-                    self._one,
-                    b_ptr,
-                    lt_a,
-                    a_ptr,
-                    lt_b,
-                    self._one if beta else self._zero,
-                    out_ptr,
-                    lt_c,
-                    out_ptr,
-                    lt_c,
-                    algo,
-                    self.workspace_ptrs[device],
-                    _WORKSPACE_BYTES,
-                    stream,
-                ),
-                "cublasLtMatmul",
+            status = self.lib.cublasLtMatmul(
+                self.handles[device],
+                desc,
+                self._one,
+                b_ptr,
+                lt_a,
+                a_ptr,
+                lt_b,
+                self._one if beta else self._zero,
+                out_ptr,
+                lt_c,
+                out_ptr,
+                lt_c,
+                algo,
+                self.workspace_ptrs[device],
+                _WORKSPACE_BYTES,
+                stream,
             )
+            if status:
+                check_scale_alignment(a_scale, b_scale, "cuBLASLt's FP8 GEMM")
+                self._check(status, "cublasLtMatmul")
 
     def accumulate(self, a, a_scale, b, b_scale, out, fast_accum: bool) -> None:
         """out += (a * a_scale) @ (b * b_scale)."""

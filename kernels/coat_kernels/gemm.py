@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import use_triton
-from .cublaslt import _cublaslt, alignment
+from .cublaslt import _cublaslt, alignment, check_scale_alignment
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LT_OUT = (torch.bfloat16, torch.float32)
@@ -54,19 +54,6 @@ def check_gpu_layout(a: torch.Tensor, b: torch.Tensor, caller: str) -> None:
         raise ValueError(f"{caller} needs a row-major and b column-major (b.t() contiguous)")
     if b.shape[1] % 16:
         raise ValueError(f"the output width {b.shape[1]} of an FP8 GEMM must be a multiple of 16; pad the layer")
-
-
-def check_scale_alignment(a_scale: torch.Tensor, b_scale: torch.Tensor, caller: str) -> None:
-    """cuBLASLt's FP8 GEMM reads a scale only at a 16-byte aligned address: any other (the second
-    element of a plain FP32 vector, say) ends in CUBLAS_STATUS_NOT_SUPPORTED (status 15), through
-    ``torch._scaled_mm`` too (measured on an H200, cuBLAS 13.0)."""
-    for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
-        if scale.is_cuda and scale.data_ptr() % 16:
-            raise ValueError(
-                f"{caller}: {name} lies at an address that is not a multiple of 16 bytes, which cuBLASLt's FP8 "
-                f"GEMM rejects (status 15): pass a scale tensor of its own ({name}.clone()) or views 16 bytes "
-                f"apart (the quantizers' scale vectors are, with stride 4 FP32 words)"
-            )
 
 
 def _cached_plan_fits(a, a_scale, b, b_scale, out_dtype, out) -> bool:
@@ -127,7 +114,6 @@ def fp8_gemm(
         result = fp8_gemm_reference(a, a_scale, b, b_scale, out_dtype=out_dtype, bias=bias)
         return result if out is None else out.copy_(result)
     check_gpu_layout(a, b, "fp8_gemm")
-    check_scale_alignment(a_scale, b_scale, "fp8_gemm")
     a, b = _pad_k(a, b)
     if bias is None and GEMM == "auto" and _cached_plan_fits(a, a_scale, b, b_scale, out_dtype, out):
         lt = _cublaslt()
@@ -139,6 +125,14 @@ def fp8_gemm(
     if bias is not None and bias.dtype != out_dtype:
         bias = bias.to(out_dtype)
     kwargs = {} if out is None else {"out": out}
+    try:
+        return _scaled_mm(a, b, a_scale, b_scale, bias, out_dtype, use_fast_accum, kwargs)
+    except RuntimeError:  # a scale cuBLASLt cannot read fails opaquely: name it (checked only when a call failed)
+        check_scale_alignment(a_scale, b_scale, "fp8_gemm")
+        raise
+
+
+def _scaled_mm(a, b, a_scale, b_scale, bias, out_dtype, use_fast_accum, kwargs) -> torch.Tensor:
     return torch._scaled_mm(
         a,
         b,
