@@ -14,7 +14,9 @@ HAS_CUDA = torch.cuda.is_available()
 # One intra-op thread per test process: `pytest -n 3` on two cores otherwise oversubscribes them, and
 # OpenMP's spinning barriers make small CPU ops 10-100x slower. (Three workers on two cores: many tests
 # wait on the processes they start, on rendezvous and on deliberate stalls; a third worker fills those
-# waits: with two, CI's tests took 1236-1264 s of wall for 30 min of CPU.)
+# waits: with two, CI's tests took 1236-1264 s of wall for 30 min of CPU. Those runs had pytest 9.2, whose
+# xdist groups did not hold (tests/test_xdist_groups.py); with them held, -n 3 and -n 4 took 1178 and 1163 s
+# here, 2026-11-29: the host's CPU is the bound.)
 torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
