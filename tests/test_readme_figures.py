@@ -17,17 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
-# README rows (by the start of their claim cell) whose figures have no rows anywhere in git history
-NO_ROWS = {
-    "Llama-2-7B, DP 4, micro-batch 4, graphed; DP scaling": (
-        "llama2-7b-dp4-4gpu and dp-scaling-gpt-1b-4gpu keep only their reports: no .jsonl of either run "
-        "was ever committed (the figures are checked from those reports by dp4_llama2_7b)"
-    ),
-    "Llama-2-7B, TP 2 x DP 2, micro-batch 1, graphed": (
-        "the eager 0.63x BF16 only: that run's report files did not come back from the device "
-        "(commands.txt holds its printed rows, which tp2dp2_eager_printed checks); the graphed figures are checked below"
-    ),
-}
+# README rows (by the start of their claim cell) whose figures have no rows anywhere in git history: none
+# since the figures that kept none were retired (docs/results.md, "Retired claims")
+NO_ROWS: dict[str, str] = {}
 
 # README rows whose rows are in git history but not in their folder, each with the commit:path that holds
 # them (none since the five of the first pass were restored)
@@ -92,56 +84,6 @@ def pct(value: float) -> str:
     return f"{100 * value:+.2f}%"
 
 
-def report_table(path: Path, title: str, after: str = "") -> list[dict[str, str]]:
-    """The rows of the table under the heading that starts with ``title`` in a report (markdown): the
-    tool's own output, for the runs whose .jsonl was never committed; each row a dict by column. ``after``:
-    the first such heading after the line that starts so (a merged file's "# coat-compare: NAME")."""
-    lines = path.read_text().splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith(after))
-    start = next(
-        i
-        for i, line in enumerate(lines)
-        if i >= first and line.startswith("#") and line.lstrip("#").strip().startswith(title)
-    )
-    table = []
-    for line in lines[start + 1 :]:
-        if line.startswith("|"):
-            table.append([c.strip() for c in line.strip().strip("|").split("|")])
-        elif table or line.startswith("#"):
-            break  # the section's first table only
-    header, body = [], table[2:]
-    for name in table[0]:  # a repeated column name gets its count: "bus GB/s", then "bus GB/s (2)"
-        header.append(name if name not in header else f"{name} ({sum(h.startswith(name) for h in header) + 1})")
-    return [dict(zip(header, cells, strict=True)) for cells in body]
-
-
-def dp4_reports() -> tuple[dict[str, dict], dict[tuple[str, str], float]]:
-    """Llama-2-7B at DP 4 by mode, and gpt-1b's tokens/s by (mode, layout), from the two reports."""
-    dp4 = report_table(
-        RESULTS / "llama2-7b-dp4-4gpu" / "llama2-7b-dp4-mb4.md", "End to end: llama2-7b at TP 1 x PP 1 x DP 4"
-    )
-    scaling = report_table(RESULTS / "dp-scaling-gpt-1b-4gpu" / "gpt-1b-dp-scaling.md", "Parallel layouts")
-    by_layout = {(r["mode"], r["layout"]): float(r["tokens/s"]) for r in scaling}
-    return {r["mode"]: r for r in dp4}, by_layout
-
-
-def dp4_llama2_7b():
-    """From coat-compare's reports (the folders keep no .jsonl: NO_ROWS)."""
-    modes, scaling = dp4_reports()
-    bf16, te, coat, gather = (modes[m] for m in ("bf16", "te-fp8-current", "coat", "coat-fp8-gather"))
-
-    def ratio(a, b, column="tokens/s"):
-        return float(a[column]) / float(b[column])
-
-    per_gpu = scaling[("coat", "dp4")] / 4 / scaling[("coat", "1")]
-    return [
-        f"default {x(ratio(coat, bf16))} BF16, {x(ratio(coat, te))} TE",
-        f"{coat['model TFLOP/s per GPU']} model TFLOP/s per GPU, peak {x(ratio(coat, bf16, 'peak MiB'))}",
-        f"FP8 parameter gather {x(ratio(gather, coat, 'DP all-gather MiB/step'))} the DP bytes",
-        f"gpt-1b DP 4 per GPU: {x(per_gpu, 3)} one GPU's",
-    ]
-
-
 def check(claim: str, figures: list[str]) -> None:
     text = measured(claim)
     missing = [f for f in figures if f not in text]
@@ -192,24 +134,6 @@ def test_every_table_row_is_checked_or_listed():
     assert not stale, f"named here but not in README.md's table: {stale}"
 
 
-def tp2dp2_eager_printed():
-    """The H200 run's rows as its part printed them into commands.txt (its report files did not come back:
-    NO_ROWS): each tokens/s recomputed from its step ms (16 x 2048 tokens a step), the ratios from those."""
-    text = (RESULTS / "llama2-7b-tp2dp2-4gpu" / "commands.txt").read_text()
-    block = text[text.index("the rows as the part printed them:") :].splitlines()[1:5]
-    header, *body = ([c.strip() for c in line.strip().strip("|").split("|")] for line in block)
-    printed = {r["mode"]: r for r in (dict(zip(header, cells, strict=True)) for cells in body)}
-    tps = {}
-    for mode, r in printed.items():
-        tps[mode] = 16 * 2048 * 1000 / float(r["step ms"])
-        assert round(tps[mode]) == int(r["tokens/s"]), mode
-    b, t, c = (tps[m] for m in ("bf16", "te-fp8-current", "coat"))
-    return [
-        f"BF16 {b:.0f} tokens/s, TE FP8 current {t:.0f} ({x(t / b)}), COAT {c:.0f} ({x(c / b)} BF16, {x(c / t)} TE",
-        x(c / b),
-    ]
-
-
 def tp2dp2():
     found = rows("llama2-7b-tp2dp2-4gpu")
     bf16, te, coat = (one(found, "c4d2c79:", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat"))
@@ -217,7 +141,6 @@ def tp2dp2():
         x(coat["tokens_per_s"] / bf16["tokens_per_s"]) + " BF16",
         x(coat["tokens_per_s"] / te["tokens_per_s"]) + " TE FP8 current",
         f"peak {x(coat['peak_MiB'] / bf16['peak_MiB'])} BF16's",
-        f"eager {tp2dp2_eager_printed()[1]} BF16",
     ]
 
 
@@ -573,7 +496,6 @@ CHECKED = {
     "Llama-2-7B, seq 2048, global batch 16, one 80 GB GPU": fits_80gb,
     "Llama-2-13B, 4 GPUs, graphed": llama2_13b_4gpu,
     "Llama-2-13B, micro-batch 2, 150 steps": llama2_13b_1gpu,
-    "Llama-2-7B, DP 4, micro-batch 4, graphed; DP scaling": dp4_llama2_7b,
     "one Llama-2-7B layer, fwd+bwd": layer_llama2_7b,
     "Llama-3-8B recipe (`examples/llama3_8b.sh`": llama3_8b_one_gpu,
 }

@@ -21,7 +21,6 @@ from test_readme_figures import (
     H200_MODES,
     RESULTS,
     check_index,
-    dp4_reports,
     gpt_1b_gaps,
     gpt_1b_runs,
     held,
@@ -30,12 +29,9 @@ from test_readme_figures import (
     one,
     pct,
     pretrain_tokens_per_s,
-    report_table,
-    results_index_figure,
     results_index_row,
     results_index_rows,
     rows,
-    tp2dp2_eager_printed,
     x,
 )
 from test_readme_figures import INDEX_CHECKED as README_INDEX_CHECKED
@@ -733,7 +729,7 @@ def tp2dp2_graphed():
 
 
 def tp2dp2_eager():
-    """The H100 ring run's figures (its rows restored from git); the H200 run's are typed in commands.txt only."""
+    """The H100 ring run's figures (its rows restored from git; the H200 run's, printed only, were retired)."""
     found = rows("llama2-7b-tp2dp2-4gpu")
     ring = {m: one(found, "25b3c7a~1:", kind="train", mode=m) for m in ("bf16", "te-fp8-current", "coat")}
     assert {(r["tp"], r["dp"], r["micro_batch"], r["global_batch"], r["graphs"]) for r in ring.values()} == {
@@ -741,7 +737,7 @@ def tp2dp2_eager():
     }
     assert {r["device"] for r in ring.values()} == {"NVIDIA H100 80GB HBM3"}
     b, t, c = (ring[m]["tokens_per_s"] for m in ("bf16", "te-fp8-current", "coat"))
-    return [f"with the ring on H100s: {b:.0f}, {t:.0f}, {c:.0f} ({x(c / b)})"] + tp2dp2_eager_printed()
+    return [f"BF16 {b:.0f} tokens/s, TE FP8 current {t:.0f}, COAT {c:.0f} ({x(c / b)} BF16)"]
 
 
 def tp2_host_bound():
@@ -810,107 +806,6 @@ def pretrain_log_ms(path) -> dict[str, float]:
     return out
 
 
-def interconnect():
-    """The host's links from benchmarks/interconnect.py's printed table (no rows: NO_ROWS)."""
-    path = RESULTS / "interconnect-4gpu" / "interconnect.md"
-    two = {r["chunk per rank MiB"]: r for r in report_table(path, "Interconnect") if r["group"] == "2 GPUs"}
-    links = {w for line in path.read_text().splitlines() if line.startswith("GPU0") for w in line.split()[1:]}
-    sizes = ("4", "16", "256")
-    return [
-        f"all-to-all NVLink ({', '.join(sorted(links - {'X', '0-63', '0', 'N/A'}))})",
-        # the first bus GB/s column is the all-gather's ("bus GB/s (2)": the reduce-scatter's); "GB/s" the ring step's
-        f"NCCL all-gather between two GPUs {' / '.join(two[s]['bus GB/s'] for s in sizes)} GB/s bus bandwidth at "
-        f"{' / '.join(sizes)} MiB per rank",
-        f"a point-to-point ring step {' / '.join(two[s]['GB/s'] for s in sizes)} GB/s",
-    ]
-
-
-def pretrain_pp_eager():
-    """pretrain() eager under PP from the launcher's summary (no rows: NO_ROWS): each run's tokens/s
-    recomputed from its own logged intervals (the median of iterations 15 and 20, 16 x 2048 tokens each),
-    the peak ratio from the summary's table."""
-    path = RESULTS / "pretrain-pipeline-4gpu" / "pretrain-pp-eager.md"
-    text = path.read_text()
-    tokens = {}
-    for run in ("pp2-bf16", "pp2-coat-auto", "pp2-te-fp8", "tp2pp2-bf16", "tp2pp2-coat-auto", "tp2pp2-te-fp8"):
-        ms = [float(m) for m in re.findall(rf"^{run}: iteration (?:15|20)/ 20 ms ([0-9.]+)", text, re.M)]
-        assert len(ms) == 2, run
-        tokens[run] = 16 * 2048 * 1000 / statistics.median(ms)
-    table = {r["mode"]: r for r in report_table(path, "PP 2 (GPUs 0-1)")}
-    for layout, title in (("pp2", "PP 2 (GPUs 0-1)"), ("tp2pp2", "TP 2 x PP 2 + SP")):
-        for r in report_table(path, title):  # the summary's tokens/s are the intervals' figures
-            assert round(tokens[f"{layout}-{r['mode']}"]) == int(r["tokens/s"].replace(",", "")), (layout, r["mode"])
-
-    def t(run):
-        return tokens[run]
-
-    return [
-        f"PP 2: BF16 {t('pp2-bf16'):.0f} tokens/s, TE FP8 current {t('pp2-te-fp8'):.0f} "
-        f"({t('pp2-te-fp8') / t('pp2-bf16'):.2f}x), `--coat-fp8` {t('pp2-coat-auto'):.0f} "
-        f"({t('pp2-coat-auto') / t('pp2-bf16'):.2f}x BF16, {t('pp2-coat-auto') / t('pp2-te-fp8'):.2f}x TE)",
-        f"peak {table['coat-auto']['peak x BF16 eager']}x BF16's",
-        f"TP 2 x PP 2 + SP: BF16 {t('tp2pp2-bf16'):.0f}, TE {t('tp2pp2-te-fp8'):.0f} "
-        f"({t('tp2pp2-te-fp8') / t('tp2pp2-bf16'):.2f}x), COAT {t('tp2pp2-coat-auto'):.0f} "
-        f"({t('tp2pp2-coat-auto') / t('tp2pp2-bf16'):.2f}x BF16, {t('tp2pp2-coat-auto') / t('tp2pp2-te-fp8'):.2f}x TE",
-    ]
-
-
-def layouts_tp2pp2():
-    """TP 2 x PP 2 against one GPU from its report (its .jsonl was never committed: NO_ROWS)."""
-    path = RESULTS / "layouts-gpt-1b-4gpu" / "reports.md"
-    found = report_table(path, "Parallel layouts", after="# coat-compare: gpt-1b-layouts-1-tp2xpp2")
-    at = {r["mode"]: r for r in found if r["layout"] == "tp2xpp2"}
-    te, coat, bf16 = at["te-fp8-current"], at["coat"], at["bf16"]
-    assert te["agrees"] == coat["agrees"] == "NO" and bf16["agrees"] == "yes"
-
-    def largest(r):
-        return float(r["largest step difference"])
-
-    return [
-        f"at TP 2 x PP 2 TE {largest(te):.3f}, COAT {largest(coat):.3f} (BF16 {largest(bf16):.4f}, "
-        f"bound {float(coat['bound']):.3f}",
-    ]
-
-
-def dp4_index():
-    """Llama-2-7B at DP 4 from coat-compare's report (no .jsonl was committed: NO_ROWS)."""
-    modes = dp4_reports()[0]
-    bf16, te, coat, gather = (modes[m] for m in ("bf16", "te-fp8-current", "coat", "coat-fp8-gather"))
-
-    def tps(r):
-        return float(r["tokens/s"])
-
-    def dp_bytes(r):
-        return float(r["DP all-gather MiB/step"])
-
-    return [
-        f"BF16 {bf16['tokens/s']} tokens/s, TE FP8 current {te['tokens/s']} ({tps(te) / tps(bf16):.2f}x)",
-        f"COAT {coat['tokens/s']} ({tps(coat) / tps(bf16):.2f}x BF16, {tps(coat) / tps(te):.2f}x TE, "
-        f"{coat['model TFLOP/s per GPU']} model TFLOP/s per GPU)",
-        f"peak {float(coat['peak MiB']) / float(bf16['peak MiB']):.2f}x BF16's",
-        f"{dp_bytes(gather) / dp_bytes(bf16):.2f}x BF16's DP gather bytes ({dp_bytes(gather):.0f} against "
-        f"{dp_bytes(bf16):.0f} MiB per rank per step), {100 * (1 - tps(gather) / tps(coat)):.1f}% slower",
-    ]
-
-
-def dp_scaling_index():
-    """gpt-1b's DP scaling from coat-compare's report (no .jsonl was committed: NO_ROWS)."""
-    tps = dp4_reports()[1]
-
-    def per_gpu(mode, layout, n):
-        return tps[(mode, layout)] / n / tps[(mode, "1")]
-
-    coat, bf16, te = (
-        ", ".join(f"{per_gpu(m, f'dp{n}', n):.3f}" for n in (2, 4)) for m in ("coat", "bf16", "te-fp8-current")
-    )
-    return [
-        f"COAT {per_gpu('coat', 'dp2', 2):.3f} at DP 2, {per_gpu('coat', 'dp4', 4):.3f} at DP 4",
-        f"BF16 {bf16}; TE {te}",
-        f"at DP 4 COAT {tps[('coat', 'dp4')] / tps[('bf16', 'dp4')]:.2f}x BF16, "
-        f"{tps[('coat', 'dp4')] / tps[('te-fp8-current', 'dp4')]:.2f}x TE",
-    ]
-
-
 def apex_wgrad_fusion():
     """With apex's fused wgrad: each call's rows (commands.txt: COAT on in call 1, BF16 and TE on in call 2, all
     three off in call 3), every run ended with its logged losses under 0.5."""
@@ -944,7 +839,7 @@ CHECKED = {
     "host-time-layer-1gpu": lambda: host_time() + host_time_second_host(),
     "kernel-launches-layer-1gpu": kernel_launches,
     "kernel-bandwidth-1gpu": lambda: kernel_bandwidth() + swiglu_best_tiles(),
-    "layouts-gpt-1b-4gpu: each layout against one GPU": lambda: layouts() + layouts_tp2pp2(),
+    "layouts-gpt-1b-4gpu: each layout against one GPU": layouts,
     "layouts-gpt-1b-4gpu: a COAT checkpoint": resume,
     "mlp-block-llama2-7b-1gpu": mlp_block,
     "optimizer-state-drift-cpu": state_drift,
@@ -971,31 +866,11 @@ CHECKED = {
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B, TP 2 x DP 2": tp2dp2_graphed,
     "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": tp2dp2_eager,
     "tp2-host-bound-and-graphs-2gpu": tp2_host_bound,
-    "interconnect-4gpu": interconnect,  # from the printed table: NO_ROWS names why
-    "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": pretrain_pp_eager,  # from its summary: NO_ROWS
-    "llama2-7b-dp4-4gpu": dp4_index,  # from the run's report: NO_ROWS names why
-    "dp-scaling-gpt-1b-4gpu": dp_scaling_index,  # the same
 }
 
-# rows (and figures) no folder keeps rows for; each says "no rows: rerun or retire" in docs/results.md
-NO_ROWS = {
-    "interconnect-4gpu": "interconnect.md is the table benchmarks/interconnect.py printed (interconnect checks it); no rows",
-    "llama2-7b-dp4-4gpu": "only coat-compare's report (llama2-7b-dp4-mb4.md), from which dp4_index checks it; no .jsonl was committed",
-    "dp-scaling-gpt-1b-4gpu": "only coat-compare's report (gpt-1b-dp-scaling.md), from which dp_scaling_index checks it; no .jsonl",
-    "pretrain-pipeline-4gpu: `coat-megatron-run` under PP": (
-        "pretrain() writes no rows; pretrain-pp-eager.md is the launcher script's summary (two logged intervals "
-        "per run, no peaks: pretrain_pp_eager recomputes the tokens/s from them), and the runs' logs were not kept"
-    ),
-    "llama2-7b-tp2dp2-4gpu: Llama-2-7B at TP 2 x DP 2": (
-        "the H200 run's figures (20031, 13322, 12526): its report did not come back from the device and commands.txt "
-        "keeps only the table it printed (rerun on 4 GPUs: `speed-llama2-7b-tp2dp2 none`); the H100 ring run's are "
-        "checked above"
-    ),
-    "layouts-gpt-1b-4gpu: each layout against one GPU": (
-        "TP 2 x PP 2 only: its .jsonl was never committed (reports.md keeps its report, from which layouts_tp2pp2 "
-        "checks it); the other layouts are checked from rows above"
-    ),
-}
+# rows (and figures) no folder keeps rows for; each says "no rows: rerun or retire" in docs/results.md. None since
+# issue 50 retired those figures (docs/results.md, "Retired claims"): a run that keeps no rows is rerun or retired
+NO_ROWS: dict[str, str] = {}
 
 # rows (or figures of a row) not recomputed yet, each with the reason; a row also in CHECKED has its other figures
 # checked there. The figures named here are in git history, not in their folder's rows (restoring them changes
@@ -1009,11 +884,6 @@ NOT_YET = {
 @pytest.mark.parametrize("key", sorted(CHECKED))
 def test_the_results_index_figures_recompute_from_the_rows(key):
     check_index(key, CHECKED[key]())
-
-
-@pytest.mark.parametrize("key", sorted(NO_ROWS))
-def test_a_figure_without_rows_says_so(key):
-    assert MARK in results_index_figure(key), f"docs/results.md's row for {key} keeps no rows: say '{MARK}'"
 
 
 def test_every_row_without_rows_is_listed():
