@@ -484,6 +484,44 @@ def llama3_8b_one_gpu_index():
     ]
 
 
+def llama3_8b_tp2_runs() -> dict:
+    """examples/llama3_8b.sh through pretrain() at TP 2 + SP on two H200s, by mode (two calls: graphed, eager)."""
+    runs = {r["mode"]: r for _, r in rows("llama3-8b-tp2-2gpu")}
+    assert set(runs) == {"bf16-graphs", "te-fp8-graphs", "coat-auto", "bf16", "te-fp8", "coat"}
+    for r in runs.values():
+        assert (r["layout"], r["gpus"], r["status"], r["timed_iterations"]) == ("tp2", "2", "ok", 1), r
+        assert r["graphs"] == ("local" if r["mode"].endswith(("-graphs", "-auto")) else "none"), r
+    return runs
+
+
+def llama3_8b_tp2():
+    runs = llama3_8b_tp2_runs()
+    coat, bf16, te = (runs[m] for m in ("coat-auto", "bf16-graphs", "te-fp8-graphs"))
+    eager = {m: runs[m]["tokens_s"] for m in ("coat", "bf16", "te-fp8")}
+    return [
+        f"default {coat['tokens_s']:.0f} tokens/s: {x(coat['tokens_s'] / bf16['tokens_s'])} BF16",
+        f"{x(coat['tokens_s'] / te['tokens_s'])} TE FP8 current (each with per-layer graphs)",
+        f"peak {x(coat['peak'] / bf16['peak'])} BF16's",
+        f"eager {x(eager['coat'] / eager['bf16'])} BF16, {x(eager['coat'] / eager['te-fp8'])} TE",
+    ]
+
+
+def llama3_8b_tp2_index():
+    runs = llama3_8b_tp2_runs()
+    t = {m: r["tokens_s"] for m, r in runs.items()}
+    coat, bf16, te = (runs[m] for m in ("coat-auto", "bf16-graphs", "te-fp8-graphs"))
+    return [
+        f"BF16 {t['bf16-graphs']:.0f} tokens/s, TE FP8 current {t['te-fp8-graphs']:.0f} "
+        f"({x(t['te-fp8-graphs'] / t['bf16-graphs'])})",
+        f"`--coat-fp8` alone {t['coat-auto']:.0f} ({x(t['coat-auto'] / t['bf16-graphs'])} BF16, "
+        f"{x(t['coat-auto'] / t['te-fp8-graphs'])} TE, {coat['megatron_tflops_per_gpu']:.1f} Megatron TFLOP/s per GPU)",
+        f"peak {coat['peak']:.0f} MiB allocated ({x(coat['peak'] / bf16['peak'])} BF16's, {x(coat['peak'] / te['peak'])} TE's)",
+        f"eager: BF16 {t['bf16']:.0f}, TE {t['te-fp8']:.0f} ({x(t['te-fp8'] / t['bf16'])})",
+        f"COAT {t['coat']:.0f} ({x(t['coat'] / t['bf16'])} BF16, {x(t['coat'] / t['te-fp8'])} TE)",
+        f"peak {x(runs['coat']['peak'] / runs['bf16']['peak'])} BF16's",
+    ]
+
+
 CHECKED = {
     "fused FP8 AdamW step": optimizer_step,
     "bytes per parameter between steps, gpt-1b": bytes_per_param,
@@ -498,6 +536,7 @@ CHECKED = {
     "Llama-2-13B, micro-batch 2, 150 steps": llama2_13b_1gpu,
     "one Llama-2-7B layer, fwd+bwd": layer_llama2_7b,
     "Llama-3-8B recipe (`examples/llama3_8b.sh`": llama3_8b_one_gpu,
+    "Llama-3-8B recipe at TP 2 + SP": llama3_8b_tp2,
 }
 
 # docs/results.md rows (by their evidence folder) whose figures are recomputed from the same rows
@@ -508,6 +547,7 @@ INDEX_CHECKED = {
     "accuracy-llama2-7b-1gpu": accuracy_llama2_7b_index,
     "layer-llama2-7b-1gpu": layer_llama2_7b_index,
     "llama3-8b-fits-one-h200-1gpu": llama3_8b_one_gpu_index,
+    "llama3-8b-tp2-2gpu": llama3_8b_tp2_index,
 }
 
 
