@@ -36,7 +36,7 @@
 #   speed-gpt-1b-tp2 [GRAPHS]                    gpt-1b at TP 2, BF16, TE, COAT, eager and graphed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-tp2 [MODES [GRAPHS]]         pretrain() at TP 2, graphed BF16 and --coat-fp8 alone, and how each run's process groups closed (2 GPUs) -> tp2-host-bound-and-graphs-2gpu
 #   pretrain-graphs-pp [LAYOUTS [MODES]]         pretrain() with TE-based graphs under PP, the layout rule against eager (default "one pp2", "bf16-graphs te-fp8-graphs coat coat-auto") -> pretrain-pipeline-4gpu
-#   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto") -> pretrain-pipeline-4gpu
+#   pretrain-layouts LAYOUTS [MODES]             pretrain() per layout (default modes "bf16 te-fp8 coat-auto") -> pretrain-pipeline-4gpu, pipeline-sync-pp2-2gpu
 #   pretrain-llama3-8b LAYOUTS [MODES]           examples/llama3_8b.sh through pretrain() per layout (one, tp2, tp2pp2, dp4) and mode -> pretrain-pipeline-4gpu, llama3-8b-fits-one-h200-1gpu, llama3-8b-tp2-2gpu
 #   scaling-gpt-1b [MODES [LAYOUTS]]             gpt-1b graphed on 1, 2 and 4 GPUs (DP; LAYOUTS 1,dp2,dp4,dp8 on 8), tokens/s per GPU per mode -> dp-scaling-gpt-1b-4gpu
 #   dp4-llama2-7b MB GB [MODES [overlap]]        Llama-2-7B at DP 4, graphed, the FP8 parameter gather beside ("overlap": DDP's overlap flags) -> llama2-7b-dp4-4gpu

@@ -18,8 +18,9 @@
 # with Megatron's precision-aware optimizer keeping FP8 Adam states: --use-precision-aware-optimizer
 # --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8), te-fp8-pa-graphs, coat
 # (--coat-fp8 --coat-cuda-graphs off), coat-graphs (--coat-fp8 with graphs), coat-auto (--coat-fp8
-# alone: what a user gets); +nosync and +gc after a mode add --coat-p2p-sync off (no device synchronization
-# after each pipeline exchange) and --manual-gc --manual-gc-interval 10 (coat-auto+nosync+gc). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
+# alone: what a user gets); +nosync, +sync and +gc after a mode add --coat-p2p-sync off (no device synchronization
+# after each pipeline exchange; --coat-fp8's default), --coat-p2p-sync on (Megatron's default: coat-auto+sync is
+# --coat-fp8 as before that default) and --manual-gc --manual-gc-interval 10 (coat-auto+sync+gc). The -graphs modes pass --cuda-graph-impl local, or transformer_engine
 # under PP (where megatron-core 0.19's local graphs do not run). Logs go to $RES/LAYOUT-MODE.log; every call then rewrites
 # $RES/summary.md and rows.jsonl (scripts/pretrain_summary.py) from the logs in $RES (earlier calls' too): tokens/s (median of the iterations
 # after the first half), peak memory per rank (Megatron's report after the last iteration), ratio
@@ -104,8 +105,9 @@ for layout in ${LAYOUTS:-pp2 tp2 tp2pp2}; do
     for option in ${options//+/ }; do
       case $option in
         nosync) flags+=(--coat-p2p-sync off) ;;
+        sync)   flags+=(--coat-p2p-sync on) ;;
         gc)     flags+=(--manual-gc --manual-gc-interval 10) ;;
-        *) echo "mode $mode: options after + are nosync and gc" >&2; exit 2 ;;
+        *) echo "mode $mode: options after + are nosync, sync and gc" >&2; exit 2 ;;
       esac
     done
     # a run still going 20 s before its cap writes each rank's stacks (coat_patches.launch), then is stopped

@@ -5,7 +5,8 @@
 Each LAYOUT-MODE.log gives one row (rows.jsonl, one JSON line per run, the figures the table quotes):
 tokens/s and ms per iteration (medians of the iterations after the first half), Megatron's own
 TFLOP/s per GPU (its causal count, printed with --log-throughput; the same median), the peak memory
-per rank (Megatron's report after the last iteration), the logged losses, and a status. The table on
+per rank (Megatron's report after the last iteration), the logged losses, each logged interval's ms per
+iteration, and a status. The table on
 stdout sets each run against BF16 in the same layout, TE FP8 with the same graphs, the mode without
 its +options, and the same mode in layout "one" (the largest loss difference at the same logged
 iterations)."""
@@ -70,6 +71,7 @@ def parse(name, text):
         peak_allocated_mib={str(r): p for r, (p, _) in sorted(memory.items())},
         status="ok" if done else f"stopped: {error[:90] or 'no iteration finished (see the log)'}",
         losses={str(i): float(v) for i, v in LOSS.findall(text)},
+        interval_ms={str(i): ms for i, _, ms in times},  # each logged interval's ms per iteration
         log=name,
     )
 

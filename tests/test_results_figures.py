@@ -368,13 +368,42 @@ def pipeline_graphs():
     # TE-based graphs (--coat-fp8's choice under PP) against eager COAT: the four runs' rows
     found = {(r["layout"], r["mode"]): r["losses"] for _, r in rows("pretrain-pipeline-4gpu", "rows.jsonl")}
 
-    def gap(layout):  # the largest logged-loss difference, graphed against eager, in one layout
-        graphed, eager = found[layout, "coat-auto"], found[layout, "coat"]
-        return max(abs(graphed[i] - eager[i]) for i in eager)
+    def gap(layout, graphed="coat-auto", eager="coat"):  # the largest logged-loss difference, graphed against eager
+        a, b = found[layout, graphed], found[layout, eager]
+        assert a["1"] == b["1"] or layout == "one"  # the same first loss: the same weights and data
+        return max(abs(a[i] - b[i]) for i in b)
 
+    # coat_compare.layouts' rule at PP 2 + VPP 2: within 0.05, or 3x BF16's own graphed-against-eager difference
+    bound = max(0.05, 3 * gap("pp2vp2", "bf16-graphs", "bf16"))
+    assert gap("pp2vp2") <= bound
     return [
         "PP 2 builds its graphs and finishes the first iteration, then hangs in the first replay, BF16 and COAT alike",
         f"logged losses within {gap('pp2'):.4f} of eager's (one GPU's local graphs against eager: {gap('one'):.3f})",
+        f"at PP 2 + VPP 2 within {gap('pp2vp2'):.4f} (BF16's graphs against eager: "
+        f"{gap('pp2vp2', 'bf16-graphs', 'bf16'):.4f}; the layout rule's bound {bound:.2f})",
+    ]
+
+
+def pipeline_sync():
+    found = {r["mode"]: r for _, r in rows("pipeline-sync-pp2-2gpu")}
+    assert all(r["layout"] == "pp2" and r["status"] == "ok" and r["timed_iterations"] == 4 for r in found.values())
+    t = {m: r["tokens_s"] for m, r in found.items()}
+    bf16, te, coat = (found[m] for m in ("bf16-graphs+nosync", "te-fp8-graphs+nosync", "coat-auto+nosync"))
+
+    def gained(modes, option):
+        return ", ".join(f"{name} {x(t[m + option] / t[m])}" for name, m in modes)
+
+    nosync = [("BF16 eager", "bf16"), ("BF16 graphed", "bf16-graphs"), ("TE graphed", "te-fp8-graphs"),
+              ("COAT graphed", "coat-auto"), ("COAT eager", "coat")]  # fmt: skip
+    gc = [(n, m + "+nosync") for n, m in nosync if m != "bf16"]
+    return [
+        f"BF16 {bf16['tokens_s']:.0f} tokens/s, TE FP8 current {te['tokens_s']:.0f}, `--coat-fp8` alone "
+        f"{coat['tokens_s']:.0f} ({x(coat['tokens_s'] / bf16['tokens_s'])} BF16, "
+        f"{x(coat['tokens_s'] / te['tokens_s'])} TE), peak {x(coat['peak'] / bf16['peak'])} BF16's",
+        f"before it, with the synchronization: {x(t['coat-auto'] / t['bf16-graphs'])} BF16, "
+        f"{x(t['coat-auto'] / t['te-fp8-graphs'])} TE",
+        f"no synchronization gains {gained(nosync, '+nosync')}",
+        f"manual gc every 10 iterations on top: {gained(gc, '+gc')}",
     ]
 
 
@@ -421,14 +450,15 @@ def layer_tp2():
     mib = 1 << 20
     # the lean path's counts: the 2-GPU test's xfail lines in the appended session-5 log, then session 9's
     log = (RESULTS / "layer-llama2-7b-tp2-2gpu" / "gpu-tests.log").read_text().split("session 5")[1]
-    session5, _, session9 = log.partition("## session 9")
+    session5, _, later = log.partition("## session 9")
+    session9, _, session12 = later.partition("## session 12")
 
     def counts(text):
         pattern = r"test_launches_on_two_gpus\[(\w+)\] - \w+: \((\d+), (\d+)\) on two GPUs"
         return {m[1]: (int(m[2]), int(m[3])) for m in re.finditer(pattern, text)}
 
     recipes = ("memory", "codes", "cached")
-    before, after = counts(session5), counts(session9)
+    before, after, again = counts(session5), counts(session9), counts(session12)
     runs = [
         {r["mode"]: r["ms"] for s, r in everything if f"session 9, 2 x h200 39f01f0{tag}" in s and r["kind"] == "layer"}
         for tag in (": coat-compare", ": the same modes in reverse")
@@ -444,12 +474,13 @@ def layer_tp2():
     commands = (RESULTS / "layer-llama2-7b-tp2-2gpu" / "commands.txt").read_text()
     scratch = re.search(r"memory\+scratch launches (\d+) allocations (\d+)", commands).groups()
     te_over_scratch = sum(run["te-fp8-current"] for run in runs) / sum(run["coat-scratch"] for run in runs)
-    assert "372 passed" in session9 and not re.search(r"\d+ failed", session9)
+    assert all("372 passed" in t and not re.search(r"\d+ failed", t) for t in (session9, session12))
     return [
         f"COAT {both('coat')} ms, with scratch buffers {both('coat-scratch')} ({x(te_over_scratch)} TE's speed "
         f"over the two), with autograd's residual sum {both('coat-unfused-residual')}, TE FP8 current "
         f"{both('te-fp8-current')}, BF16 {both('bf16')}",
         f"launches {joined(after, 0)} (allocations {joined(after, 1)}; with scratch buffers {scratch[0]} and {scratch[1]})",
+        f"again (0e6d8fd) {joined(again, 0)} (allocations {joined(again, 1)})",
         f"the ring alone {coat['ms']:.2f} against TE FP8 current {te['ms']:.2f} and BF16 {bf16['ms']:.2f}",
         f"activations {coat['activation_MiB'] / bf16['activation_MiB']:.2f}x BF16, "
         f"{coat['activation_MiB'] / te['activation_MiB']:.2f}x TE",
@@ -850,6 +881,7 @@ CHECKED = {
     "weight-passes-1gpu": lambda: weight_passes() + weight_passes_per_step_cached(),
     "wgrad-accumulate-gemm-1gpu": wgrad_accumulate,
     "pretrain-pipeline-4gpu: per-layer graphs under PP": pipeline_graphs,
+    "pipeline-sync-pp2-2gpu": pipeline_sync,
     "gpt-1b-default-vs-cached-1gpu": default_vs_cached_gpt_1b,
     "llama2-7b-default-vs-cached-1gpu": default_vs_cached_llama2_7b,
     "gpt-1b-memory-by-mode-1gpu": memory_by_mode,

@@ -74,10 +74,11 @@ SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its 
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 P2P_SYNC_HELP = (
     "Megatron's torch.cuda.synchronize() after every batched pipeline exchange (TransformerConfig.batch_p2p_sync, "
-    "no flag of Megatron's; on by default in megatron-core 0.19, a guard against a race of old PyTorch's "
-    "batch_isend_irecv). off: the host runs ahead across exchanges, in any mode, with or without --coat-fp8. "
-    "Only the non-interleaved pipeline schedule batches its exchanges (with virtual stages Megatron overlaps them "
-    "instead), so it matters only there"
+    "no flag of Megatron's; on in megatron-core 0.19, a guard against a race of old PyTorch's batch_isend_irecv: "
+    "each exchange's requests are waited on, which orders the streams, without it). Default auto: off with "
+    "--coat-fp8 (the host runs ahead across exchanges), Megatron's on without it. off or on: so in any mode, BF16 "
+    "and TE too. Only the non-interleaved pipeline schedule batches its exchanges (with virtual stages Megatron "
+    "overlaps them instead), so it matters only there"
 )
 CUDA_GRAPHS_CHOICES = ("auto", "off")
 CUDA_GRAPHS_HELP = (
@@ -136,7 +137,9 @@ def add_coat_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         default="auto",
         help=CUDA_GRAPHS_HELP,
     )
-    group.add_argument("--coat-p2p-sync", dest="coat_p2p_sync", choices=("on", "off"), default="on", help=P2P_SYNC_HELP)
+    group.add_argument(
+        "--coat-p2p-sync", dest="coat_p2p_sync", choices=("auto", "on", "off"), default="auto", help=P2P_SYNC_HELP
+    )
     group.add_argument(
         "--coat-report",
         dest="coat_report",
@@ -431,18 +434,23 @@ def _param_gather_problems(args) -> list[str]:
 
 
 def apply_p2p_sync(args: argparse.Namespace) -> None:
-    """``--coat-p2p-sync off``: ``batch_p2p_sync`` False on the arguments, which
-    ``core_transformer_config_from_args`` copies into the model's config (the pipeline schedules read
-    it there), and one line where a pipeline batches its exchanges."""
-    if getattr(args, "coat_p2p_sync", "on") != "off":
+    """``--coat-p2p-sync``: ``batch_p2p_sync`` on the arguments, which ``core_transformer_config_from_args``
+    copies into the model's config (the pipeline schedules read it there). auto is off with ``--coat-fp8``
+    and Megatron's default without it; one line says so where a pipeline batches its exchanges."""
+    choice = getattr(args, "coat_p2p_sync", "auto")
+    if choice == "auto":
+        choice = "off" if getattr(args, "coat_fp8", False) else "on"
+    if choice != "off":
         return
     args.batch_p2p_sync = False
     batched = args.pipeline_model_parallel_size > 1 and not getattr(args, "overlap_p2p_comm", False)
     if batched and os.environ.get("RANK", "0") == "0":
-        print(
-            "coat-megatron-run: no device synchronization after each pipeline exchange (--coat-p2p-sync off)",
-            flush=True,
+        why = (
+            "--coat-p2p-sync off"
+            if args.coat_p2p_sync == "off"
+            else "--coat-fp8's default; --coat-p2p-sync on keeps it"
         )
+        print(f"coat-megatron-run: no device synchronization after each pipeline exchange ({why})", flush=True)
 
 
 def install(replacements: Replacements) -> None:

@@ -489,19 +489,35 @@ def test_a_recipe_by_name_with_knobs_on_top(monkeypatch):
 
 
 @pytest.mark.parametrize("coat", [[], ["--coat-fp8"]])
-def test_p2p_sync_off_reaches_the_models_config_and_on_is_megatrons_default(monkeypatch, coat, capsys):
+def test_p2p_sync_on_and_off_reach_the_models_config_in_any_mode(monkeypatch, coat, capsys):
     from megatron.training.arguments import core_transformer_config_from_args
 
-    on = parse(monkeypatch, *LLAMA, *coat)
+    on = parse(monkeypatch, *LLAMA, *coat, "--coat-p2p-sync", "on")
     assert core_transformer_config_from_args(on).batch_p2p_sync is True  # megatron-core 0.19's default
     off = parse(monkeypatch, *LLAMA, *coat, "--coat-p2p-sync", "off")
     assert off.batch_p2p_sync is False and core_transformer_config_from_args(off).batch_p2p_sync is False
-    assert "--coat-p2p-sync off" not in capsys.readouterr().out  # no pipeline here: nothing to say
+    assert "pipeline exchange" not in capsys.readouterr().out  # no pipeline here: nothing to say
 
 
-def test_p2p_sync_off_says_so_once_where_a_pipeline_batches_its_exchanges(monkeypatch, capsys):
+@pytest.mark.parametrize("coat", [[], ["--coat-fp8"]])
+def test_p2p_sync_auto_is_off_with_coat_fp8_and_megatrons_default_without(monkeypatch, coat):
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = parse(monkeypatch, *LLAMA, *coat)
+    assert args.coat_p2p_sync == "auto"
+    assert core_transformer_config_from_args(args).batch_p2p_sync is not bool(coat)
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--coat-p2p-sync", "off"], "(--coat-p2p-sync off)"),
+        (["--coat-fp8"], "(--coat-fp8's default; --coat-p2p-sync on keeps it)"),
+    ],
+)
+def test_p2p_sync_off_says_so_once_where_a_pipeline_batches_its_exchanges(monkeypatch, capsys, flags, why):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = parse(monkeypatch, *LLAMA, "--pipeline-model-parallel-size", "2", "--coat-p2p-sync", "off")
+    args = parse(monkeypatch, *LLAMA, "--pipeline-model-parallel-size", "2", *flags)
     assert args.batch_p2p_sync is False
     out = capsys.readouterr().out
-    assert out.count("no device synchronization after each pipeline exchange (--coat-p2p-sync off)") == 1
+    assert out.count(f"no device synchronization after each pipeline exchange {why}") == 1

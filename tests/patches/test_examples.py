@@ -275,4 +275,4 @@ def test_gpu_pretrain_layouts_script_runs_a_mode_with_options_beside_it(tmp_path
     assert rows["bf16+nosync+gc"][-1] == "ok" and float(rows["bf16+nosync+gc"][12]) > 0 and rows["bf16"][12] == ""
     env["MODES"] = "bf16+fast"
     done = subprocess.run(script, capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 2 and "options after + are nosync and gc" in done.stderr
+    assert done.returncode == 2 and "options after + are nosync, sync and gc" in done.stderr
