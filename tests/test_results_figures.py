@@ -442,6 +442,13 @@ def fidelity():
     ]
 
 
+def scratch_counts(text: str, recipe: str) -> tuple[int, int]:
+    """(launches, allocations) of layer_launches_gpu.py's rank lines for ``recipe``, the larger rank's."""
+    found = re.findall(rf"^rank \d: {re.escape(recipe)} launches (\d+) allocations (\d+)", text, re.M)
+    assert found, recipe
+    return max(int(n) for n, _ in found), max(int(a) for _, a in found)
+
+
 def layer_tp2():
     # coat-compare's rows of the four modes (the 11.42 / 15.19 ms pair is layer-tp2-overlap.md's: no rows)
     everything = rows("layer-llama2-7b-tp2-2gpu", "llama2-7b-layer-tp2-mb4.jsonl")
@@ -452,6 +459,7 @@ def layer_tp2():
     log = (RESULTS / "layer-llama2-7b-tp2-2gpu" / "gpu-tests.log").read_text().split("session 5")[1]
     session5, _, later = log.partition("## session 9")
     session9, _, session12 = later.partition("## session 12")
+    session12, _, scratch12 = session12.partition("## session 12, second machine")
 
     def counts(text):
         pattern = r"test_launches_on_two_gpus\[(\w+)\] - \w+: \((\d+), (\d+)\) on two GPUs"
@@ -481,6 +489,9 @@ def layer_tp2():
         f"{both('te-fp8-current')}, BF16 {both('bf16')}",
         f"launches {joined(after, 0)} (allocations {joined(after, 1)}; with scratch buffers {scratch[0]} and {scratch[1]})",
         f"again (0e6d8fd) {joined(again, 0)} (allocations {joined(again, 1)})",
+        "with scratch buffers the cached recipe {} and {} (within the goal), the default {} and {}".format(
+            *scratch_counts(scratch12, "cached+scratch"), *scratch_counts(scratch12, "memory+scratch")
+        ),
         f"the ring alone {coat['ms']:.2f} against TE FP8 current {te['ms']:.2f} and BF16 {bf16['ms']:.2f}",
         f"activations {coat['activation_MiB'] / bf16['activation_MiB']:.2f}x BF16, "
         f"{coat['activation_MiB'] / te['activation_MiB']:.2f}x TE",

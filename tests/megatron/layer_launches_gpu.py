@@ -2,7 +2,7 @@
 
 Run by ``test_layer_launches.py::test_launches_on_two_gpus`` (or by hand:
 ``torchrun --standalone --nproc-per-node 2 tests/megatron/layer_launches_gpu.py [RECIPE]``, RECIPE
-memory (default), codes or cached). Each rank:
+memory (default), codes or cached, each with "+scratch" after it for CoatConfig.scratch_buffers). Each rank:
 
 1. builds the layer of ``layer_launches.build_layer`` on its GPU (the spec's own core attention:
    TE's flash attention where TE is installed), runs ``WARM_UP`` micro-batches;
