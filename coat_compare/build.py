@@ -115,6 +115,9 @@ def transformer_config(
         # as megatron.training does (its --overlap-p2p-communication default; batch_p2p_comm off)
         overlap_p2p_comm=vpp > 1,
         batch_p2p_comm=vpp == 1,
+        # every mode without megatron-core's device synchronization after a batched exchange, as --coat-fp8
+        # runs (a guard for old PyTorch; each mode gained from its absence at PP 2: pipeline-sync-pp2-2gpu)
+        batch_p2p_sync=False,
         sequence_parallel=tp > 1,
         perform_initialization=False,  # init_weights_by_name sets every weight
         use_cpu_initialization=not cuda,
