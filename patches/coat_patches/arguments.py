@@ -74,8 +74,8 @@ SWITCH_WORDS = {"True": "on", "False": "off"}  # a switch's Python value -> its 
 EXPANSION_HELP = "dynamic range expansion of both m and v (--coat-m-expansion / --coat-v-expansion set one)"
 P2P_SYNC_HELP = (
     "Megatron's torch.cuda.synchronize() after every batched pipeline exchange (TransformerConfig.batch_p2p_sync, "
-    "no flag of Megatron's; on in megatron-core 0.19, a guard against a race of old PyTorch's batch_isend_irecv: "
-    "each exchange's requests are waited on, which orders the streams, without it). Default auto: off with "
+    "no flag of Megatron's; on in megatron-core 0.19, a guard against a race of old PyTorch's batch_isend_irecv, "
+    "after the exchange's requests were waited on, which already orders the streams). Default auto: off with "
     "--coat-fp8 (the host runs ahead across exchanges), Megatron's on without it. off or on: so in any mode, BF16 "
     "and TE too. Only the non-interleaved pipeline schedule batches its exchanges (with virtual stages Megatron "
     "overlaps them instead), so it matters only there"
