@@ -6,7 +6,9 @@
 # TP > 1 adds --sequence-parallel; the rest of GPUS is data parallel), MODE (coat: --coat-fp8, the
 # default; bf16; te-fp8: TransformerEngine's FP8 with current scaling, the comparison's baseline;
 # COAT=0 is MODE=bf16), GRAPHS (te: Megatron's TE-based per-layer CUDA graphs for bf16 and te-fp8,
-# their fastest configuration with TE installed; --coat-fp8 picks its graphs itself),
+# their fastest configuration with TE installed; --coat-fp8 picks its graphs itself; under PP the bf16 and
+# te-fp8 lines also pass --coat-p2p-sync off, which --coat-fp8 does by default: no device synchronization
+# after each pipeline exchange, a gain for every mode, docs/multi-gpu.md),
 # DATA_PATH (an indexed dataset prefix, from Megatron-LM's tools/preprocess_data.py) with TOKENIZER
 # (a Hugging Face tokenizer name or path), MICRO_BATCH, GLOBAL_BATCH, ITERS (default 10000),
 # DRY_RUN=1 (print the command instead of running it).
@@ -43,6 +45,7 @@ launch_llama() {
         te) [[ $mode == coat ]] || precision+=(--cuda-graph-impl transformer_engine) ;;
         *) echo "GRAPHS=$GRAPHS: use te (or leave it unset: eager, and --coat-fp8's own choice)" >&2; return 2 ;;
     esac
+    (( ${PP:-1} > 1 )) && [[ $mode != coat ]] && precision+=(--coat-p2p-sync off)  # as --coat-fp8 runs under PP
     layout=(--tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}")
     (( ${TP:-1} > 1 )) && layout+=(--sequence-parallel)
 

@@ -99,17 +99,27 @@ def test_llama_recipes_give_megatron_the_layout(monkeypatch, recipe, layout, tp,
 @pytest.mark.parametrize(
     "env, wanted, unwanted",
     [
-        ({"MODE": "bf16"}, [], ["--coat-fp8", "--fp8-format", "--cuda-graph-impl"]),
-        ({"MODE": "bf16", "GRAPHS": "te"}, ["--cuda-graph-impl transformer_engine"], ["--coat-fp8"]),
+        # under PP (TP 2 x PP 2 here) the comparison's lines run without the pipeline sync, as --coat-fp8 does
+        ({"MODE": "bf16"}, ["--coat-p2p-sync off"], ["--coat-fp8", "--fp8-format", "--cuda-graph-impl"]),
         (
-            {"MODE": "te-fp8", "GRAPHS": "te"},
-            ["--fp8-format hybrid --fp8-recipe tensorwise", "--cuda-graph-impl transformer_engine"],
+            {"MODE": "bf16", "GRAPHS": "te"},
+            ["--cuda-graph-impl transformer_engine", "--coat-p2p-sync off"],
             ["--coat-fp8"],
         ),
-        ({"GRAPHS": "te"}, ["--coat-fp8"], ["--cuda-graph-impl"]),  # COAT picks its graphs itself
+        (
+            {"MODE": "te-fp8", "GRAPHS": "te"},
+            [
+                "--fp8-format hybrid --fp8-recipe tensorwise",
+                "--cuda-graph-impl transformer_engine",
+                "--coat-p2p-sync off",
+            ],
+            ["--coat-fp8"],
+        ),
+        ({"MODE": "bf16", "PP": "1"}, [], ["--coat-p2p-sync"]),
+        ({"GRAPHS": "te"}, ["--coat-fp8"], ["--cuda-graph-impl", "--coat-p2p-sync"]),  # COAT: its own choices
         ({"COAT": "0"}, [], ["--coat-fp8"]),
     ],
-    ids=["bf16", "bf16-graphs", "te-fp8-graphs", "coat", "coat-0"],
+    ids=["bf16", "bf16-graphs", "te-fp8-graphs", "bf16-no-pp", "coat", "coat-0"],
 )
 def test_the_llama3_recipe_prints_the_comparisons_other_lines(env, wanted, unwanted):
     full = {**os.environ, "DRY_RUN": "1", "GPUS": "4", "TP": "2", "PP": "2", **env}
