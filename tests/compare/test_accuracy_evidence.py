@@ -18,7 +18,7 @@ CHECK_FOLDER = "benchmarks/results/accuracy-gpt-1b-check-2gpu"
 
 
 def rows_file(folder: str) -> str:
-    """The folder's rows, as text (``rows.jsonl``) or gzip-compressed (``rows.jsonl.gz``, where text would not fit)."""
+    """The folder's rows, as text (``rows.jsonl``), or gzip-compressed (``rows.jsonl.gz``) where a folder keeps them so."""
     text = f"{folder}/rows.jsonl"
     return text if (ROOT / text).exists() else f"{text}.gz"
 
@@ -107,7 +107,7 @@ def test_results_index_quotes_the_125m_judgement_recomputed_from_its_rows():
 
 def accuracy_125m():
     # the protocol's own judgement, run again on the committed rows
-    path = str(RESULTS / "accuracy-gpt-125m-paired-2gpu" / "rows.jsonl.gz")
+    path = str(ROOT / rows_file(FOLDER))
     result, _ = P.judge(P.get_protocol("gpt-125m-wsd"), P.read_rows([path]))
     v, gate = result["verdict"], result["power"]
     coat, te, both, again = v["coat"], v["te"], v["coat_minus_te"], v["sanity"]
