@@ -437,19 +437,13 @@ def apply_p2p_sync(args: argparse.Namespace) -> None:
     """``--coat-p2p-sync``: ``batch_p2p_sync`` on the arguments, which ``core_transformer_config_from_args``
     copies into the model's config (the pipeline schedules read it there). auto is off with ``--coat-fp8``
     and Megatron's default without it; one line says so where a pipeline batches its exchanges."""
-    choice = getattr(args, "coat_p2p_sync", "auto")
-    if choice == "auto":
-        choice = "off" if getattr(args, "coat_fp8", False) else "on"
-    if choice != "off":
+    asked = getattr(args, "coat_p2p_sync", "auto")
+    if not (asked == "off" or (asked == "auto" and getattr(args, "coat_fp8", False))):
         return
     args.batch_p2p_sync = False
     batched = args.pipeline_model_parallel_size > 1 and not getattr(args, "overlap_p2p_comm", False)
     if batched and os.environ.get("RANK", "0") == "0":
-        why = (
-            "--coat-p2p-sync off"
-            if args.coat_p2p_sync == "off"
-            else "--coat-fp8's default; --coat-p2p-sync on keeps it"
-        )
+        why = "--coat-p2p-sync off" if asked == "off" else "--coat-fp8's default; --coat-p2p-sync on keeps it"
         print(f"coat-megatron-run: no device synchronization after each pipeline exchange ({why})", flush=True)
 
 

@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
-from test_readme_figures import RESULTS, check_index
+from test_readme_figures import check_index
 
 from coat_compare import protocol as P
 

@@ -1,11 +1,15 @@
 """Per-layer CUDA graphs under pipeline parallelism (``--cuda-graphs local`` with ``--pp``): the
 implementation coat-compare picks, as ``coat-megatron-run --coat-fp8`` does (TE's where TE is
 installed, else eager with the reason), and how its train loop drives TE's graphs; on a CPU, with
-TransformerEngine absent and with a stub of it. The GPU check is docs/compare.md's."""
+TransformerEngine absent and with a stub of it. The GPU check is docs/compare.md's; the check that
+``pretrain()``'s graphed PP 2 + VPP 2 run trained like its eager self applies ``coat_compare.layouts``' rule
+to the committed rows."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
+from test_readme_figures import RESULTS, check_index
 
 import coat_megatron.optional
 from coat_compare import build, layouts, train
@@ -152,3 +156,26 @@ def test_layouts_holds_a_graphed_layout_to_its_eager_self(monkeypatch):
     assert graphed["bf16_drift"] == pytest.approx(0.01)  # BF16's own: graphed against eager
     with pytest.raises(SystemExit):  # one layout in one configuration compares nothing
         cli.parse_args(["layouts", "pp2", "--cuda-graphs", "local"])
+
+
+def test_the_graphed_pipeline_with_virtual_stages_trains_like_eager_by_the_layout_rule():
+    """pretrain() at PP 2 + VPP 2 (pretrain-pipeline-4gpu's rows): --coat-fp8's TE-based graphs against eager
+    COAT, each logged loss, judged by coat_compare.layouts with BF16's own graphed-against-eager difference;
+    docs/results.md quotes the judgement."""
+    with open(RESULTS / "pretrain-pipeline-4gpu" / "rows.jsonl") as f:
+        found = {(r["layout"], r["mode"]): r["losses"] for r in map(json.loads, f)}
+
+    def series(mode):
+        losses = found["pp2vp2", mode]
+        return [losses[i] for i in sorted(losses, key=int)]
+
+    bf16_drift = layouts.largest_difference(series("bf16-graphs"), series("bf16"))
+    got = layouts.judge(series("coat"), series("coat-auto"), bf16_drift)
+    assert got["agrees"], got
+    check_index(
+        "pretrain-pipeline-4gpu: per-layer graphs under PP",
+        [
+            f"at PP 2 + VPP 2 within {got['drift']:.4f} (BF16's graphs against eager: {bf16_drift:.4f}; "
+            f"the layout rule's bound {got['drift_bound']:.2f})"
+        ],
+    )
